@@ -1,0 +1,82 @@
+"""Where each stage's artifact lives and what its records hold.
+
+Stages never guess paths from the file system: the asset layer builds an
+`ArtifactLayout` from the profile and hands each engine function the explicit
+upstream paths it needs. Record shapes here are the versioned contract between
+stages; bump `FORMAT_VERSION` when one changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypedDict
+
+FORMAT_VERSION = 1
+
+
+class TokenizedRecord(TypedDict, total=False):
+    """One line of tokenized_data.jsonl and merged_train.jsonl."""
+
+    id: str  # unique across datasets: "{dataset}/{conversation_id}" (+ "/{turn}" when split)
+    dataset: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the target generated the token, else 0; same length as input_ids
+    source: str  # provenance: where the text came from (e.g. "regenerated:local", "sharegpt", "pretokenized")
+    truncated: bool  # set by merged_train when the record was cut to max_seq_len
+
+
+@dataclass(frozen=True)
+class ArtifactLayout:
+    """Paths of every artifact under one profile's run root (and the hidden-states root)."""
+
+    run_root: Path
+    hidden_root: Path
+
+    @property
+    def target_dir(self) -> Path:
+        return self.run_root / "target"
+
+    def raw_responses(self, dataset: str) -> Path:
+        return self.run_root / "raw_responses" / f"{dataset}.jsonl"
+
+    def tokenized_dir(self, dataset: str) -> Path:
+        return self.run_root / "tokenized" / dataset
+
+    def tokenized(self, dataset: str) -> Path:
+        return self.tokenized_dir(dataset) / "tokenized_data.jsonl"
+
+    def quarantine(self, dataset: str) -> Path:
+        return self.tokenized_dir(dataset) / "quarantine.jsonl"
+
+    @property
+    def merged_train(self) -> Path:
+        return self.run_root / "merged" / "merged_train.jsonl"
+
+    @property
+    def vocab_mapping(self) -> Path:
+        return self.run_root / "vocab" / "vocab_mapping.safetensors"
+
+    def hidden_version_dir(self, version: str) -> Path:
+        return self.hidden_root / version
+
+    @property
+    def drafter_dir(self) -> Path:
+        return self.run_root / "drafter"
+
+    @property
+    def drafter_export(self) -> Path:
+        return self.drafter_dir / "export"
+
+    @property
+    def bench_dir(self) -> Path:
+        return self.run_root / "bench"
+
+    @classmethod
+    def from_profile(cls, profile) -> "ArtifactLayout":
+        hidden = Path(profile.hidden.root)
+        if not hidden.is_absolute():
+            from eagle3_dagster.config import PROJECT_ROOT
+
+            hidden = PROJECT_ROOT / hidden
+        return cls(run_root=profile.path(), hidden_root=hidden)
