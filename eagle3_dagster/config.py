@@ -147,6 +147,9 @@ class HiddenConfig(_Strict):
     throughput_tokens_per_s: float = Field(2000.0, gt=0, description="for the plan's time estimate")
     tp_size: int = 1
     sglang_port: int = 30000
+    backfill_batch: int = Field(4, ge=1, description="shard partitions the backfill schedule requests per tick")
+    backfill_cron: str = Field("*/10 * * * *", description="when the backfill schedule looks for missing shards")
+    max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
 
 
 class DrafterConfig(_Strict):

@@ -1,0 +1,85 @@
+"""`drafter_checkpoint` and `benchmark_report`: the drafter and the number users care about.
+
+Training runs as `torchrun` under Dagster Pipes through the GPU-host resource
+(locally in the demo), in its own process group, so per-step metrics stream into
+the run and a cancelled run leaves no worker behind; a retry resumes from the
+last checkpoint. The report compares itself with the previous materialization.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets._common import CODE_VERSION, GPU_POOL, layout, materialize_result, progress_logger, report_metadata, tag_run
+from eagle3_dagster.config import Profile
+
+GROUP = "drafter"
+EXPORT_CHECK = "export_matches_sglang"
+
+
+def build(profile: Profile) -> list:
+    @dg.asset(
+        name="drafter_checkpoint",
+        group_name=GROUP,
+        deps=["hidden_states", "vocab_mapping", "target_model"],
+        code_version=CODE_VERSION,
+        pool=GPU_POOL,
+        kinds={"pytorch"},
+        required_resource_keys={"gpu_host"},
+        check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint",
+                                       description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
+                                       "with its shape, and nothing else")],
+        description="EAGLE-3 drafter trained with torchrun (DDP) on the hidden-state shards, exported in the "
+        "layout SGLang and vLLM load.",
+        tags={"eagle3/config": profile.fingerprint("train")},
+        retry_policy=dg.RetryPolicy(max_retries=1),
+    )
+    def drafter_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.train import finish_training, prepare_training
+
+        tag_run(context, profile)
+        plan = prepare_training(profile, layout(profile), retry_number=context.retry_number)
+        context.log.info(f"launching: {' '.join(plan.command)}")
+        invocation = context.resources.gpu_host.run_pipes(
+            context=context, command=plan.command, env=plan.env, cwd=plan.cwd
+        )
+        child_meta = {}
+        for result in invocation.get_results():
+            if isinstance(result, dg.MaterializeResult):
+                child_meta.update(result.metadata or {})
+        report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
+        meta = {**child_meta, **report_metadata(report)}
+        check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
+        return dg.MaterializeResult(metadata=meta, check_results=[check])
+
+    @dg.asset(
+        name="benchmark_report",
+        group_name=GROUP,
+        deps=["drafter_checkpoint", "target_model"],
+        code_version=CODE_VERSION,
+        pool=GPU_POOL,
+        kinds={"markdown"},
+        required_resource_keys={"gpu_host"},
+        description="Acceptance length and speed per prompt set and speculative configuration, against no "
+        "speculation, the n-gram drafter and the untrained drafter; compared with the previous report.",
+    )
+    def benchmark_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.bench import benchmark_stage
+
+        tag_run(context, profile)
+        previous = _previous_results_path(context)
+        report = benchmark_stage(
+            profile, layout(profile), previous_results=previous, run_id=context.run_id,
+            gpu_host=context.resources.gpu_host, progress=progress_logger(context),
+        )
+        return materialize_result(report)
+
+    return [drafter_checkpoint, benchmark_report]
+
+
+def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("benchmark_report"))
+    if event is None or event.asset_materialization is None:
+        return None
+    value = event.asset_materialization.metadata.get("results_json")
+    return getattr(value, "value", None) or getattr(value, "path", None)

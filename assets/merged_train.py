@@ -1,0 +1,51 @@
+"""`merged_train` and `vocab_mapping`: the training corpus and the draft vocabulary.
+
+merged_train streams every tokenized partition (minus the drop list) through a
+bounded-memory truncate-and-shuffle; the hidden-state shard partitions are
+registered from its metadata by a sensor.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from eagle3_dagster.config import Profile
+
+GROUP = "data"
+
+
+def build(profile: Profile) -> list:
+    @dg.asset(
+        name="merged_train",
+        group_name=GROUP,
+        deps=["tokenized_dataset"],
+        code_version=CODE_VERSION,
+        kinds={"json"},
+        description="merged_train.jsonl: chosen datasets merged, truncated to max_seq_len with loss masks "
+        "recomputed, shuffled with the configured seed (same inputs and seed, same bytes).",
+        tags={"eagle3/config": profile.fingerprint("data")},
+    )
+    def merged_train(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.data import merge_partitions
+
+        tag_run(context, profile)
+        return materialize_result(merge_partitions(profile, layout(profile), progress=progress_logger(context)))
+
+    @dg.asset(
+        name="vocab_mapping",
+        group_name=GROUP,
+        deps=["merged_train", "target_model"],
+        code_version=CODE_VERSION,
+        kinds={"pytorch"},
+        description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), "
+        "safetensors.",
+        tags={"eagle3/config": profile.fingerprint("data")},
+    )
+    def vocab_mapping(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.data import build_vocab
+
+        tag_run(context, profile)
+        return materialize_result(build_vocab(profile, layout(profile)))
+
+    return [merged_train, vocab_mapping]

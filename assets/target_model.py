@@ -1,0 +1,65 @@
+"""`target_model`: the verifier every other stage is measured against.
+
+Demo/micro: a materialized asset that builds the tiny DeepSeek-V3 target.
+Production: an observed external asset; its data version is the identity of the
+model directory on the GPU host (config.json + weight index), so swapping the
+checkpoint marks every downstream asset stale.
+"""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+
+from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from eagle3_dagster.config import Profile
+
+GROUP = "target"
+
+
+def build(profile: Profile) -> list:
+    if profile.target.kind == "tiny":
+        return [_tiny_target_asset(profile)]
+    return [_external_target_asset(profile)]
+
+
+def _tiny_target_asset(profile: Profile):
+    @dg.asset(
+        name="target_model",
+        group_name=GROUP,
+        code_version=CODE_VERSION,
+        kinds={"pytorch"},
+        description="The tiny DeepSeek-V3 target (MLA, MoE, first layer dense) pre-trained on ShareGPT, "
+        "with a byte-level BPE carrying Kimi's special tokens and chat template.",
+        tags={"eagle3/config": profile.fingerprint("target")},
+    )
+    def target_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.target import build_target
+
+        tag_run(context, profile)
+        return materialize_result(build_target(profile, layout(profile), progress=progress_logger(context)))
+
+    return target_model
+
+
+def _external_target_asset(profile: Profile):
+    @dg.observable_source_asset(
+        name="target_model",
+        group_name=GROUP,
+        description=f"The target model directory on the GPU host: {profile.target.path}. "
+        "Observed, never built: its data version is the hash of config.json + the weight index.",
+        required_resource_keys={"gpu_host"},
+    )
+    def target_model(context) -> dg.ObserveResult:
+        host = context.resources.gpu_host
+        out = host.check_output(
+            [host.python, "-m", "eagle3_dagster.target", "--json", str(profile.target.path)], timeout_s=120
+        )
+        info = json.loads(out)
+        return dg.ObserveResult(
+            data_version=dg.DataVersion(info["identity"]),
+            metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+        )
+
+    return target_model

@@ -1,0 +1,38 @@
+"""`tokenized_dataset[dataset]`: exact token ids and assistant-only loss masks.
+
+Rendered with the target's own tokenizer and chat template; bad records are
+quarantined beside the output and counted, and the partition fails when their
+share passes `data.bad_fraction_threshold`.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from assets.partitions import dataset_partitions
+from eagle3_dagster.config import Profile
+
+GROUP = "data"
+
+
+def build(profile: Profile) -> list:
+    @dg.asset(
+        name="tokenized_dataset",
+        group_name=GROUP,
+        partitions_def=dataset_partitions(profile),
+        deps=["raw_responses", "target_model"],
+        code_version=CODE_VERSION,
+        kinds={"json"},
+        description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
+        "rendered with the target's chat template; quarantine.jsonl beside it.",
+        tags={"eagle3/config": profile.fingerprint("data")},
+    )
+    def tokenized_dataset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        from eagle3_dagster.stages.data import tokenize_partition
+
+        tag_run(context, profile)
+        report = tokenize_partition(profile, context.partition_key, layout(profile), progress=progress_logger(context))
+        return materialize_result(report)
+
+    return [tokenized_dataset]

@@ -1,0 +1,41 @@
+"""The one Definitions object of the eagle3_dagster code location.
+
+The profile is chosen by EAGLE3_PROFILE (default: demo) when Dagster loads this
+file; `build_definitions` takes a profile explicitly so tests build the graph
+for the micro profile without touching the environment.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, target_model
+from assets import tokenized_dataset
+from eagle3_dagster.config import Profile, load_profile
+from resources.chat_api import ChatApiResource
+from resources.gpu_host import GpuHostResource
+
+STAGES = [target_model, raw_responses, tokenized_dataset, merged_train, hidden_states, drafter_checkpoint]
+
+
+def build_definitions(profile: Profile) -> dg.Definitions:
+    defs: list = []
+    for stage in STAGES:
+        defs.extend(stage.build(profile))
+    assets = [d for d in defs if not isinstance(d, dg.JobDefinition)]
+    op_jobs = [d for d in defs if isinstance(d, dg.JobDefinition)]
+    jobs = automation.build_jobs(profile)
+    api_key = dg.EnvVar(profile.generation.api_key_env) if profile.generation.backend == "openai" else None
+    return dg.Definitions(
+        assets=assets,
+        jobs=[*jobs.values(), *op_jobs],
+        schedules=[automation.build_schedule(profile, jobs["extract_job"])],
+        sensors=[automation.build_sensor(profile)],
+        resources={
+            "chat_api": ChatApiResource(api_key=api_key),
+            "gpu_host": GpuHostResource.from_profile(profile),
+        },
+    )
+
+
+defs = build_definitions(load_profile())

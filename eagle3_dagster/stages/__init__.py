@@ -1,0 +1,27 @@
+"""Stage entry points: one function per asset, taking the validated profile and explicit paths.
+
+These are the seam between orchestration and the engine. Each picks the engine
+pieces a profile asks for (which backend, which source), runs them and returns a
+`StageReport` the asset layer turns into Dagster metadata. They never import
+Dagster, so the same stages run from the `eagle3` command line and in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class StageReport:
+    metadata: dict[str, Any] = field(default_factory=dict)  # plain values, dicts/lists (json), Paths
+    images: dict[str, Path] = field(default_factory=dict)  # PNG files shown in the UI
+    markdown: dict[str, str] = field(default_factory=dict)
+    data_version: str | None = None
+
+
+def no_progress(_: str) -> None:
+    pass

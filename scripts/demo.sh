@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole pipeline on the embedded demo profile, through a real Dagster instance
+# in ./dagster_home: afterwards `scripts/ui.sh` shows every materialization.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export DAGSTER_HOME="$PWD/dagster_home"
+export EAGLE3_PROFILE="${EAGLE3_PROFILE:-demo}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python scripts/run_pipeline.py "$@"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything the tests need, then the tests. Debian packages (chromium for the UI
+# test, openssh-server for the SSH transport test) are installed when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+[ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v shuf >/dev/null || need+=(coreutils)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+scripts/setup.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest -ra "$@"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The Dagster UI (webserver + daemon, so the schedule, sensor and run queue work)
+# on http://127.0.0.1:3000 for the profile in EAGLE3_PROFILE (default demo).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/dagster ] || scripts/setup.sh
+export DAGSTER_HOME="$PWD/dagster_home"
+export EAGLE3_PROFILE="${EAGLE3_PROFILE:-demo}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PORT:-3000}"
