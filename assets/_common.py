@@ -5,7 +5,6 @@ turn its report into Dagster metadata. The helpers here are the glue that would
 otherwise be repeated in each module.
 """
 
-from __future__ import annotations
 
 import base64
 import time

@@ -7,7 +7,6 @@ failed) and not already queued or running, a bounded batch per tick, so a host
 that died is simply picked up at the next tick.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 
@@ -28,7 +27,7 @@ def shard_keys(num_shards: int) -> list[str]:
     return [SHARD_KEY_FORMAT.format(i) for i in range(num_shards)]
 
 
-def build_jobs(profile: Profile) -> dict[str, dg.UnresolvedAssetJobDefinition]:
+def build_jobs(profile: Profile) -> dict:
     tags = {PROFILE_TAG: profile.profile}
     gpu_tags = tags | {"dagster/max_runtime": str(profile.hidden.max_runtime_s)}
     jobs = {

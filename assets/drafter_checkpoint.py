@@ -6,7 +6,6 @@ the run and a cancelled run leaves no worker behind; a retry resumes from the
 last checkpoint. The report compares itself with the previous materialization.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 
@@ -70,7 +69,7 @@ def build(profile: Profile) -> list:
         previous = _previous_results_path(context)
         report = benchmark_stage(
             profile, layout(profile), previous_results=previous, run_id=context.run_id,
-            gpu_host=context.resources.gpu_host, progress=progress_logger(context),
+            gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context),
         )
         return materialize_result(report)
 

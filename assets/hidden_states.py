@@ -7,7 +7,6 @@ keeps feeding; the engine's manifest makes a retried run resume, and a check
 compares the bytes written with the plan's prediction.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 
@@ -75,7 +74,7 @@ def build(profile: Profile) -> list:
         _require_plan_fits(context)
         keys = list(context.partition_keys)
         report, checks = extract_stage(
-            profile, layout(profile), keys, gpu_host=context.resources.gpu_host, progress=progress_logger(context)
+            profile, layout(profile), keys, gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context)
         )
         results = [
             dg.AssetCheckResult(check_name=name, passed=passed, metadata={"detail": detail})

@@ -5,7 +5,6 @@ bounded-memory truncate-and-shuffle; the hidden-state shard partitions are
 registered from its metadata by a sensor.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 

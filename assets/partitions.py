@@ -1,6 +1,5 @@
 """Partition definitions shared by assets, jobs, schedules and sensors."""
 
-from __future__ import annotations
 
 import dagster as dg
 

@@ -5,7 +5,6 @@ run is resumed by materializing the partition again: paid requests are never
 repeated.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 

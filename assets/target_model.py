@@ -6,7 +6,6 @@ model directory on the GPU host (config.json + weight index), so swapping the
 checkpoint marks every downstream asset stale.
 """
 
-from __future__ import annotations
 
 import json
 

@@ -5,7 +5,6 @@ quarantined beside the output and counted, and the partition fails when their
 share passes `data.bad_fraction_threshold`.
 """
 
-from __future__ import annotations
 
 import dagster as dg
 

@@ -103,6 +103,13 @@ class GenerationConfig(_Strict):
     timeout_s: float = 120.0
     budget_usd: float | None = Field(None, description="stop cleanly once this much has been spent")
     reasoning: bool = Field(True, description="ask for and keep reasoning_content")
+    reasoning_style: Literal["openrouter", "chat_template"] = Field(
+        "openrouter", description="openrouter: `reasoning` request field; chat_template: SGLang/vLLM thinking kwarg"
+    )
+    resend_interrupted: bool = Field(
+        False, description="re-send requests that were in flight when a run died (they may be paid twice)"
+    )
+    extra_body: dict = Field(default_factory=dict, description="merged into each request, e.g. provider pinning")
 
     @model_validator(mode="after")
     def _url_for_openai(self) -> "GenerationConfig":
@@ -147,6 +154,7 @@ class HiddenConfig(_Strict):
     throughput_tokens_per_s: float = Field(2000.0, gt=0, description="for the plan's time estimate")
     tp_size: int = 1
     sglang_port: int = 30000
+    sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
     backfill_batch: int = Field(4, ge=1, description="shard partitions the backfill schedule requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the backfill schedule looks for missing shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
@@ -182,6 +190,12 @@ class BenchConfig(_Strict):
     num_prompts: int = 20
     max_new_tokens: int = 64
     sets: list[str] = Field(default_factory=lambda: ["heldout_sharegpt"])
+    set_paths: dict[str, str] = Field(
+        default_factory=dict, description="local jsonl/parquet per prompt set (tool_use has no hub copy)"
+    )
+    max_prompt_tokens: int | None = Field(None, description="prompts longer than this are left out")
+    concurrency: int = Field(8, ge=1, description="served benchmark: requests in flight")
+    ngram_max: int = Field(3, ge=1, description="n-gram baseline: longest n-gram looked up in the context")
 
 
 class Profile(_Strict):

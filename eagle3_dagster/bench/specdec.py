@@ -1,0 +1,269 @@
+"""In-process speculative decoding: greedy chain drafting verified by the target.
+
+Owns the target side (a transformers causal LM with a `DynamicCache` that is
+cropped after every rejection, so a generation costs one forward per verify
+step, not a re-run of the prefix), greedy verification, and the accounting the
+report needs: acceptance length, acceptance per draft position, tokens/s.
+Proposers (what to draft) live in `proposers.py`; prompt sets in `prompts.py`.
+
+Counting follows SGLang: a verify step feeds the last committed token plus up
+to `num_steps` drafts (`num_draft_tokens = num_steps + 1` with topk 1), commits
+the accepted drafts plus the target's own next token (the bonus), and
+acceptance length = tokens committed by verify steps / verify steps. SGLang's
+per-request `completion_tokens / spec_verify_ct` also counts the one token the
+prefill produces, so it reads at most `1 / spec_verify_ct` higher.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from eagle3_dagster.bench.report import attach_speedups, make_row
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """SGLang's (num_steps, topk, num_draft_tokens); only chains (topk 1) are simulated."""
+
+    num_steps: int
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"spec config {self.label}: num_steps must be >= 1")
+        if self.topk != 1:
+            raise ValueError(f"spec config {self.label}: the in-process engine drafts chains only (topk 1)")
+        if self.num_draft_tokens not in (None, self.num_steps + 1):
+            # SGLang forces num_draft_tokens = num_steps + 1 when topk == 1; say so instead of silently differing.
+            raise ValueError(f"spec config {self.label}: with topk 1 num_draft_tokens must be num_steps + 1")
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_steps},{self.topk},{self.num_draft_tokens or self.num_steps + 1}"
+
+    @classmethod
+    def parse(cls, value: Sequence[int] | str) -> "SpecConfig":
+        parts = [int(p) for p in value.split(",")] if isinstance(value, str) else [int(p) for p in value]
+        return cls(*parts)
+
+
+class Proposer(Protocol):
+    """Drafts up to k tokens continuing `tokens` (every committed token: prompt + generated so far).
+
+    `new_aux_1T3H` holds the target's aux hidden states (the `aux_layers`, concatenated) for the
+    positions verified since the previous call, i.e. positions `len(tokens)-1-T .. len(tokens)-2`;
+    it is None when `aux_layers` is empty.
+    """
+
+    name: str
+    aux_layers: tuple[int, ...]
+
+    def reset(self) -> None: ...
+
+    def propose(self, tokens: Sequence[int], new_aux_1T3H: torch.Tensor | None, k: int) -> list[int]: ...
+
+
+class TargetRunner:
+    """The target with a KV cache that can be rolled back: the verifier of every method."""
+
+    def __init__(self, model: torch.nn.Module, aux_layers: Sequence[int] = ()) -> None:
+        self.model = model.eval()
+        self.aux_layers = tuple(aux_layers)
+        self.device = next(model.parameters()).device
+        self.cache: DynamicCache | None = None
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    def __len__(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Append `ids` to the cache; the target's greedy next token after each, and their aux states."""
+        if self.cache is None:
+            self.reset()
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids, cache=self.cache, use_cache=True, output_hidden_states=bool(self.aux_layers)
+        )
+        greedy = out.logits[0].argmax(-1).tolist()
+        aux = None
+        if self.aux_layers:
+            # Canonical numbering: hidden_states[i] is the state entering layer i (eagle3_dagster/layers.py).
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1).float()
+        return greedy, aux
+
+    def crop(self, length: int) -> None:
+        """Forget every cached position from `length` on (rejected drafts)."""
+        # transformers 5 takes a negative count of tokens to drop; a positive value is an error there.
+        excess = len(self) - length
+        if excess > 0:
+            self.cache.crop(-excess)
+
+
+@dataclass
+class Generation:
+    """One prompt's generation under one method."""
+
+    prompt_tokens: int
+    output_ids: list[int]
+    wall_s: float
+    verify_ct: int = 0
+    verify_tokens: int = 0  # tokens committed by verify steps (accepted drafts + bonus)
+    accepted_by_position: list[int] = field(default_factory=list)  # verify steps whose draft k was accepted
+    proposed_by_position: list[int] = field(default_factory=list)  # verify steps that proposed draft k
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: Collection[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def generate_greedy(
+    target: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int] = ()
+) -> Generation:
+    """The reference: plain greedy decoding, one cached forward per token."""
+    start = time.perf_counter()
+    target.reset()
+    greedy, _ = target.forward(prompt_ids)
+    out = [greedy[-1]]
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+        greedy, _ = target.forward(out[-1:])
+        out.append(greedy[-1])
+    return Generation(prompt_tokens=len(prompt_ids), output_ids=out, wall_s=time.perf_counter() - start)
+
+
+def generate_speculative(
+    target: TargetRunner,
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    spec: SpecConfig,
+    max_new_tokens: int,
+    eos_ids: Collection[int] = (),
+) -> Generation:
+    """Greedy speculative decoding: the output is the target's own greedy output, token for token."""
+    if tuple(proposer.aux_layers) != target.aux_layers and proposer.aux_layers:
+        raise ValueError(
+            f"proposer {proposer.name} needs aux layers {proposer.aux_layers}, target runner captures "
+            f"{target.aux_layers}"
+        )
+    k_max = spec.num_steps
+    start = time.perf_counter()
+    target.reset()
+    proposer.reset()
+    tokens = list(prompt_ids)
+    greedy, aux = target.forward(tokens)
+    tokens.append(greedy[-1])
+    gen = Generation(
+        prompt_tokens=len(prompt_ids), output_ids=[], wall_s=0.0,
+        accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max,
+    )
+    finished = tokens[-1] in eos_ids
+    while not finished and len(tokens) - len(prompt_ids) < max_new_tokens:
+        remaining = max_new_tokens - (len(tokens) - len(prompt_ids))
+        # Never draft past max_new_tokens: a verify step commits at most drafts + 1 tokens.
+        k = min(k_max, remaining - 1)
+        drafts = proposer.propose(tokens, aux if proposer.aux_layers else None, k)[:k] if k > 0 else []
+        base = len(tokens) - 1  # position of the last committed token, the first one the target has not seen
+        greedy, aux_all = target.forward([tokens[-1], *drafts])
+        num_accepted = 0
+        while num_accepted < len(drafts) and drafts[num_accepted] == greedy[num_accepted]:
+            num_accepted += 1
+        committed = drafts[:num_accepted] + [greedy[num_accepted]]
+        committed, finished = _cut_at_eos(committed, eos_ids)
+        target.crop(base + 1 + num_accepted)
+        aux = aux_all[:, : num_accepted + 1] if aux_all is not None else None
+        tokens.extend(committed)
+        gen.verify_ct += 1
+        gen.verify_tokens += len(committed)
+        for j in range(len(drafts)):
+            gen.proposed_by_position[j] += 1
+        for j in range(min(num_accepted, len(committed))):
+            gen.accepted_by_position[j] += 1
+    gen.output_ids = tokens[len(prompt_ids):]
+    gen.wall_s = time.perf_counter() - start
+    return gen
+
+
+class OutputMismatchError(AssertionError):
+    """Speculative output differs from the target's greedy output: a bug, never a tuning matter."""
+
+
+def check_identical(method: str, prompt_id: str, reference: Sequence[int], got: Sequence[int]) -> None:
+    if list(reference) == list(got):
+        return
+    pos = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), min(len(reference), len(got)))
+    raise OutputMismatchError(
+        f"{method} on prompt {prompt_id!r}: output differs from the target's greedy decoding at generated token "
+        f"{pos} (greedy {list(reference[pos:pos + 4])}, speculative {list(got[pos:pos + 4])}; lengths "
+        f"{len(reference)} vs {len(got)})"
+    )
+
+
+def summarize(set_name: str, method: str, spec: SpecConfig | None, gens: Sequence[Generation]) -> dict:
+    """One result row (the shape `report.make_row` defines) from a set's generations."""
+    k = spec.num_steps if spec else 0
+    return make_row(
+        set_name, method, spec.label if spec else None,
+        num_prompts=len(gens),
+        prompt_tokens=sum(g.prompt_tokens for g in gens),
+        completion_tokens=sum(len(g.output_ids) for g in gens),
+        wall_s=sum(g.wall_s for g in gens),
+        verify_ct=sum(g.verify_ct for g in gens),
+        verify_tokens=sum(g.verify_tokens for g in gens),
+        accepted_by_position=[sum(g.accepted_by_position[j] for g in gens) for j in range(k)],
+    )
+
+
+def run_inprocess_benchmark(
+    model: torch.nn.Module,
+    prompt_sets: Mapping[str, Sequence[tuple[str, Sequence[int]]]],
+    proposers: Mapping[str, Proposer],
+    spec_configs: Sequence[SpecConfig],
+    max_new_tokens: int,
+    eos_ids: Collection[int] = (),
+    check: bool = True,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> list[dict]:
+    """Every set under no speculation and every (proposer, spec config); rows carry speed-ups.
+
+    `prompt_sets` maps a set name to (prompt id, chat-templated token ids). With `check`, each
+    speculative output is asserted identical to the no-speculation output of the same prompt.
+    """
+    runners: dict[tuple[int, ...], TargetRunner] = {}
+
+    def runner(aux: tuple[int, ...]) -> TargetRunner:
+        return runners.setdefault(aux, TargetRunner(model, aux))
+
+    # A first forward pays one-off allocation and kernel selection; keep it out of every timing.
+    first = next((p for prompts in prompt_sets.values() for _, p in prompts), None)
+    if first is not None:
+        generate_greedy(runner(()), first, 2, eos_ids)
+    rows: list[dict] = []
+    for set_name, prompts in prompt_sets.items():
+        reference = [generate_greedy(runner(()), ids, max_new_tokens, eos_ids) for _, ids in prompts]
+        rows.append(summarize(set_name, "no_spec", None, reference))
+        log(f"{set_name}: no_spec {rows[-1]['tokens_per_s']:.1f} tok/s over {len(prompts)} prompts")
+        for method, proposer in proposers.items():
+            target = runner(tuple(proposer.aux_layers))
+            for spec in spec_configs:
+                gens = []
+                for (prompt_id, ids), ref in zip(prompts, reference):
+                    gen = generate_speculative(target, proposer, ids, spec, max_new_tokens, eos_ids)
+                    if check:
+                        check_identical(f"{method} {spec.label}", f"{set_name}/{prompt_id}", ref.output_ids,
+                                        gen.output_ids)
+                    gens.append(gen)
+                rows.append(summarize(set_name, method, spec, gens))
+                log(f"{set_name}: {method} {spec.label} acceptance length {rows[-1]['acceptance_length']:.3f}")
+    return attach_speedups(rows)

@@ -1,0 +1,204 @@
+"""The drafter export SGLang and vLLM serve, and the key-by-key check of it.
+
+Owns `config.json` + `model.safetensors` in the `LlamaForCausalLMEagle3`
+layout. SGLang ≤ 0.5.11 skips names it does not know and never reports missing
+weights (a `layers.0.*` export starts fine and drafts garbage), so
+`check_export` compares names and shapes with what SGLang's loader defines,
+derived from config.json the way SGLang derives them.
+
+Aux layer ids are written three ways: `eagle_config.eagle_aux_hidden_state_layer_ids`
+in SGLang's output numbering, a top-level `eagle_aux_hidden_state_layer_ids` in
+vLLM's (= canonical) numbering, and `eagle3_dagster_aux_layers_canonical`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_safetensors
+
+from eagle3_dagster import layers
+from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_dagster.io import atomic_write_bytes, atomic_write_json
+
+WEIGHTS_FILE = "model.safetensors"
+
+# The names SGLang's LlamaForCausalLMEagle3 / LlamaModel (num_hidden_layers = 1) load, read from
+# sgl-project/sglang python/sglang/srt/models/llama_eagle3.py @ 03d5a777: `fc` (Linear 3·target_hidden_size
+# → hidden_size, target_hidden_size defaulting to hidden_size), `midlayer` (LlamaDecoderLayer whose
+# QKVParallelLinear takes 2·hidden_size; q/k/v and gate/up are stacked by load_weights), `norm`,
+# `lm_head` (ParallelLMHead draft_vocab_size × hidden_size), `d2t` (→ hot_token_id) and `t2d` (skipped).
+# Each shape is (rows, cols) as a function of the config fields below.
+SGLANG_EAGLE3_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "fc.weight": ("hidden_size", "3*target_hidden_size"),
+    "midlayer.self_attn.q_proj.weight": ("num_attention_heads*head_dim", "2*hidden_size"),
+    "midlayer.self_attn.k_proj.weight": ("num_key_value_heads*head_dim", "2*hidden_size"),
+    "midlayer.self_attn.v_proj.weight": ("num_key_value_heads*head_dim", "2*hidden_size"),
+    "midlayer.self_attn.o_proj.weight": ("hidden_size", "num_attention_heads*head_dim"),
+    "midlayer.mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "midlayer.mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "midlayer.mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "midlayer.input_layernorm.weight": ("hidden_size",),
+    "midlayer.hidden_norm.weight": ("hidden_size",),
+    "midlayer.post_attention_layernorm.weight": ("hidden_size",),
+    "norm.weight": ("hidden_size",),
+    "lm_head.weight": ("draft_vocab_size", "hidden_size"),
+    "d2t": ("draft_vocab_size",),
+    "t2d": ("vocab_size",),
+}
+
+
+def _sglang_dims(cfg: dict) -> dict[str, int]:
+    """The sizes SGLang derives from config.json (LlamaAttention's head_dim default, target_hidden_size default)."""
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    dims = {
+        "hidden_size": h,
+        "target_hidden_size": int(cfg.get("target_hidden_size") or h),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": head_dim,
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "vocab_size": int(cfg["vocab_size"]),
+        "draft_vocab_size": int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+    }
+    return dims
+
+
+def _eval_dim(expr: str, dims: dict[str, int]) -> int:
+    value = 1
+    for factor in expr.split("*"):
+        value *= int(factor) if factor.isdigit() else dims[factor]
+    return value
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    dims = _sglang_dims(config)
+    return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in SGLANG_EAGLE3_WEIGHTS.items()}
+
+
+def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, extra: dict | None = None) -> dict:
+    canonical = list(cfg.aux_layers)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        # engines clamp RoPE at this length: it must cover the target's serving context (sglang #6783)
+        "max_position_embeddings": max(serving_context, cfg.max_position_embeddings),
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": layers.canonical_to_sglang(canonical),
+            "use_aux_hidden_state": True,
+        },
+        "eagle_aux_hidden_state_layer_ids": layers.canonical_to_vllm(canonical),
+        "eagle3_dagster_aux_layers_canonical": canonical,
+        "eagle3_dagster_aux_numbering": layers.CANONICAL_NUMBERING,
+        **(extra or {}),
+    }
+
+
+def export_drafter(
+    model: Eagle3Drafter,
+    out_dir: Path,
+    serving_context: int,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_config: dict | None = None,
+) -> Path:
+    """Write config.json + model.safetensors (atomically, weights first) and check the result."""
+    if not model.cfg.aux_layers:
+        raise ValueError("export_drafter: the drafter config has no aux_layers; SGLang would capture the wrong layers")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for k, v in model.trainable_state_dict().items():
+        v = v.detach().cpu()
+        state[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
+    atomic_write_bytes(out_dir / WEIGHTS_FILE, save_safetensors(state, metadata={"format": "pt"}))
+    cfg = export_config(model.cfg, serving_context, dtype, extra_config)
+    atomic_write_json(out_dir / "config.json", cfg)
+    check_export(out_dir).raise_for_errors()
+    return out_dir
+
+
+@dataclass
+class ExportCheck:
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    misshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # name → (got, want)
+    config_errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.misshaped or self.config_errors)
+
+    def raise_for_errors(self) -> None:
+        if not self.ok:
+            raise ValueError(f"drafter export does not match SGLang's LlamaForCausalLMEagle3: {self}")
+
+
+def check_export(export_dir: Path) -> ExportCheck:
+    """Compare the export's names, shapes and key config fields with what SGLang loads."""
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    result = ExportCheck()
+    for key, want in (("architectures", ["LlamaForCausalLMEagle3"]), ("num_hidden_layers", 1),
+                      ("tie_word_embeddings", False)):
+        if cfg.get(key) != want:
+            result.config_errors.append(f"config.json {key}={cfg.get(key)!r}, SGLang needs {want!r}")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
+    if canonical is not None and ids != layers.canonical_to_sglang(canonical):
+        result.config_errors.append(f"eagle_config layer ids {ids} are not canonical {canonical} in SGLang numbering")
+    want = expected_shapes(cfg)
+    with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as h:
+        got = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+    result.missing = sorted(set(want) - set(got))
+    result.unexpected = sorted(set(got) - set(want))
+    result.misshaped = {k: (got[k], want[k]) for k in sorted(set(got) & set(want)) if got[k] != want[k]}
+    return result
+
+
+def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The DrafterConfig and state dict of a checked export (fp32 floating tensors)."""
+    check_export(export_dir).raise_for_errors()
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    dims = _sglang_dims(cfg)
+    canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
+    if canonical is None:
+        canonical = layers.sglang_to_canonical(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    dcfg = DrafterConfig(
+        target_hidden_size=dims["target_hidden_size"],
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        vocab_size=dims["vocab_size"],
+        draft_vocab_size=dims["draft_vocab_size"],
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        aux_layers=tuple(canonical),
+    )
+    with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as h:
+        state = {k: h.get_tensor(k) for k in h.keys()}
+    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+    return dcfg, state

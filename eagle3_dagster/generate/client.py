@@ -1,0 +1,228 @@
+"""One chat interface for every backend, and its OpenAI-compatible HTTP implementation.
+
+Owns: the `ChatBackend` protocol (messages in, one `ChatResult` out), the request
+shape sent to OpenRouter / SGLang / vLLM `/v1/chat/completions`, parsing their
+responses (reasoning, tool calls, usage, cost, provider), and retries with
+backoff. What to ask and what to record is `regenerate.py`'s job.
+
+Retry policy: 429 (honouring `Retry-After`), 5xx, timeouts, connection errors and
+malformed bodies are retried with exponential jitter; other 4xx are not (they
+will fail the same way again). Every failed attempt is counted by kind on the
+result or on the final `ChatRequestError`.
+
+The API key is a constructor value. It is only ever placed in the Authorization
+header: never in reprs, log lines, exception text or results (messages built
+from a server's reply are scrubbed of it, in case a server echoes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+log = logging.getLogger(__name__)
+
+_RETRY_AFTER_CAP_S = 600.0  # a server asking for longer than this is treated as down
+RETRYABLE_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connection", "malformed"})
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """One assistant turn as the target produced it."""
+
+    reasoning: str
+    content: str
+    tool_calls: list[dict]  # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments": str}}
+    finish_reason: str | None
+    usage: dict  # prompt_tokens, completion_tokens, reasoning_tokens (when reported)
+    cost: float  # USD; 0.0 when the backend does not report it
+    provider: str | None
+    model: str | None
+    attempt_failures: dict[str, int] = field(default_factory=dict)
+
+    def assistant_message(self) -> dict:
+        """The turn as history for the next request (the template decides what of it to render)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+class ChatRequestError(Exception):
+    """A request that failed for good; `kind` is the failure class, `attempt_failures` every failed try."""
+
+    def __init__(self, kind: str, message: str, attempt_failures: dict[str, int] | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.attempt_failures = dict(attempt_failures or {})
+        self.retry_after_s = retry_after_s
+
+
+class ChatBackend(Protocol):
+    """What the regenerator needs from a backend; `paid` says whether a lost answer cost money."""
+
+    paid: bool
+
+    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
+                       temperature: float, reasoning: bool) -> ChatResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+def parse_chat_response(body: Any) -> ChatResult:
+    """Parse an OpenAI/OpenRouter/SGLang/vLLM chat completion; a missing piece is a `malformed` error."""
+    if not isinstance(body, dict):
+        raise ChatRequestError("malformed", "response body is not a JSON object")
+    if body.get("error") and not body.get("choices"):
+        err = body["error"]
+        raise ChatRequestError("server_error", f"error in body: {str(err.get('message', err) if isinstance(err, dict) else err)[:200]}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ChatRequestError("malformed", "response has no choices[0]")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise ChatRequestError("malformed", "choices[0].message is missing")
+    # OpenRouter says `reasoning`; SGLang/vLLM reasoning parsers say `reasoning_content`.
+    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    content = message.get("content") or ""
+    if not isinstance(reasoning, str) or not isinstance(content, str):
+        raise ChatRequestError("malformed", "message.content/reasoning is not a string")
+    tool_calls = []
+    for i, tc in enumerate(message.get("tool_calls") or []):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatRequestError("malformed", f"tool_calls[{i}] has no function.name")
+        args = fn.get("arguments", "")
+        tool_calls.append({
+            "id": tc.get("id") or f"functions.{fn['name']}:{i}",
+            "type": "function",
+            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+        })
+    usage_in = body.get("usage") or {}
+    if not isinstance(usage_in, dict):
+        raise ChatRequestError("malformed", "usage is not an object")
+    usage = {k: usage_in[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens") if k in usage_in}
+    details = usage_in.get("completion_tokens_details") or {}
+    if isinstance(details, dict) and details.get("reasoning_tokens") is not None:
+        usage["reasoning_tokens"] = details["reasoning_tokens"]
+    cost = usage_in.get("cost") or 0.0
+    return ChatResult(
+        reasoning=reasoning, content=content, tool_calls=tool_calls,
+        finish_reason=choice.get("finish_reason"), usage=usage, cost=float(cost),
+        provider=body.get("provider"), model=body.get("model"),
+    )
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # HTTP-date form: fall back to exponential backoff
+
+
+class _BackoffOrRetryAfter:
+    """Exponential jitter, unless the server said how long to wait (429 `Retry-After`)."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._exp = wait_exponential_jitter(initial=initial_s, max=max_s)
+
+    def __call__(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, ChatRequestError) and exc.retry_after_s is not None:
+            return min(exc.retry_after_s, _RETRY_AFTER_CAP_S)
+        return self._exp(state)
+
+
+class OpenAIChatBackend:
+    """OpenRouter, or an SGLang/vLLM server, over `/v1/chat/completions`."""
+
+    paid = True
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, *, timeout_s: float = 120.0,
+                 max_retries: int = 6, backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
+                 extra_body: dict | None = None, reasoning_style: str = "openrouter") -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_retries = max_retries
+        self.extra_body = dict(extra_body or {})
+        self.reasoning_style = reasoning_style  # "openrouter": reasoning={...}; "chat_template": thinking kwarg
+        self._api_key = api_key
+        self._wait = _BackoffOrRetryAfter(backoff_initial_s, backoff_max_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def __repr__(self) -> str:
+        return f"OpenAIChatBackend(base_url={self.base_url!r}, model={self.model!r}, api_key={'***' if self._api_key else None})"
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+    def _payload(self, messages: list[dict], max_tokens: int, temperature: float, reasoning: bool) -> dict:
+        payload: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                                   "temperature": temperature, "usage": {"include": True}}
+        if self.reasoning_style == "openrouter":
+            payload["reasoning"] = {"enabled": reasoning}
+        else:  # SGLang/vLLM: Kimi's template kwarg is `thinking`, not `enable_thinking`
+            payload["chat_template_kwargs"] = {"thinking": reasoning}
+        payload.update(self.extra_body)
+        return payload
+
+    async def _attempt(self, payload: dict, request_id: str) -> ChatResult:
+        try:
+            response = await self._client.post("/chat/completions", json=payload, headers={"X-Request-Id": request_id})
+        except httpx.TimeoutException as e:
+            raise ChatRequestError("timeout", type(e).__name__) from None
+        except httpx.TransportError as e:
+            raise ChatRequestError("connection", self._scrub(f"{type(e).__name__}: {e}")) from None
+        status = response.status_code
+        if status == 429:
+            raise ChatRequestError("rate_limited", "HTTP 429", retry_after_s=_retry_after_s(response))
+        if status >= 500:
+            raise ChatRequestError("server_error", f"HTTP {status}: {self._scrub(response.text[:200])}")
+        if status >= 400:
+            raise ChatRequestError("client_error", f"HTTP {status}: {self._scrub(response.text[:300])}")
+        try:
+            body = response.json()
+        except ValueError:
+            raise ChatRequestError("malformed", f"body is not JSON: {self._scrub(response.text[:80])!r}") from None
+        try:
+            return parse_chat_response(body)
+        except ChatRequestError as e:
+            raise ChatRequestError(e.kind, self._scrub(str(e).split(": ", 1)[-1])) from None
+
+    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
+                       temperature: float, reasoning: bool) -> ChatResult:
+        payload = self._payload(messages, max_tokens, temperature, reasoning)
+        failures: Counter[str] = Counter()
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=self._wait,
+            retry=retry_if_exception(lambda e: isinstance(e, ChatRequestError) and e.kind in RETRYABLE_KINDS),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    try:
+                        result = await self._attempt(payload, request_id)
+                    except ChatRequestError as e:
+                        failures[e.kind] += 1
+                        log.info("request %s attempt %d failed: %s", request_id, attempt.retry_state.attempt_number, e)
+                        raise
+        except ChatRequestError as e:
+            raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures)) from None
+        return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures)})
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,271 @@
+"""Regenerate a dataset's assistant turns with the target itself, turn by turn, resumably.
+
+Owns: walking each conversation (system and user turns kept, every assistant
+turn replaced by the target's answer to the history *with its own earlier
+answers*), the deterministic request ids, bounded concurrency (conversations in
+parallel, turns of one conversation in order), the USD budget, and the stats of
+a `raw_responses` partition. HTTP lives in `client.py`, the log in `store.py`.
+
+Never paying twice: a request id is recorded as `sent` before it leaves and as a
+`turn` when its answer is back. On restart a recorded turn is reused, and a sent
+but unanswered one (the process died while it was in flight) is *not* re-sent
+for a paid backend: its conversation is counted as `interrupted` and left
+incomplete, unless `resend_interrupted` says a repeat is acceptable (the free
+in-process backend always re-sends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+
+from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult
+from eagle3_dagster.generate.store import ResponseStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What shapes an answer (part of the request id) and how the run behaves (not part of it)."""
+
+    model: str
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    reasoning: bool = True
+    max_turns: int = 8
+    concurrency: int = 8
+    budget_usd: float | None = None
+    resend_interrupted: bool = False
+    progress_every_s: float = 5.0
+
+    def identity(self) -> dict:
+        return {"model": self.model, "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "reasoning": self.reasoning}
+
+
+def request_id(dataset: str, conversation_id: str, turn: int, settings: GenerationSettings) -> str:
+    """Same dataset, conversation, turn and generation settings -> same id, in every run."""
+    key = orjson.dumps([dataset, conversation_id, turn, settings.identity()], option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(key).hexdigest()[:32]
+
+
+@dataclass
+class RegenerationStats:
+    dataset: str
+    num_conversations: int = 0
+    num_conversations_complete: int = 0
+    num_conversations_already_complete: int = 0
+    num_conversations_interrupted: int = 0
+    num_conversations_failed: int = 0
+    num_turns: int = 0  # assistant turns recorded for the conversations seen (new + reused)
+    num_requests: int = 0  # requests sent in this run
+    num_successes: int = 0
+    num_turns_reused: int = 0
+    num_turns_skipped: int = 0  # assistant turns with no user turn before them
+    failures_by_kind: dict[str, int] = field(default_factory=dict)  # requests that failed for good
+    attempt_failures_by_kind: dict[str, int] = field(default_factory=dict)  # every failed try, retried or not
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_usd: float = 0.0  # spent in this run
+    recorded_cost_usd: float = 0.0  # spent on this partition by all runs so far
+    stopped_by_budget: bool = False
+    repaired_bytes: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "requests_per_s": round(self.requests_per_s, 3)}
+
+
+class _Run:
+    """State shared by the conversation workers of one `regenerate_dataset` call."""
+
+    def __init__(self, store: ResponseStore, backend: ChatBackend, settings: GenerationSettings, dataset: str) -> None:
+        self.store, self.backend, self.settings, self.dataset = store, backend, settings, dataset
+        self.stats = RegenerationStats(dataset=dataset, recorded_cost_usd=store.recorded_cost_usd,
+                                       repaired_bytes=store.repaired_bytes)
+        self.failures: Counter[str] = Counter()
+        self.attempt_failures: Counter[str] = Counter()
+        self.stop = False
+
+    def budget_left(self) -> bool:
+        budget = self.settings.budget_usd
+        if budget is not None and self.stats.recorded_cost_usd >= budget:
+            if not self.stop:
+                log.warning("%s: budget of $%.4f reached; no new requests", self.dataset, budget)
+            self.stop = self.stats.stopped_by_budget = True
+        return not self.stop
+
+    async def conversation(self, conv: Conversation) -> None:
+        st = self.stats
+        st.num_conversations += 1
+        if self.store.is_complete(conv.id):
+            st.num_conversations_already_complete += 1
+            st.num_conversations_complete += 1
+            return
+        history: list[dict] = []
+        turn_ids: list[str] = []
+        for message in conv.messages:
+            if message["role"] != "assistant":
+                history.append({"role": message["role"], "content": message["content"]})
+                continue
+            if len(turn_ids) >= self.settings.max_turns:
+                break
+            if not history or history[-1]["role"] != "user":
+                st.num_turns_skipped += 1
+                continue
+            rid = request_id(self.dataset, conv.id, len(turn_ids), self.settings)
+            record = await self._turn(rid, conv.id, len(turn_ids), history)
+            if record is None:
+                return
+            history.append(_history_message(record["response"]))
+            turn_ids.append(rid)
+        if turn_ids:
+            self.store.mark_complete(conv.id, turn_ids)
+            st.num_conversations_complete += 1
+
+    async def _turn(self, rid: str, conv_id: str, turn: int, history: list[dict]) -> dict | None:
+        st, store = self.stats, self.store
+        if store.has_turn(rid):
+            st.num_turns += 1
+            st.num_turns_reused += 1
+            return store.get_turn(rid)
+        if store.is_interrupted(rid) and not (self.settings.resend_interrupted or not self.backend.paid):
+            log.warning("%s/%s turn %d was in flight when an earlier run died; not re-sent", self.dataset, conv_id, turn)
+            st.num_conversations_interrupted += 1
+            return None
+        if not self.budget_left():
+            return None
+        store.mark_sent(rid)
+        st.num_requests += 1
+        try:
+            result = await self.backend.complete(
+                list(history), request_id=rid, max_tokens=self.settings.max_new_tokens,
+                temperature=self.settings.temperature, reasoning=self.settings.reasoning)
+        except ChatRequestError as e:
+            store.mark_failed(rid, e.kind)
+            self.failures[e.kind] += 1
+            self.attempt_failures.update(e.attempt_failures)
+            st.num_conversations_failed += 1
+            log.warning("%s/%s turn %d failed: %s", self.dataset, conv_id, turn, e)
+            return None
+        self.attempt_failures.update(result.attempt_failures)
+        record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings)
+        store.add_turn(record)
+        st.num_turns += 1
+        st.num_successes += 1
+        st.prompt_tokens += int(result.usage.get("prompt_tokens", 0))
+        st.completion_tokens += int(result.usage.get("completion_tokens", 0))
+        st.reasoning_tokens += int(result.usage.get("reasoning_tokens", 0))
+        st.cost_usd += result.cost
+        st.recorded_cost_usd += result.cost
+        return record
+
+
+def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[dict],
+                 result: ChatResult, settings: GenerationSettings) -> dict:
+    return {
+        "request_id": rid, "dataset": dataset, "conversation_id": conv_id, "turn": turn,
+        "messages": history,  # exactly the prompt this answer was generated from
+        "response": {"reasoning": result.reasoning, "content": result.content,
+                     "tool_calls": result.tool_calls, "finish_reason": result.finish_reason},
+        "usage": result.usage, "cost_usd": result.cost, "provider": result.provider, "model": result.model,
+        "settings": settings.identity(), "attempt_failures": result.attempt_failures,
+    }
+
+
+def _history_message(response: dict) -> dict:
+    msg: dict = {"role": "assistant", "content": response["content"]}
+    if response.get("reasoning"):
+        msg["reasoning_content"] = response["reasoning"]
+    if response.get("tool_calls"):
+        msg["tool_calls"] = response["tool_calls"]
+    return msg
+
+
+def _format_progress(run: _Run, total: int | None, started: float) -> str:
+    st = run.stats
+    elapsed = time.monotonic() - started
+    done = st.num_conversations_complete + st.num_conversations_failed + st.num_conversations_interrupted
+    rate = st.num_requests / elapsed if elapsed > 0 else 0.0
+    line = f"{run.dataset}: {done}/{total if total is not None else '?'} conversations, " \
+           f"{st.num_requests} requests ({rate:.2f}/s), ${st.cost_usd:.4f}"
+    if total and done:
+        eta = elapsed / done * max(0, total - done)
+        line += f", ETA {eta:.0f}s"
+    return line
+
+
+async def regenerate_dataset(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,
+                             settings: GenerationSettings, *, dataset: str, total: int | None = None,
+                             progress: Callable[[str], None] | None = None) -> RegenerationStats:
+    """Regenerate every conversation into the store at `store_path`, reusing what an earlier run recorded."""
+    if total is None and hasattr(conversations, "__len__"):
+        total = len(conversations)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with ResponseStore(store_path) as store:
+        run = _Run(store, backend, settings, dataset)
+        slots = asyncio.Semaphore(settings.concurrency)
+        tasks: set[asyncio.Task] = set()
+
+        async def worker(conv: Conversation) -> None:
+            try:
+                await run.conversation(conv)
+            finally:
+                slots.release()
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(settings.progress_every_s)
+                progress(_format_progress(run, total, started))
+
+        reporter = asyncio.create_task(report()) if progress else None
+        try:
+            for conv in conversations:  # lazily: the dataset is never held in memory
+                await slots.acquire()
+                if run.stop:
+                    slots.release()
+                    break
+                task = asyncio.create_task(worker(conv))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)  # in-flight requests finish and are recorded, also after a stop
+        finally:
+            if reporter:
+                reporter.cancel()
+        run.stats.failures_by_kind = dict(run.failures)
+        run.stats.attempt_failures_by_kind = dict(run.attempt_failures)
+        run.stats.wall_s = time.monotonic() - started
+        if progress:
+            progress(_format_progress(run, total, started))
+    return run.stats
+
+
+def regenerate_dataset_sync(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,
+                            settings: GenerationSettings, *, dataset: str, total: int | None = None,
+                            progress: Callable[[str], None] | None = None) -> RegenerationStats:
+    """For the asset: runs the loop and closes the backend (an httpx client belongs to one event loop)."""
+
+    async def main() -> RegenerationStats:
+        try:
+            return await regenerate_dataset(conversations, store_path, backend, settings,
+                                            dataset=dataset, total=total, progress=progress)
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(main())

@@ -1,0 +1,312 @@
+"""Run commands on the GPU host (this machine or one reached over SSH) with an explicit interpreter.
+
+Owns: building the shell command for either transport (environment variables go
+on the command line, since ssh forwards none), one-shot commands, long-running
+processes in their own process group with a pid file on the host so they can
+always be stopped (`HostProcess`), preflight (interpreter, SGLang and its patch
+state, GPUs, free disk) and the SGLang server's lifecycle (`sglang_server`).
+It never imports SGLang or Dagster; the resource in resources/gpu_host.py wraps it.
+
+SSH uses the system `ssh` binary with BatchMode (never a password prompt).
+Every long-running command is started as `setsid bash -c 'echo $$ > pidfile;
+exec ...'`, so its pid is its process group on the host, and stopping it is
+`kill -TERM -- -pgid` there, then KILL after a grace period. A server left by a
+worker that died without cleanup is found through the same pid file and stopped
+before the next one starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from eagle3_dagster.sglang import patch as sglang_patch
+
+LogFn = Callable[[str], None]
+
+# Run by the host's interpreter: one JSON line describing what a step will need.
+PROBE = r"""
+import hashlib, importlib.util, json, os, shutil, subprocess, sys
+out = {"python": sys.executable, "python_version": sys.version.split()[0], "sglang_version": None,
+       "sglang_error": None, "deepseek_v2_sha256": None, "gpu_count": 0, "gpu_error": None,
+       "eagle3_dagster": importlib.util.find_spec("eagle3_dagster") is not None}
+try:
+    import sglang
+    from importlib.metadata import version
+    out["sglang_version"] = version("sglang")
+    f = os.path.join(os.path.dirname(sglang.__file__), "srt", "models", "deepseek_v2.py")
+    out["deepseek_v2_sha256"] = hashlib.sha256(open(f, "rb").read()).hexdigest()
+except Exception as e:
+    out["sglang_error"] = f"{type(e).__name__}: {e}"
+try:  # nvidia-smi answers in a second; importing torch takes several
+    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    out["gpu_count"] = sum(1 for line in smi.stdout.splitlines() if line.startswith("GPU "))
+except Exception as e:
+    try:
+        import torch
+        out["gpu_count"] = torch.cuda.device_count()
+    except Exception as e2:
+        out["gpu_error"] = f"no nvidia-smi ({e}) and no torch ({e2})"
+path = os.path.abspath(sys.argv[1])
+while not os.path.exists(path):
+    path = os.path.dirname(path)
+out["disk_path"] = path
+out["free_bytes"] = shutil.disk_usage(path).free
+print(json.dumps(out))
+"""
+
+# Run by the host's interpreter: poll /health_generate until 200 or the timeout (exit 1).
+WAIT_HEALTHY = r"""
+import sys, time, urllib.request
+url, deadline, last = sys.argv[1] + "/health_generate", time.monotonic() + float(sys.argv[2]), ""
+while time.monotonic() < deadline:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            if r.status == 200:
+                sys.exit(0)
+            last = f"HTTP {r.status}"
+    except Exception as e:
+        last = repr(e)
+    time.sleep(1)
+print(last)
+sys.exit(1)
+"""
+
+
+class PreflightError(RuntimeError):
+    """The host cannot run the step; the message names what is missing."""
+
+
+class ServerError(RuntimeError):
+    """The SGLang server did not become healthy; the message carries its last log lines."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    transport: str = "local"  # "local" | "ssh"
+    python: str = "python"
+    workdir: str = ".eagle3/gpu_host"
+    ssh_target: str | None = None
+    ssh_options: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("local", "ssh"):
+            raise ValueError(f"gpu_host.transport must be 'local' or 'ssh', got {self.transport!r}")
+        if self.transport == "ssh" and not self.ssh_target:
+            raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
+
+
+def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
+    """`cd cwd && exec env K=V ... argv` with everything quoted for a POSIX shell."""
+    parts = ["exec", "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
+    body = " ".join(shlex.quote(p) for p in parts)
+    return f"mkdir -p {shlex.quote(cwd)} && cd {shlex.quote(cwd)} && {body}" if cwd else body
+
+
+class GpuHost:
+    def __init__(self, spec: HostSpec) -> None:
+        self.spec = spec
+
+    def wrap(self, script: str) -> list[str]:
+        """The local argv that runs a shell script on the host."""
+        if self.spec.transport == "local":
+            return ["bash", "-c", script]
+        return ["ssh", "-o", "BatchMode=yes", *self.spec.ssh_options, self.spec.ssh_target, script]
+
+    def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+        return self.wrap(shell_script(argv, env, self.spec.workdir))
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120.0,
+            check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(self.command(argv, env), capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{self.where()}: {shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        return proc
+
+    def where(self) -> str:
+        return "localhost" if self.spec.transport == "local" else str(self.spec.ssh_target)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, name: str, *, cwd: str | None = None,
+              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) -> "HostProcess":
+        """Start a long-running command in its own process group, recorded in `{workdir}/{name}.pid`."""
+        pidfile = f"{name}.pid"
+        self.stop_stale(name)
+        inner = f"echo $$ > {shlex.quote(pidfile)}; {shell_script(argv, env, cwd)}"
+        script = f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && " \
+                 f"exec setsid -w bash -c {shlex.quote(inner)}"
+        proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                text=True, bufsize=1, start_new_session=True)
+        return HostProcess(self, proc, pidfile)
+
+    def signal_group(self, pidfile: str, sig: str, *, remove: bool = False) -> None:
+        script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
+                  f"kill -{sig} -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null"
+                  + (f"; rm -f {shlex.quote(pidfile)}" if remove else "") + "; true")
+        subprocess.run(self.wrap(script), capture_output=True, timeout=60)
+
+    def group_alive(self, pidfile: str) -> bool:
+        script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
+                  f"kill -0 -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null")
+        return subprocess.run(self.wrap(script), capture_output=True, timeout=60).returncode == 0
+
+    def stop_stale(self, name: str) -> None:
+        """Stop a process group left behind by a worker that died before it could clean up."""
+        pidfile = f"{name}.pid"
+        if self.group_alive(pidfile):
+            self.signal_group(pidfile, "TERM")
+            for _ in range(100):
+                if not self.group_alive(pidfile):
+                    break
+                time.sleep(0.1)
+            self.signal_group(pidfile, "KILL")
+
+    def preflight(self, output_dir: str, *, min_free_bytes: int = 0, min_gpus: int = 0,
+                  require_sglang: bool = True, require_patch: bool = False, timeout: float = 180.0) -> dict:
+        """Check the host in seconds; returns the report or raises PreflightError naming the problem."""
+        try:
+            proc = self.run([self.spec.python, "-c", PROBE, output_dir], timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise PreflightError(f"{self.where()}: interpreter {self.spec.python} did not answer in {timeout:.0f}s") from None
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise PreflightError(f"{self.where()}: interpreter {self.spec.python} does not run: {err}")
+        report = json.loads(lines[-1])
+        report["host"] = self.where()
+        py = f"{self.where()}: interpreter {self.spec.python}"
+        if require_sglang and report["sglang_error"]:
+            raise PreflightError(f"{py} has no sglang: {report['sglang_error']}")
+        if report.get("sglang_version") and report.get("deepseek_v2_sha256"):
+            try:
+                release = sglang_patch.release_for(report["sglang_version"])
+                report["patch_state"] = (
+                    "patched" if report["deepseek_v2_sha256"] == release.patched_sha256
+                    else "unpatched" if report["deepseek_v2_sha256"] == release.pristine_sha256
+                    else "modified-unknown")
+            except sglang_patch.PatchError as e:
+                report["patch_state"] = f"unsupported: {e}"
+        if require_patch:
+            if report.get("patch_state") != "patched":
+                raise PreflightError(f"{py}: sglang {report.get('sglang_version')} is not patched for hidden-state "
+                                     f"dumps ({report.get('patch_state')}); run `eagle3 patch apply --python {self.spec.python}`")
+            if not report["eagle3_dagster"]:
+                raise PreflightError(f"{py} cannot import eagle3_dagster, which the patched SGLang calls; "
+                                     "install this project there (pip install -e '.[gpu]')")
+        if report["gpu_count"] < min_gpus:
+            raise PreflightError(f"{self.where()}: {report['gpu_count']} GPUs visible, {min_gpus} needed "
+                                 f"({report['gpu_error'] or 'torch.cuda.device_count()'})")
+        if report["free_bytes"] < min_free_bytes:
+            raise PreflightError(f"{self.where()}: {report['free_bytes'] / 2**30:.1f} GiB free at {output_dir}, "
+                                 f"{min_free_bytes / 2**30:.1f} GiB needed")
+        return report
+
+
+class HostProcess:
+    """A process group on the host; `stop()` is safe to call any number of times."""
+
+    def __init__(self, host: GpuHost, proc: subprocess.Popen, pidfile: str) -> None:
+        self.host, self.proc, self.pidfile = host, proc, pidfile
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        self.host.signal_group(self.pidfile, "TERM")
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and self.host.group_alive(self.pidfile):
+            time.sleep(0.2)
+        self.host.signal_group(self.pidfile, "KILL", remove=True)
+        with contextlib.suppress(ProcessLookupError):  # the local side: bash or ssh and anything it left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model_path: str
+    port: int = 30000
+    tp_size: int = 1
+    dump_dir: str | None = None  # set: extraction mode (SGLANG_HS_DUMP_DIR); None: serving
+    dump_layers: tuple[int, ...] = ()  # canonical ids
+    extra_args: tuple[str, ...] = ()
+    launcher: tuple[str, ...] | None = None  # default: (python, -m, sglang.launch_server); tests use a fake server
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_timeout_s: float = 1800.0
+    trust_remote_code: bool = True
+
+    def argv(self, python: str) -> list[str]:
+        args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
+                "--tp-size", str(self.tp_size), "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.trust_remote_code:
+            args.append("--trust-remote-code")
+        if self.dump_dir is not None:
+            # Every token must be computed (no prefix cache), whole prompts per forward (no chunking; SGLang
+            # < 0.5.11 has no request ids to stitch by) and outside CUDA graphs (a hook does not run on replay).
+            args += ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
+                     "--skip-server-warmup"]
+        return [*args, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(self.env)
+        if self.dump_dir is not None:
+            if len(self.dump_layers) == 0:
+                raise ValueError("extraction server needs dump_layers (canonical aux ids)")
+            env["SGLANG_HS_DUMP_DIR"] = self.dump_dir
+            env["SGLANG_HS_DUMP_LAYERS"] = ",".join(map(str, self.dump_layers))
+        return env
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str  # as seen from the host itself
+    process: HostProcess
+
+
+@contextlib.contextmanager
+def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Iterator[RunningServer]:
+    """Start the server, stream its log to `on_log`, wait for /health_generate; always stop its process group."""
+    proc = host.spawn(spec.argv(host.spec.python), spec.environment(), f"sglang-{spec.port}")
+    tail: deque[str] = deque(maxlen=40)
+
+    def pump() -> None:
+        for line in proc.proc.stdout:
+            tail.append(line.rstrip("\n"))
+            on_log(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, name="sglang-log", daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{spec.port}"
+    try:
+        _wait_healthy(host, proc, url, spec.health_timeout_s, tail)
+        yield RunningServer(base_url=url, process=proc)
+    finally:
+        proc.stop()
+        reader.join(timeout=5)
+
+
+def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str]) -> None:
+    waiter = subprocess.Popen(host.command([host.spec.python, "-c", WAIT_HEALTHY, url, str(timeout_s)]),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        while waiter.poll() is None:
+            if proc.poll() is not None:
+                raise ServerError(f"SGLang server exited with {proc.poll()} before it was healthy:\n" + "\n".join(tail))
+            time.sleep(0.2)
+        if waiter.returncode != 0:
+            raise ServerError(f"SGLang server not healthy at {url}/health_generate within {timeout_s:.0f}s "
+                              f"({waiter.stdout.read().strip()[-300:]}); last log lines:\n" + "\n".join(tail))
+    finally:
+        if waiter.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(waiter.pid, signal.SIGKILL)
+            waiter.wait()

@@ -1,0 +1,129 @@
+"""Exports of a hidden-state version to the per-sample layouts other trainers read.
+
+Shards stay the primary format; these exist so a version can be handed to
+SpecForge or speculators unchanged. Layouts as their readers expect them
+(checked against their code):
+
+SpecForge (`scripts/prepare_hidden_states.py`, offline EAGLE-3 reader):
+    rows_{k*G}-{(k+1)*G}/data_{i}.ckpt, a torch.save dict per sample:
+    input_ids [T] int64, loss_mask [T] int64, hidden_state [1, T, H] (post-norm,
+    like ours), aux_hidden_state [1, T, 3H], both in the target dtype.
+
+speculators (`speculators.train.data.ArrowDataset`):
+    an Arrow dataset (`datasets.save_to_disk`) with input_ids, loss_mask, seq_len,
+    torch-formatted, and hidden_states/hs_{i}.safetensors with token_ids [T]
+    int64 and hidden_states [T, 4, H] (3 aux + last). speculators recomputes
+    teacher logits as lm_head(verifier_norm(last)), i.e. it expects the last
+    state *before* the final RMSNorm; our shards hold it after. RMSNorm output y
+    = w * x / rms(x) has y / w = x / rms(x), whose rms is 1, so norm(y / w) = y
+    up to eps: exporting y / w (w = the target's final norm weight) makes
+    speculators' teacher equal ours.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from eagle3_dagster.hidden.shards import HiddenStatesDataset
+from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json
+
+SPECFORGE_FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
+
+
+def specforge_path(out_dir: Path, index: int, group_size: int = SPECFORGE_FILE_GROUP_SIZE) -> Path:
+    k = index // group_size
+    return Path(out_dir) / f"rows_{k * group_size}-{(k + 1) * group_size}" / f"data_{index}.ckpt"
+
+
+def export_specforge(
+    version_dir: Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """One torch.save file per sample, numbered in dataset order; returns how many were written."""
+    ds = HiddenStatesDataset(version_dir)
+    for i in range(len(ds)):
+        s = ds[i]
+        with atomic_open(specforge_path(out_dir, i, group_size)) as f:
+            torch.save(
+                {
+                    "input_ids": s["input_ids"].clone(),
+                    "loss_mask": s["loss_mask"].clone(),
+                    "hidden_state": s["last_hidden"].unsqueeze(0).clone(),
+                    "aux_hidden_state": s["aux_hidden"].unsqueeze(0).clone(),
+                },
+                f,
+            )
+        if progress is not None:
+            progress(i + 1, len(ds))
+    _write_provenance(out_dir, ds, "specforge")
+    return len(ds)
+
+
+def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
+    """`model.norm.weight` of an HF checkpoint directory (single file or sharded with an index)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    name = "model.norm.weight"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if name not in weight_map:
+            raise KeyError(f"{index}: no {name} in the weight map")
+        file = model_dir / weight_map[name]
+    else:
+        file = model_dir / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        if name not in f.keys():
+            raise KeyError(f"{file}: no tensor {name}")
+        return f.get_tensor(name)
+
+
+def pre_norm_equivalent(last_hidden: torch.Tensor, final_norm_weight: torch.Tensor) -> torch.Tensor:
+    """y / w in float32, cast back: a state whose RMSNorm (with weight w) is y again."""
+    w = final_norm_weight.float()
+    if bool((w == 0).any()):
+        raise ValueError(f"final norm weight has zeros at {torch.nonzero(w == 0).flatten()[:5].tolist()}; "
+                         "the post-norm state cannot be mapped back for speculators")
+    return (last_hidden.float() / w).to(last_hidden.dtype)
+
+
+def export_speculators(
+    version_dir: Path, out_dir: Path, *, final_norm_weight: torch.Tensor,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Arrow dataset + hidden_states/hs_{i}.safetensors; returns how many samples were written."""
+    from datasets import Dataset
+
+    ds = HiddenStatesDataset(version_dir)
+    h = ds.metadata["hidden_size"]
+    if tuple(final_norm_weight.shape) != (h,):
+        raise ValueError(f"final_norm_weight has shape {tuple(final_norm_weight.shape)}, shards have hidden {h}")
+    out_dir = Path(out_dir)
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i in range(len(ds)):
+        s = ds[i]
+        states = torch.cat([s["aux_hidden"], pre_norm_equivalent(s["last_hidden"], final_norm_weight)], dim=-1)
+        payload = {"token_ids": s["input_ids"].clone(), "hidden_states": states.reshape(-1, 4, h).contiguous()}
+        atomic_write_bytes(out_dir / "hidden_states" / f"hs_{i}.safetensors", safetensors_save(payload))
+        rows["input_ids"].append(s["input_ids"].tolist())
+        rows["loss_mask"].append(s["loss_mask"].tolist())
+        rows["seq_len"].append(len(s["input_ids"]))
+        if progress is not None:
+            progress(i + 1, len(ds))
+    Dataset.from_dict(rows).with_format("torch").save_to_disk(str(out_dir))
+    _write_provenance(out_dir, ds, "speculators")
+    return len(ds)
+
+
+def _write_provenance(out_dir: Path, ds: HiddenStatesDataset, layout: str) -> None:
+    atomic_write_json(
+        Path(out_dir) / "eagle3_export.json",
+        {"layout": layout, "num_samples": len(ds), "sample_ids": ds.sample_ids, **ds.metadata,
+         "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm"},
+    )

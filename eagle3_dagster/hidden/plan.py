@@ -1,0 +1,204 @@
+"""The extraction plan: exact bytes, estimated hours, free space, superseded versions, and their cleanup.
+
+Owns the numbers the `extraction_plan` asset shows and its blocking check uses.
+Bytes are exact, not estimated: a shard's size is fully determined by its
+samples and header (see `shards.encode_header`), and manifests are written
+deterministically, so both are computed with the writer's own code. Deleting
+superseded versions is a separate, explicit, logged step (`cleanup_superseded`),
+dry-run unless asked otherwise.
+
+Free bytes on a remote GPU host are measured by the host resource and passed in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3_dagster.hidden.sharding import ShardSpec
+from eagle3_dagster.hidden.shards import (
+    ShardFormat,
+    is_shard_complete,
+    manifest_bytes,
+    manifest_entry,
+    manifest_path,
+    shard_file_size,
+    shard_path,
+)
+
+VERSION_PATTERN = re.compile(r"^hs-[0-9a-f]{12}$")
+TIB = 1024**4
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: str
+    path: Path
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class ExtractionPlan:
+    version: str
+    version_dir: Path
+    num_shards: int
+    num_samples: int
+    num_tokens: int
+    shard_bytes: int  # all shard files of the version
+    manifest_bytes: int  # all per-shard manifests
+    total_bytes: int  # shard_bytes + manifest_bytes: what the finished version occupies
+    remaining_bytes: int  # of total_bytes, what is not yet written (complete shards are excluded)
+    remaining_tokens: int
+    estimated_hours: float  # remaining_tokens / throughput
+    free_bytes: int
+    fits: bool
+    superseded: list[VersionInfo] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def superseded_bytes(self) -> int:
+        return sum(v.num_bytes for v in self.superseded)
+
+
+def shard_bytes(spec: ShardSpec, fmt: ShardFormat) -> int:
+    return shard_file_size(fmt, spec.key, spec.sample_ids, spec.lengths)
+
+
+def shard_manifest_bytes(spec: ShardSpec, fmt: ShardFormat) -> int:
+    """The manifest's exact size: its only unknown, the sha256, is fixed-width hex."""
+    entry = manifest_entry(
+        fmt, spec.key, spec.sample_ids, spec.lengths, first_record=spec.first_record, sha256="0" * 64,
+        num_bytes=shard_bytes(spec, fmt),
+    )
+    return len(manifest_bytes(entry))
+
+
+def bytes_per_token(hidden_size: int, itemsize: int) -> int:
+    """4 hidden states (3 aux + last) plus an int64 id and a uint8 mask; the header and offsets are per shard."""
+    return 4 * hidden_size * itemsize + 8 + 1
+
+
+def free_bytes_at(path: Path) -> int:
+    """Free space on the file system that holds `path` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes under `path`, never following symlinks (a link counts as itself)."""
+    total = 0
+    for root, dirs, files in os.walk(path, followlinks=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def find_versions(root: Path, current: str) -> list[VersionInfo]:
+    """Every hidden-state version folder under root other than `current` (real folders named like a version)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if p.name == current or not VERSION_PATTERN.match(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        out.append(VersionInfo(version=p.name, path=p, num_bytes=tree_bytes(p)))
+    return out
+
+
+def plan_extraction(
+    shards: Sequence[ShardSpec],
+    fmt: ShardFormat,
+    root: Path,
+    version: str,
+    *,
+    throughput_tokens_per_s: float,
+    free_bytes: int | None = None,
+) -> ExtractionPlan:
+    """Bytes and time for the whole version and for what is still missing, and whether it fits."""
+    root = Path(root)
+    version_dir = root / version
+    total_shard = total_manifest = remaining = remaining_tokens = 0
+    for spec in shards:
+        s, m = shard_bytes(spec, fmt), shard_manifest_bytes(spec, fmt)
+        total_shard += s
+        total_manifest += m
+        if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
+            remaining += s + m
+            remaining_tokens += spec.num_tokens
+    free = free_bytes_at(root) if free_bytes is None else int(free_bytes)
+    superseded = find_versions(root, version)
+    fits = remaining <= free
+    reclaim = sum(v.num_bytes for v in superseded)
+    if fits:
+        message = f"needs {_human(remaining)} of {_human(free)} free at {root}"
+    else:
+        short = remaining - free
+        message = f"does not fit: needs {_human(remaining)}, {_human(free)} free at {root}, short by {_human(short)}"
+        if superseded:
+            names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
+            enough = "enough" if reclaim >= short else "not enough"
+            message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
+    return ExtractionPlan(
+        version=version, version_dir=version_dir, num_shards=len(shards),
+        num_samples=sum(s.num_records for s in shards), num_tokens=sum(s.num_tokens for s in shards),
+        shard_bytes=total_shard, manifest_bytes=total_manifest, total_bytes=total_shard + total_manifest,
+        remaining_bytes=remaining, remaining_tokens=remaining_tokens,
+        estimated_hours=remaining_tokens / throughput_tokens_per_s / 3600.0, free_bytes=free, fits=fits,
+        superseded=superseded, message=message,
+    )
+
+
+def actual_bytes(version_dir: Path, shard_keys: Sequence[str]) -> int:
+    """Bytes on disk of these shards and their manifests, to compare with the plan's prediction."""
+    total = 0
+    for key in shard_keys:
+        for p in (shard_path(version_dir, key), manifest_path(version_dir, key)):
+            if p.exists():
+                total += p.stat().st_size
+    return total
+
+
+@dataclass(frozen=True)
+class CleanupResult:
+    dry_run: bool
+    removed: list[VersionInfo]
+    freed_bytes: int
+
+
+def cleanup_superseded(
+    root: Path, current_version: str, *, dry_run: bool = True, log: Callable[[str], None] = print
+) -> CleanupResult:
+    """Delete (or, by default, only list) version folders under root that are not the current one.
+
+    Symlinked entries are skipped, not followed; `rmtree` unlinks links inside a
+    folder without descending into them; every path is checked to lie inside root.
+    """
+    root = Path(root)
+    real_root = root.resolve()
+    removed: list[VersionInfo] = []
+    for v in find_versions(root, current_version):
+        if v.version == current_version or v.path.resolve().parent != real_root:
+            log(f"skip {v.path}: not a version folder directly under {root}")
+            continue
+        log(f"{'would delete' if dry_run else 'deleting'} {v.path} ({v.num_bytes} bytes)")
+        if not dry_run:
+            shutil.rmtree(v.path)
+        removed.append(v)
+    freed = sum(v.num_bytes for v in removed)
+    log(f"{'would free' if dry_run else 'freed'} {freed} bytes in {len(removed)} superseded versions under {root}")
+    return CleanupResult(dry_run=dry_run, removed=removed, freed_bytes=freed)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,446 @@
+"""Hidden-state shards: the file format, the writer, the per-shard manifests and the checksum check.
+
+A shard is one safetensors file holding many samples row-concatenated:
+
+    aux_hidden  [T, 3H] target dtype   the 3 aux layers (canonical numbering), concatenated in that order
+    last_hidden [T, H]  target dtype   final hidden *after* the final norm (lm_head of it = logits)
+    input_ids   [T]     int64
+    offsets     [N+1]   int64          sample i is rows offsets[i]:offsets[i+1]
+    loss_mask   [T]     uint8
+
+Header metadata (str -> str) records the target identity, aux layers and their
+numbering, dtype, hidden size, code and format version and the sample ids.
+
+We write the safetensors bytes ourselves instead of calling `safetensors.save`:
+the library serialises `metadata` from a hash map (key order, hence bytes, differ
+run to run) and needs every tensor in memory at once. Here the header is sorted
+JSON (same inputs -> same bytes, which `plan` relies on to predict sizes
+exactly) and rows are `pwrite`n at their final offsets as batches finish, so a
+shard of any size is written with one batch of memory. Files are read with the
+safetensors library itself (`HiddenStatesDataset`), which validates the format.
+
+Commit protocol: a shard is written to `.{key}.safetensors.{pid}.tmp`, fsynced,
+renamed, and only then its manifest `{key}.manifest.json` is written (atomic).
+Resume trusts manifests, never file existence. One manifest per shard means
+partition runs can finish in any order, concurrently, without a shared file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import torch
+
+from eagle3_dagster.io import atomic_write_json, read_json, sha256_file
+from eagle3_dagster.layers import CANONICAL_NUMBERING
+
+SHARD_FORMAT = "eagle3-hidden-states"
+SHARD_FORMAT_VERSION = 1
+MANIFEST_SUFFIX = ".manifest.json"
+
+# name -> (torch dtype, safetensors dtype tag, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
+    "float32": (torch.float32, "F32", 4),
+    "bfloat16": (torch.bfloat16, "BF16", 2),
+    "float16": (torch.float16, "F16", 2),
+}
+
+
+@dataclass(frozen=True)
+class ShardFormat:
+    """Everything besides the samples that determines a shard's bytes."""
+
+    hidden_size: int
+    dtype: str
+    aux_layers: tuple[int, ...]
+    target_identity: str
+    code_version: str  # the backend's code version, e.g. "hf-1"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"hidden.dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if len(self.aux_layers) != 3:
+            raise ValueError(f"hidden.aux_layers: EAGLE-3 needs 3 aux layers, got {list(self.aux_layers)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][2]
+
+
+def shard_path(version_dir: Path, key: str) -> Path:
+    return Path(version_dir) / f"{key}.safetensors"
+
+
+def manifest_path(version_dir: Path, key: str) -> Path:
+    return Path(version_dir) / f"{key}{MANIFEST_SUFFIX}"
+
+
+def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_tokens: int) -> dict[str, str]:
+    return {
+        "aux_layer_numbering": CANONICAL_NUMBERING,
+        "aux_layers": orjson.dumps(list(fmt.aux_layers)).decode(),
+        "code_version": fmt.code_version,
+        "dtype": fmt.dtype,
+        "format": SHARD_FORMAT,
+        "format_version": str(SHARD_FORMAT_VERSION),
+        "hidden_size": str(fmt.hidden_size),
+        "last_hidden_post_norm": "true",
+        "num_samples": str(len(sample_ids)),
+        "num_tokens": str(num_tokens),
+        "sample_ids": orjson.dumps(list(sample_ids)).decode(),
+        "shard_key": key,
+        "target_identity": fmt.target_identity,
+    }
+
+
+def tensor_layout(fmt: ShardFormat, num_tokens: int, num_samples: int) -> list[tuple[str, str, list[int], int]]:
+    """(name, safetensors dtype, shape, nbytes) in file order; float tensors first keeps them 8-byte aligned."""
+    h, tag, size = fmt.hidden_size, DTYPES[fmt.dtype][1], fmt.itemsize
+    return [
+        ("aux_hidden", tag, [num_tokens, 3 * h], num_tokens * 3 * h * size),
+        ("last_hidden", tag, [num_tokens, h], num_tokens * h * size),
+        ("input_ids", "I64", [num_tokens], num_tokens * 8),
+        ("offsets", "I64", [num_samples + 1], (num_samples + 1) * 8),
+        ("loss_mask", "U8", [num_tokens], num_tokens),
+    ]
+
+
+def encode_header(
+    fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_tokens: int
+) -> tuple[bytes, dict[str, int], int]:
+    """The file prefix (8-byte length + JSON padded with spaces to 8 bytes), each tensor's data offset, data size."""
+    header: dict[str, object] = {"__metadata__": header_metadata(fmt, key, sample_ids, num_tokens)}
+    starts: dict[str, int] = {}
+    pos = 0
+    for name, tag, shape, nbytes in tensor_layout(fmt, num_tokens, len(sample_ids)):
+        header[name] = {"dtype": tag, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        starts[name] = pos
+        pos += nbytes
+    blob = orjson.dumps(header, option=orjson.OPT_SORT_KEYS)
+    blob += b" " * (-len(blob) % 8)  # safetensors pads the header with spaces to an 8-byte boundary
+    return struct.pack("<Q", len(blob)) + blob, starts, pos
+
+
+def shard_file_size(fmt: ShardFormat, key: str, sample_ids: Sequence[str], lengths: Sequence[int]) -> int:
+    prefix, _, data = encode_header(fmt, key, sample_ids, sum(lengths))
+    return len(prefix) + data
+
+
+def manifest_entry(
+    fmt: ShardFormat, key: str, sample_ids: Sequence[str], lengths: Sequence[int], *, first_record: int,
+    sha256: str, num_bytes: int,
+) -> dict:
+    rows, pos = [], 0
+    for sid, n in zip(sample_ids, lengths, strict=True):
+        rows.append({"id": sid, "rows": [pos, pos + n]})
+        pos += n
+    return {
+        "bytes": num_bytes,
+        "dtype": fmt.dtype,
+        "file": shard_path(Path("."), key).name,
+        "first_record": first_record,
+        "format_version": SHARD_FORMAT_VERSION,
+        "hidden_size": fmt.hidden_size,
+        "num_samples": len(sample_ids),
+        "num_tokens": pos,
+        "samples": rows,
+        "sha256": sha256,
+        "shard": key,
+    }
+
+
+def manifest_bytes(entry: dict) -> bytes:
+    """Exactly what `atomic_write_json` writes, so the plan can predict manifest sizes."""
+    return orjson.dumps(entry, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+
+
+class ShardWriter:
+    """Assemble one shard from samples arriving in any order; `close()` commits it and writes its manifest.
+
+    Usage (the hf backend and the SGLang dump assembler both do this):
+
+        with ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths,
+                         first_record=spec.first_record) as w:
+            for each sample: w.write_sample(sample_id, input_ids=..., loss_mask=..., aux_hidden=..., last_hidden=...)
+        entry = w.entry          # the manifest entry, written after the rename
+
+    Rows land at their final place in merged_train order whatever order samples
+    come in, so the bytes depend only on the data. Leaving the `with` block on an
+    exception deletes the temp file and commits nothing. One thread writes.
+    """
+
+    def __init__(
+        self, version_dir: Path, key: str, fmt: ShardFormat, sample_ids: Sequence[str], lengths: Sequence[int],
+        *, first_record: int = 0,
+    ) -> None:
+        if len(sample_ids) != len(lengths) or not sample_ids:
+            raise ValueError(f"{key}: need one length per sample id and at least one sample")
+        self.version_dir, self.key, self.fmt = Path(version_dir), key, fmt
+        self.sample_ids, self.lengths, self.first_record = list(sample_ids), [int(n) for n in lengths], first_record
+        self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
+        if len(self._index) != len(self.sample_ids):
+            raise ValueError(f"{key}: duplicate sample ids")
+        self._row0 = [0]
+        for n in self.lengths:
+            self._row0.append(self._row0[-1] + n)
+        prefix, self._starts, data = encode_header(fmt, key, self.sample_ids, self._row0[-1])
+        self._data_start = len(prefix)
+        self.num_bytes = len(prefix) + data
+        self.final_path = shard_path(self.version_dir, key)
+        self.version_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(self.version_dir, key)
+        # The shard is about to be replaced: an old manifest entry would vouch for the wrong bytes.
+        with contextlib.suppress(FileNotFoundError):
+            manifest_path(self.version_dir, key).unlink()
+        self.tmp_path = self.version_dir / f".{self.final_path.name}.{os.getpid()}.tmp"
+        self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, self.num_bytes)
+        os.pwrite(self._fd, prefix, 0)
+        self._written: set[int] = set()
+        self.entry: dict | None = None
+
+    def _put(self, name: str, row: int, t: torch.Tensor) -> None:
+        width = t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
+        buf = t.contiguous().view(torch.uint8).numpy()
+        os.pwrite(self._fd, memoryview(buf).cast("B"), self._data_start + self._starts[name] + row * width)
+
+    def write_sample(
+        self, sample_id: str, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
+        last_hidden: torch.Tensor,
+    ) -> None:
+        """Rows of one sample: aux_hidden [T, 3H] and last_hidden [T, H] (cast to the shard dtype), ids and mask [T]."""
+        i = self._index.get(sample_id)
+        if i is None:
+            raise KeyError(f"{self.key}: sample {sample_id!r} does not belong to this shard")
+        if i in self._written:
+            raise ValueError(f"{self.key}: sample {sample_id!r} written twice")
+        n, h = self.lengths[i], self.fmt.hidden_size
+        for name, t, shape in (
+            ("input_ids", input_ids, (n,)), ("loss_mask", loss_mask, (n,)),
+            ("aux_hidden", aux_hidden, (n, 3 * h)), ("last_hidden", last_hidden, (n, h)),
+        ):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{self.key}: sample {sample_id!r} {name} has shape {tuple(t.shape)}, expected {shape}")
+        row = self._row0[i]
+        self._put("aux_hidden", row, aux_hidden.detach().to("cpu", self.fmt.torch_dtype))
+        self._put("last_hidden", row, last_hidden.detach().to("cpu", self.fmt.torch_dtype))
+        self._put("input_ids", row, input_ids.detach().to("cpu", torch.int64))
+        self._put("loss_mask", row, loss_mask.detach().to("cpu", torch.uint8))
+        self._written.add(i)
+
+    def close(self) -> dict:
+        """Check completeness, fsync, rename into place, then write the manifest entry; returns it."""
+        missing = [self.sample_ids[i] for i in range(len(self.sample_ids)) if i not in self._written]
+        if missing:
+            raise ValueError(f"{self.key}: {len(missing)} samples never written, e.g. {missing[:3]}")
+        self._put("offsets", 0, torch.tensor(self._row0, dtype=torch.int64))
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        digest = sha256_file(self.tmp_path)
+        os.replace(self.tmp_path, self.final_path)
+        self.entry = manifest_entry(
+            self.fmt, self.key, self.sample_ids, self.lengths, first_record=self.first_record,
+            sha256=digest, num_bytes=self.num_bytes,
+        )
+        atomic_write_json(manifest_path(self.version_dir, self.key), self.entry)
+        return self.entry
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp_path.unlink()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _remove_stale_temps(version_dir: Path, key: str) -> None:
+    """Temp files of this shard left by a dead process (kill -9); a live writer's temp is left alone."""
+    for p in version_dir.glob(f".{key}.safetensors.*.tmp"):
+        pid = p.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own earlier, abandoned attempt
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShardCorruptError(RuntimeError):
+    """A shard whose bytes differ from what its manifest recorded."""
+
+
+def load_shard_manifest(version_dir: Path, key: str) -> dict | None:
+    path = manifest_path(version_dir, key)
+    return read_json(path) if path.exists() else None
+
+
+def load_manifest(version_dir: Path) -> dict[str, dict]:
+    """The version's manifest: shard key -> entry, aggregated from the per-shard files (sorted by key)."""
+    version_dir = Path(version_dir)
+    out: dict[str, dict] = {}
+    for p in sorted(version_dir.glob(f"*{MANIFEST_SUFFIX}")):
+        entry = read_json(p)
+        if entry.get("shard") != p.name[: -len(MANIFEST_SUFFIX)]:
+            raise ValueError(f"{p}: manifest names shard {entry.get('shard')!r}, not its own file name")
+        out[entry["shard"]] = entry
+    return out
+
+
+def sample_index(manifest: dict[str, dict]) -> dict[str, tuple[str, int, int]]:
+    """sample id -> (shard key, first row, end row) over a whole version."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for key, entry in manifest.items():
+        for s in entry["samples"]:
+            if s["id"] in out:
+                raise ValueError(f"sample {s['id']!r} appears in both {out[s['id']][0]} and {key}")
+            out[s["id"]] = (key, s["rows"][0], s["rows"][1])
+    return out
+
+
+def is_shard_complete(version_dir: Path, key: str, expected_ids: Sequence[str] | None = None) -> bool:
+    """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
+    entry = load_shard_manifest(version_dir, key)
+    if entry is None:
+        return False
+    path = shard_path(version_dir, key)
+    if not path.exists() or path.stat().st_size != entry["bytes"]:
+        return False
+    return expected_ids is None or [s["id"] for s in entry["samples"]] == list(expected_ids)
+
+
+def verify_shard(path: Path, manifest_entry: dict) -> None:
+    """Recompute size and sha256; a mismatch is a `ShardCorruptError` naming the shard."""
+    path = Path(path)
+    if not path.exists():
+        raise ShardCorruptError(f"shard {manifest_entry.get('shard')} ({path}): file is missing")
+    size = path.stat().st_size
+    if size != manifest_entry["bytes"]:
+        raise ShardCorruptError(
+            f"shard {manifest_entry['shard']} ({path}): {size} bytes on disk, manifest says {manifest_entry['bytes']}"
+        )
+    digest = sha256_file(path)
+    if digest != manifest_entry["sha256"]:
+        raise ShardCorruptError(
+            f"shard {manifest_entry['shard']} ({path}): sha256 {digest} does not match the manifest's "
+            f"{manifest_entry['sha256']}; the file is corrupted, delete it and its manifest to re-extract"
+        )
+
+
+class HiddenStatesDataset(torch.utils.data.Dataset):
+    """Per-sample random access over a version's shards, memory-mapped through `safetensors.safe_open`.
+
+    Only complete shards (those with a manifest entry) are visible. Samples are
+    ordered by shard key then merged_train order. File handles open lazily per
+    process, so the dataset can be handed to DataLoader workers.
+    """
+
+    def __init__(self, version_dir: Path, shard_keys: Sequence[str] | None = None) -> None:
+        self.version_dir = Path(version_dir)
+        manifest = load_manifest(self.version_dir)
+        keys = sorted(manifest) if shard_keys is None else list(shard_keys)
+        missing = [k for k in keys if k not in manifest]
+        if missing:
+            raise FileNotFoundError(f"{self.version_dir}: no complete shard (manifest entry) for {missing[:5]}")
+        if not keys:
+            raise FileNotFoundError(f"{self.version_dir}: no complete shards")
+        self._files = [shard_path(self.version_dir, k) for k in keys]
+        self._rows: list[tuple[int, int, int, str]] = []
+        for f, key in enumerate(keys):
+            for s in manifest[key]["samples"]:
+                self._rows.append((f, s["rows"][0], s["rows"][1], s["id"]))
+        self.metadata = self._read_metadata(keys)
+        self._handles: dict[int, object] = {}
+        self._pid = os.getpid()
+
+    def _read_metadata(self, keys: list[str]) -> dict:
+        from safetensors import safe_open
+
+        common = ("format", "format_version", "target_identity", "aux_layers", "aux_layer_numbering", "dtype",
+                  "hidden_size", "last_hidden_post_norm")
+        first: dict[str, str] | None = None
+        for key, path in zip(keys, self._files, strict=True):
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") != SHARD_FORMAT:
+                raise ValueError(f"{path}: not an {SHARD_FORMAT} shard (header format={meta.get('format')!r})")
+            if first is None:
+                first = meta
+            elif any(meta.get(k) != first.get(k) for k in common):
+                diff = [k for k in common if meta.get(k) != first.get(k)]
+                raise ValueError(f"{path}: header differs from {self._files[0].name} in {diff}")
+        assert first is not None
+        return {
+            "format_version": int(first["format_version"]),
+            "target_identity": first["target_identity"],
+            "aux_layers": orjson.loads(first["aux_layers"]),
+            "aux_layer_numbering": first["aux_layer_numbering"],
+            "dtype": first["dtype"],
+            "hidden_size": int(first["hidden_size"]),
+            "last_hidden_post_norm": first["last_hidden_post_norm"] == "true",
+            "code_version": first["code_version"],
+        }
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def lengths(self) -> list[int]:
+        return [end - start for _, start, end, _ in self._rows]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sid for *_, sid in self._rows]
+
+    def _handle(self, f: int):
+        from safetensors import safe_open
+
+        if self._pid != os.getpid():  # forked into a worker: never share the parent's handles
+            self._handles, self._pid = {}, os.getpid()
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = safe_open(str(self._files[f]), framework="pt")
+        return h
+
+    def __getitem__(self, i: int) -> dict:
+        f, start, end, sid = self._rows[i]
+        h = self._handle(f)
+        return {
+            "input_ids": h.get_slice("input_ids")[start:end].long(),
+            "loss_mask": h.get_slice("loss_mask")[start:end].long(),
+            "aux_hidden": h.get_slice("aux_hidden")[start:end],
+            "last_hidden": h.get_slice("last_hidden")[start:end],
+            "sample_id": sid,
+        }
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state

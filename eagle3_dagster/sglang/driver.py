@@ -1,0 +1,247 @@
+"""The SGLang extraction driver: prefill every sample of a shard on the patched server, assemble the shard.
+
+Owns the client side of the dump boundary. Each sample goes to the native
+`/generate` endpoint as a prefill-only request (`input_ids`, `max_new_tokens: 0`,
+`rid` = the sample id) with bounded concurrency; once a request returns, its
+chunk files (`dump_hook`) are stitched by absolute position, checked (every
+position present exactly once, token ids equal to the sample's, shapes) and
+written into the standard shard (`eagle3_dagster.hidden.shards.ShardWriter`),
+whose manifest is the only proof of completion. Chunk files are deleted once the
+shard is committed.
+
+The driver must see the same file system as the server's `SGLANG_HS_DUMP_DIR`,
+so on a remote GPU host it runs there (the GPU-host resource launches it through
+Pipes). It needs the server launched as `gpu_host.extraction_server_args` does:
+radix cache off (a cached prefix produces no states; `cached_tokens > 0` is an
+error here), and CUDA graphs off for prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import torch
+from safetensors import safe_open
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from eagle3_dagster.hidden.extract_hf import ShardResult
+from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, read_shard_records
+from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter, is_shard_complete, load_shard_manifest, shard_path
+from eagle3_dagster.sglang.dump_hook import content_key
+
+SGLANG_BACKEND_CODE_VERSION = "sglang-1"
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens in the shard)
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    base_url: str  # e.g. http://127.0.0.1:30000
+    dump_dir: Path  # the server's SGLANG_HS_DUMP_DIR
+    concurrency: int = 8
+    request_timeout_s: float = 600.0
+    dump_wait_s: float = 120.0  # how long a returned request's chunk files may take to land
+    keep_dumps: bool = False
+
+
+class DumpError(RuntimeError):
+    """A sample's dump is missing, incomplete or inconsistent; the message names the sample."""
+
+
+@retry(
+    retry=retry_if_exception_type((httpx.TransportError, httpx.HTTPStatusError)),
+    stop=stop_after_attempt(4),
+    wait=wait_exponential(min=1, max=20),
+    reraise=True,
+)
+def prefill(client: httpx.Client, sample: SampleRecord) -> dict:
+    """One prefill-only request; returns its meta_info."""
+    body = {"input_ids": sample.input_ids, "sampling_params": {"max_new_tokens": 0}, "rid": sample.id}
+    resp = client.post("/generate", json=body)
+    if resp.status_code == 400:  # a request SGLang rejects will not succeed on retry
+        raise DumpError(f"sample {sample.id!r}: /generate rejected the request: {resp.text[:500]}")
+    resp.raise_for_status()
+    meta = resp.json().get("meta_info", {})
+    if meta.get("cached_tokens", 0):
+        raise DumpError(
+            f"sample {sample.id!r}: {meta['cached_tokens']} prompt tokens came from the prefix cache and have no "
+            "hidden states; launch the server with --disable-radix-cache"
+        )
+    return meta
+
+
+def _chunk_files(dump_dir: Path, key: str) -> list[tuple[int, Path]]:
+    prefix = quote(key, safe="") + "."
+    out = []
+    for p in dump_dir.glob(f"{prefix}*.safetensors"):
+        start = p.name[len(prefix) : -len(".safetensors")]
+        if start.isdigit():
+            out.append((int(start), p))
+    return sorted(out)
+
+
+def _covered(chunks: list[tuple[int, Path]], length: int) -> bool:
+    total = 0
+    for start, p in chunks:
+        with safe_open(str(p), "pt") as f:
+            total += int(f.metadata()["length"])
+    return total >= length
+
+
+def find_sample_chunks(dump_dir: Path, sample: SampleRecord, wait_s: float) -> list[tuple[int, Path]]:
+    """The sample's chunk files (by rid, or by content on SGLang without rids), waiting for late writes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for key in (sample.id, content_key(sample.input_ids)):
+            chunks = _chunk_files(dump_dir, key)
+            if chunks and _covered(chunks, len(sample.input_ids)):
+                return chunks
+        if time.monotonic() >= deadline:
+            raise DumpError(
+                f"sample {sample.id!r}: no complete dump in {dump_dir} after {wait_s:.0f}s "
+                f"(found chunks at positions {[s for s, _ in chunks]}); is the server patched and "
+                "SGLANG_HS_DUMP_DIR pointing here?"
+            )
+        time.sleep(0.05)
+
+
+def assemble_sample(
+    chunks: list[tuple[int, Path]], sample: SampleRecord, aux_layers: list[int], hidden_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stitch chunks into (aux_hidden [T, 3H] in aux_layers order, last_hidden [T, H]), checking every position."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    expected_start = 0
+    for start, path in chunks:
+        if start != expected_start:
+            raise DumpError(f"sample {sample.id!r}: dump chunk {path.name} starts at {start}, expected {expected_start}")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            names = ["input_ids", "last_hidden", *(f"hidden.{i}" for i in aux_layers)]
+            missing = [n for n in names if n not in f.keys()]
+            if missing:
+                raise DumpError(f"sample {sample.id!r}: {path.name} lacks {missing} (dumped layers {meta.get('layers')})")
+            for n in names:
+                parts.setdefault(n, []).append(f.get_tensor(n))
+        expected_start += parts["input_ids"][-1].shape[0]
+    n = len(sample.input_ids)
+    if expected_start != n:
+        raise DumpError(f"sample {sample.id!r}: dump covers positions [0, {expected_start}), the sample has {n}")
+    full = {k: torch.cat(v) for k, v in parts.items()}
+    if full["input_ids"].tolist() != sample.input_ids:
+        raise DumpError(f"sample {sample.id!r}: dumped token ids differ from the sample's input_ids")
+    for k, v in full.items():
+        if k != "input_ids" and tuple(v.shape) != (n, hidden_size):
+            raise DumpError(f"sample {sample.id!r}: {k} has shape {tuple(v.shape)}, expected {(n, hidden_size)}")
+    aux = torch.cat([full[f"hidden.{i}"] for i in aux_layers], dim=-1)
+    return aux, full["last_hidden"]
+
+
+def extract_shard_sglang(
+    settings: DriverSettings,
+    merged_train: Path,
+    spec: ShardSpec,
+    version_dir: Path,
+    *,
+    aux_layers: list[int],
+    hidden_size: int,
+    dtype: str,
+    target_identity: str,
+    progress: Progress | None = None,
+) -> ShardResult:
+    """Extract one shard through the server unless its manifest already says it is complete."""
+    begin = time.perf_counter()
+    version_dir = Path(version_dir)
+    if is_shard_complete(version_dir, spec.key, spec.sample_ids):
+        entry = load_shard_manifest(version_dir, spec.key)
+        return _result(spec, version_dir, entry, 0.0, skipped=True)
+    records = read_shard_records(merged_train, spec)
+    fmt = ShardFormat(hidden_size=hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
+                      target_identity=target_identity, code_version=SGLANG_BACKEND_CODE_VERSION)
+    used: list[Path] = []
+    done = 0
+    limits = httpx.Limits(max_connections=settings.concurrency)
+    with (
+        httpx.Client(base_url=settings.base_url, timeout=settings.request_timeout_s, limits=limits) as client,
+        ThreadPoolExecutor(settings.concurrency, thread_name_prefix="prefill") as pool,
+        ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w,
+    ):
+        futures = {pool.submit(prefill, client, r): r for r in records}
+        try:
+            for fut in as_completed(futures):
+                sample = futures[fut]
+                fut.result()
+                chunks = find_sample_chunks(settings.dump_dir, sample, settings.dump_wait_s)
+                aux, last = assemble_sample(chunks, sample, list(aux_layers), hidden_size)
+                w.write_sample(sample.id, input_ids=torch.tensor(sample.input_ids, dtype=torch.int64),
+                               loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
+                               aux_hidden=aux, last_hidden=last)
+                used.extend(p for _, p in chunks)
+                done += len(sample.input_ids)
+                if progress is not None:
+                    progress(done, spec.num_tokens)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    if not settings.keep_dumps:
+        for p in used:
+            p.unlink(missing_ok=True)
+    return _result(spec, version_dir, w.entry, time.perf_counter() - begin, skipped=False)
+
+
+def _result(spec: ShardSpec, version_dir: Path, entry: dict, seconds: float, *, skipped: bool) -> ShardResult:
+    return ShardResult(
+        key=spec.key, path=shard_path(version_dir, spec.key), num_samples=entry["num_samples"],
+        num_tokens=entry["num_tokens"], num_bytes=entry["bytes"], sha256=entry["sha256"], seconds=seconds,
+        skipped=skipped,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3_dagster.sglang.driver ...`: one shard, run on the GPU host (launched through Pipes)."""
+    import argparse
+
+    from dagster_pipes import open_dagster_pipes
+
+    from eagle3_dagster.hidden.sharding import plan_shards
+
+    p = argparse.ArgumentParser(prog="eagle3_dagster.sglang.driver")
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--dump-dir", required=True, type=Path)
+    p.add_argument("--merged-train", required=True, type=Path)
+    p.add_argument("--version-dir", required=True, type=Path)
+    p.add_argument("--shard", required=True, help="shard key, e.g. shard-00003")
+    p.add_argument("--samples-per-shard", required=True, type=int)
+    p.add_argument("--aux-layers", required=True, help="canonical ids, e.g. 2,30,58")
+    p.add_argument("--hidden-size", required=True, type=int)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--target-identity", required=True)
+    p.add_argument("--concurrency", type=int, default=8)
+    a = p.parse_args(argv)
+    specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard)}
+    if a.shard not in specs:
+        raise SystemExit(f"{a.merged_train}: no shard {a.shard!r} at {a.samples_per_shard} samples per shard")
+    with open_dagster_pipes() as pipes:
+        def progress(done: int, total: int) -> None:
+            pipes.log.info(f"{a.shard}: {done}/{total} tokens")
+
+        result = extract_shard_sglang(
+            DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
+            a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
+            dtype=a.dtype, target_identity=a.target_identity, progress=progress,
+        )
+        pipes.report_asset_materialization(metadata={
+            "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
+            "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

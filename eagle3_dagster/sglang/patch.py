@@ -1,0 +1,221 @@
+"""Apply, verify and revert the hidden-state dump patch on a given interpreter's SGLang.
+
+Owns: the table of SGLang releases the patch was tested on (pristine and patched
+sha256 of `sglang/srt/models/deepseek_v2.py` per release), a strict unified-diff
+applier, and the `patch apply|verify|revert --python PATH` command. The patch
+files themselves live in `patches/sglang/v<version>/` (see its README for what
+each touches); the dump logic lives in `eagle3_dagster.sglang.dump_hook`.
+
+SGLang is never imported here: the target interpreter is asked where its SGLang
+is (`importlib.util.find_spec`, which does not import it) and which version it
+is. Every state is decided by sha256, so a file modified by anyone else is
+refused rather than half-patched, and revert restores the pristine bytes exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_dagster.io import atomic_write_bytes
+
+PATCH_DIR = Path(__file__).resolve().parents[2] / "patches" / "sglang"
+PATCH_NAME = "hs-dump.patch"
+TARGET_RELPATH = "srt/models/deepseek_v2.py"
+
+
+@dataclass(frozen=True)
+class SupportedRelease:
+    version: str
+    pristine_sha256: str
+    patched_sha256: str
+
+    @property
+    def patch_file(self) -> Path:
+        return PATCH_DIR / f"v{self.version}" / PATCH_NAME
+
+
+SUPPORTED: dict[str, SupportedRelease] = {
+    r.version: r
+    for r in [
+        SupportedRelease(
+            "0.5.6.post2",
+            "07aaa454ef64488eda9835d96ec9e437687e1024f8004554547e46a7ed602fbd",
+            "b0e18702ac019c9c9a71626b9e05c7aef8d5aeb3c1576c681dfb8637c32f30e0",
+        ),
+        SupportedRelease(
+            "0.5.9",
+            "4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
+            "2cfac0d5772c9ceeb62cf74927790391ce115f00a113f134a0042ee99bc656fd",
+        ),
+        SupportedRelease(
+            "0.5.14",
+            "947fdc256101f538a668090f82e5eb5f888e2434f2bbbf69a99cdaa628cf902e",
+            "fcb1bf8b8f94f42d576480f4126dfa482844ced8bfa0c3fd7bdead008e48241d",
+        ),
+        SupportedRelease(
+            "0.5.23",
+            "f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
+            "9bfdbc9dfaabcfe0f29925faff852a9918a0c444d8e85286f9cde24244abf4e2",
+        ),
+    ]
+}
+
+# Run by the target interpreter: prints where its SGLang is, without importing it.
+LOCATE_SCRIPT = (
+    "import importlib.metadata as m, importlib.util as u, json, os\n"
+    "s = u.find_spec('sglang')\n"
+    "if s is None: raise SystemExit('ModuleNotFoundError: No module named sglang')\n"
+    "print(json.dumps({'version': m.version('sglang'),"
+    " 'root': os.path.dirname(s.origin)}))\n"
+)
+
+
+class PatchError(RuntimeError):
+    """The patch cannot be applied/reverted; the message says why and what to do."""
+
+
+def supported_versions() -> list[str]:
+    return list(SUPPORTED)
+
+
+def release_for(version: str) -> SupportedRelease:
+    try:
+        return SUPPORTED[version]
+    except KeyError:
+        raise PatchError(
+            f"SGLang {version} is not supported by the hidden-state dump patch "
+            f"(tested releases: {', '.join(SUPPORTED)}); add it with patches/sglang/make_patch.py"
+        ) from None
+
+
+def locate_sglang(python: str) -> tuple[str, Path]:
+    """(version, path of deepseek_v2.py) of the SGLang that `python` would import."""
+    try:
+        proc = subprocess.run([python, "-c", LOCATE_SCRIPT], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise PatchError(f"interpreter {python} does not exist") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise PatchError(f"interpreter {python} has no usable sglang: {last}")
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    return info["version"], Path(info["root"]) / TARGET_RELPATH
+
+
+def file_state(version: str, data: bytes) -> str:
+    """'patched', 'unpatched' or 'modified-unknown' for the bytes of a supported release's file."""
+    release = release_for(version)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest == release.pristine_sha256:
+        return "unpatched"
+    if digest == release.patched_sha256:
+        return "patched"
+    return "modified-unknown"
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def apply_unified_diff(text: str, diff: str, *, reverse: bool = False) -> str:
+    """Apply (or un-apply) a unified diff whose context must match exactly: no fuzz, no offsets."""
+    hunks: list[tuple[int, list[str], list[str]]] = []
+    for line in diff.splitlines(keepends=True):
+        if m := _HUNK.match(line):
+            start = int(m.group(3) if reverse else m.group(1))
+            hunks.append((start, [], []))
+        elif hunks and line[:1] in (" ", "-", "+"):
+            _, old, new = hunks[-1]
+            body = line[1:]
+            if line[0] in " -":
+                old.append(body)
+            if line[0] in " +":
+                new.append(body)
+    if not hunks:
+        raise PatchError("patch file has no hunks")
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    pos = 0
+    for start, old, new in hunks:
+        if reverse:
+            old, new = new, old
+        at = start - 1 if old else start
+        if lines[at : at + len(old)] != old:
+            raise PatchError(f"patch context does not match at line {start}")
+        out.extend(lines[pos:at])
+        out.extend(new)
+        pos = at + len(old)
+    out.extend(lines[pos:])
+    return "".join(out)
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    mode = path.stat().st_mode & 0o7777
+    atomic_write_bytes(path, data)
+    os.chmod(path, mode)  # atomic_write_bytes creates the temp file 0600
+
+
+def apply(python: str) -> str:
+    """Patch the interpreter's SGLang; returns what happened. Idempotent."""
+    version, path = locate_sglang(python)
+    release = release_for(version)
+    data = path.read_bytes()
+    state = file_state(version, data)
+    if state == "patched":
+        return f"already patched: {path} (sglang {version})"
+    if state == "modified-unknown":
+        raise PatchError(f"{path} differs from pristine sglang {version} and from the patched file; refusing")
+    new = apply_unified_diff(data.decode(), release.patch_file.read_text()).encode()
+    if hashlib.sha256(new).hexdigest() != release.patched_sha256:
+        raise PatchError(f"{release.patch_file} did not produce the expected patched file for sglang {version}")
+    _rewrite(path, new)
+    return f"patched: {path} (sglang {version})"
+
+
+def revert(python: str) -> str:
+    """Restore the pristine file byte for byte. Idempotent."""
+    version, path = locate_sglang(python)
+    release = release_for(version)
+    data = path.read_bytes()
+    state = file_state(version, data)
+    if state == "unpatched":
+        return f"already pristine: {path} (sglang {version})"
+    if state == "modified-unknown":
+        raise PatchError(f"{path} differs from pristine sglang {version} and from the patched file; refusing")
+    old = apply_unified_diff(data.decode(), release.patch_file.read_text(), reverse=True).encode()
+    if hashlib.sha256(old).hexdigest() != release.pristine_sha256:
+        raise PatchError(f"reverting {path} did not restore the pristine sglang {version} file")
+    _rewrite(path, old)
+    return f"reverted: {path} (sglang {version})"
+
+
+def verify(python: str) -> str:
+    """'patched', 'unpatched' or 'modified-unknown' for the interpreter's SGLang."""
+    version, path = locate_sglang(python)
+    return file_state(version, path.read_bytes())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eagle3 patch", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["apply", "verify", "revert"])
+    parser.add_argument("--python", required=True, help="the interpreter whose SGLang is patched")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "verify":
+            state = verify(args.python)
+            print(state)
+            return 0 if state == "patched" else 1
+        print(apply(args.python) if args.action == "apply" else revert(args.python))
+        return 0
+    except PatchError as e:
+        print(f"error: {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""The benchmark stage: acceptance length and speed of the exported drafter.
+
+In-process (CPU profiles): the target and the drafter run in this process with
+greedy verification; every speculative output is asserted identical to plain
+greedy decoding. Served (GPU host): SGLang is started with and without the
+drafter for each configuration and measured through its native API. Both
+compare against no speculation, the n-gram drafter and an untrained drafter of
+the same shape, and against the previous report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3_dagster.config import Profile
+from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3_dagster.stages import Progress, StageReport, no_progress
+from eagle3_dagster.stages.target import target_facts
+from eagle3_dagster.stages.train import current_export
+
+
+def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, previous_results: str | None, run_id: str,
+                    gpu_host: Any = None, progress: Progress = no_progress) -> StageReport:
+    from eagle3_dagster.bench.report import render_report
+
+    if profile.hidden.backend == "sglang":
+        results = _served(profile, layout, gpu_host, progress)
+    else:
+        results = _inprocess(profile, layout, progress)
+    previous = read_json(previous_results) if previous_results and Path(previous_results).exists() else None
+    markdown, results_json, pngs = render_report(results, previous)
+    out = layout.bench_dir
+    results_path = out / f"results-{run_id}.json"
+    atomic_write_json(results_path, results_json)
+    atomic_write_text(out / "report.md", render_report(results, previous, embed_images=False)[0])
+    for name, png in pngs.items():
+        atomic_write_bytes(out / name, png)
+    return StageReport(
+        metadata={"results_json": results_path, **headline(results_json["rows"])},
+        markdown={"report": markdown},
+    )
+
+
+def headline(rows: list[dict]) -> dict:
+    """The figures a reader looks at first: the trained drafter at the first configuration, and its rivals."""
+    def pick(method: str) -> dict | None:
+        return next((r for r in rows if r["method"] == method and r.get("spec")), None)
+
+    out: dict = {}
+    for method, key in [("eagle3", "acceptance_length"), ("eagle3_untrained", "untrained_acceptance_length"),
+                        ("ngram", "ngram_acceptance_length")]:
+        row = pick(method)
+        if row and row.get("acceptance_length") is not None:
+            out[key] = round(float(row["acceptance_length"]), 4)
+            if method == "eagle3":
+                out["spec"] = row["spec"]
+                if row.get("speedup") is not None:
+                    out["speedup"] = round(float(row["speedup"]), 3)
+    return out
+
+
+def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progress) -> dict:
+    """SGLang with the exported drafter at each configuration, and without it, on the GPU host."""
+    from contextlib import contextmanager
+
+    from transformers import AutoTokenizer
+
+    from eagle3_dagster.bench.prompts import load_prompt_set, render_prompts
+    from eagle3_dagster.bench.report import attach_speedups, results_document
+    from eagle3_dagster.bench.served import run_served_benchmark
+    from eagle3_dagster.bench.specdec import SpecConfig
+    from eagle3_dagster.gpu_host import ServerSpec, sglang_server
+
+    target = target_facts(profile, layout)
+    tokenizer = AutoTokenizer.from_pretrained(target.path, trust_remote_code=True)
+    sets, described = {}, {}
+    for name in profile.bench.sets:
+        prompt_set = load_prompt_set(name, profile.bench.num_prompts, profile.bench.set_paths.get(name))
+        sets[name] = render_prompts(tokenizer, prompt_set, profile.bench.max_prompt_tokens)
+        described[name] = prompt_set.describe() | {"num_prompts": len(sets[name])}
+    export = current_export(layout)
+
+    def launcher(spec: SpecConfig | None):
+        extra: tuple[str, ...] = ()
+        if spec is not None:
+            extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
+                     "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
+                     "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
+        server = ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port,
+                            tp_size=profile.hidden.tp_size, extra_args=extra)
+
+        @contextmanager
+        def launch():
+            with sglang_server(host, server, on_log=lambda line: progress(f"[sglang] {line}")) as running:
+                yield running.base_url
+
+        return launch
+
+    rows = run_served_benchmark(launcher(None), sets, method="no_spec", spec=None,
+                                max_new_tokens=profile.bench.max_new_tokens, concurrency=profile.bench.concurrency,
+                                log=progress)
+    for config in profile.bench.spec_configs:
+        spec = SpecConfig.parse(tuple(config))
+        rows += run_served_benchmark(launcher(spec), sets, method="eagle3", spec=spec.label,
+                                     max_new_tokens=profile.bench.max_new_tokens,
+                                     concurrency=profile.bench.concurrency, log=progress)
+    return results_document(attach_speedups(rows), "served", described, meta={"target_identity": target.identity})
+
+
+def _inprocess(profile: Profile, layout: ArtifactLayout, progress: Progress) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3_dagster.bench.prompts import heldout_sharegpt, load_prompt_set, render_prompts
+    from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
+    from eagle3_dagster.bench.report import results_document
+    from eagle3_dagster.bench.specdec import SpecConfig, run_inprocess_benchmark
+    from eagle3_dagster.drafter.model import Eagle3Drafter, load_drafter
+
+    target = target_facts(profile, layout)
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+    drafter = load_drafter(current_export(layout), target.path).float()
+    torch.manual_seed(0)
+    untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
+                              drafter.d2t.clone(), drafter.t2d.clone()).float().eval()
+    sets, described = {}, {}
+    for name in profile.bench.sets:
+        if name == "heldout_sharegpt":
+            prompt_set = heldout_sharegpt(profile.bench.num_prompts, profile.data.heldout_fraction)
+        else:
+            prompt_set = load_prompt_set(name, profile.bench.num_prompts, profile.bench.set_paths.get(name))
+        sets[name] = render_prompts(tokenizer, prompt_set, profile.bench.max_prompt_tokens)
+        described[name] = prompt_set.describe() | {"num_prompts": len(sets[name])}
+    proposers = {
+        "eagle3": Eagle3Proposer(drafter, name="eagle3"),
+        "eagle3_untrained": Eagle3Proposer(untrained, name="eagle3_untrained"),
+        "ngram": NgramProposer(name="ngram", max_ngram=profile.bench.ngram_max),
+    }
+    eos = [i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None]
+    with torch.inference_mode():
+        rows = run_inprocess_benchmark(
+            model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in profile.bench.spec_configs],
+            profile.bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress,
+        )
+    return results_document(rows, "inprocess", described, meta={"target_identity": target.identity})

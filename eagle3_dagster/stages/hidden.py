@@ -1,0 +1,195 @@
+"""Hidden-state stages: the extraction plan, shard extraction (hf or SGLang) and cleanup.
+
+The version folder is derived from everything that changes the bytes (target,
+merged_train, layers, dtype, backend, shard size), so a new corpus or target
+extracts into a new version and the old one shows up as superseded in the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from eagle3_dagster.config import Profile
+from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_extraction, shard_bytes, shard_manifest_bytes
+from eagle3_dagster.hidden.sharding import ShardSpec, hidden_version, plan_shards
+from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
+from eagle3_dagster.io import sha256_file
+from eagle3_dagster.stages import Progress, StageReport, no_progress
+from eagle3_dagster.stages.target import TargetFacts, target_facts
+
+if TYPE_CHECKING:
+    from eagle3_dagster.gpu_host import GpuHost
+
+CODE_VERSION = "eagle3-dagster-hidden-1"
+
+
+@dataclass(frozen=True)
+class HiddenContext:
+    target: TargetFacts
+    shards: list[ShardSpec]
+    fmt: ShardFormat
+    version: str
+    version_dir: Path
+    merged_train: Path
+
+
+def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
+    from eagle3_dagster.hidden.extract_hf import HF_BACKEND_CODE_VERSION
+
+    target = target_facts(profile, layout)
+    merged = layout.merged_train
+    if not merged.exists():
+        raise FileNotFoundError(f"merged_train: {merged} not found; materialize merged_train first")
+    shards = plan_shards(merged, profile.hidden.samples_per_shard,
+                         max_seq_len=profile.data.max_seq_len, vocab_size=target.vocab_size)
+    backend_version = HF_BACKEND_CODE_VERSION if profile.hidden.backend == "hf" else f"sglang-{CODE_VERSION}"
+    version = hidden_version(
+        target.identity, sha256_file(merged), list(target.aux_layers), profile.hidden.dtype, backend_version,
+        samples_per_shard=profile.hidden.samples_per_shard,
+    )
+    fmt = ShardFormat(
+        hidden_size=target.hidden_size, dtype=profile.hidden.dtype, aux_layers=target.aux_layers,
+        target_identity=target.identity, code_version=backend_version,
+    )
+    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged)
+
+
+def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
+    ctx = hidden_context(profile, layout)
+    plan = plan_extraction(
+        ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
+        throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
+    )
+    report = StageReport(metadata={
+        "version": plan.version,
+        "version_dir": plan.version_dir,
+        "num_shards": plan.num_shards,
+        "num_samples": plan.num_samples,
+        "num_tokens": plan.num_tokens,
+        "total_bytes": plan.total_bytes,
+        "total_human": _human(plan.total_bytes),
+        "remaining_bytes": plan.remaining_bytes,
+        "estimated_hours": round(plan.estimated_hours, 3),
+        "free_bytes": plan.free_bytes,
+        "free_human": _human(plan.free_bytes),
+        "fits": plan.fits,
+        "superseded_versions": [{"version": v.version, "path": str(v.path), "bytes": v.num_bytes}
+                                for v in plan.superseded],
+        "superseded_bytes": plan.superseded_bytes,
+        "aux_layers_canonical": list(ctx.target.aux_layers),
+    })
+    return report, plan.fits, plan.message
+
+
+def extract_stage(profile: Profile, layout: ArtifactLayout, keys: list[str], *, gpu_host: "GpuHost | None" = None,
+                  progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
+    ctx = hidden_context(profile, layout)
+    by_key = {s.key: s for s in ctx.shards}
+    unknown = [k for k in keys if k not in by_key]
+    if unknown:
+        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the current merged_train "
+                       f"({len(ctx.shards)} shards); the sensor re-registers partitions when merged_train changes")
+    specs = [by_key[k] for k in keys]
+    if profile.hidden.backend == "hf":
+        results = _extract_hf(profile, ctx, specs, progress)
+    else:
+        results = _extract_sglang(profile, ctx, specs, gpu_host, progress)
+    checks = shard_checks(ctx, specs)
+    report = StageReport(metadata={
+        "version": ctx.version,
+        "version_dir": ctx.version_dir,
+        "shards": keys,
+        "num_samples": sum(s.num_records for s in specs),
+        "num_tokens": sum(s.num_tokens for s in specs),
+        "bytes_written": actual_bytes(ctx.version_dir, keys),
+        "resumed_shards": sum(1 for r in results if getattr(r, "skipped", False)),
+        "backend": profile.hidden.backend,
+    })
+    return report, checks
+
+
+def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[bool, str]]:
+    keys = [s.key for s in specs]
+    predicted = sum(shard_bytes(s, ctx.fmt) + shard_manifest_bytes(s, ctx.fmt) for s in specs)
+    written = actual_bytes(ctx.version_dir, keys)
+    manifest = load_manifest(ctx.version_dir)
+    bad = []
+    for key in keys:
+        try:
+            verify_shard(ctx.version_dir / manifest[key]["file"], manifest[key])
+        except Exception as e:  # a missing or corrupted shard: name it in the check
+            bad.append(f"{key}: {e}")
+    return {
+        "bytes_match_plan": (predicted == written, f"predicted {predicted} bytes, wrote {written}"),
+        "manifest_checksums": (not bad, "; ".join(bad) or f"{len(keys)} shards verified"),
+    }
+
+
+def _extract_hf(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], progress: Progress) -> list:
+    from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
+
+    model = load_target_hf(ctx.target.path, profile.hidden.dtype)
+    results = []
+    for i, spec in enumerate(specs, 1):
+        results.append(extract_shard_hf(
+            ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
+            dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
+            target_identity=ctx.target.identity, progress=progress, model=model,
+        ))
+        progress(f"shard {spec.key} done ({i}/{len(specs)})")
+    return results
+
+
+def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
+                    progress: Progress) -> list:
+    """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder."""
+    from eagle3_dagster.gpu_host import ServerSpec, sglang_server
+
+    if host is None:
+        raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
+    host.preflight(str(ctx.version_dir.parent), min_gpus=profile.hidden.tp_size, require_sglang=True,
+                   require_patch=True)
+    dump_dir = ctx.version_dir.parent / ".dumps" / ctx.version
+    spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
+                      dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers)
+    with sglang_server(host, spec, on_log=lambda line: progress(f"[sglang] {line}")) as server:
+        for i, shard in enumerate(specs, 1):
+            argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--base-url", server.base_url,
+                    "--dump-dir", str(dump_dir), "--merged-train", str(ctx.merged_train),
+                    "--version-dir", str(ctx.version_dir), "--shard", shard.key,
+                    "--samples-per-shard", str(profile.hidden.samples_per_shard),
+                    "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),
+                    "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
+                    "--target-identity", ctx.target.identity, "--concurrency", str(profile.hidden.sglang_concurrency)]
+            proc = host.spawn(argv, {}, f"driver-{shard.key}")
+            for line in proc.proc.stdout:
+                progress(line.rstrip("\n"))
+            if proc.proc.wait() != 0:
+                raise RuntimeError(f"hidden_states[{shard.key}]: the SGLang driver failed on {host.where()}")
+            progress(f"shard {shard.key} done ({i}/{len(specs)})", )
+    return []
+
+
+def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = True,
+                  log: Callable[[str], None] = print) -> StageReport:
+    ctx = hidden_context(profile, layout)
+    result = cleanup_superseded(layout.hidden_root, ctx.version, dry_run=dry_run, log=log)
+    return StageReport(metadata={
+        "dry_run": result.dry_run,
+        "freed_bytes": result.freed_bytes,
+        "freed_human": _human(result.freed_bytes),
+        "removed": [{"version": v.version, "path": str(v.path), "bytes": v.num_bytes} for v in result.removed],
+    })
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]:
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,110 @@
+"""The training stage: describe the torchrun job, then read back what it wrote.
+
+The run folder is named by a hash of the job description, so a retry of the
+same job finds its checkpoints and resumes, while a new corpus, target or
+hyperparameter set starts a fresh run beside the old one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from eagle3_dagster.config import PROJECT_ROOT, Profile
+from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.io import atomic_write_json, read_json
+from eagle3_dagster.provenance import provenance
+from eagle3_dagster.stages import StageReport
+from eagle3_dagster.stages.hidden import hidden_context
+
+CURRENT_POINTER = "current.json"
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    command: list[str]
+    env: dict[str, str]
+    cwd: str
+    job_path: Path
+    out_dir: Path
+
+
+def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: int = 0,
+                     python: str | None = None) -> TrainPlan:
+    from eagle3_dagster.hidden.shards import load_manifest
+    from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
+
+    ctx = hidden_context(profile, layout)
+    done = load_manifest(ctx.version_dir) if ctx.version_dir.exists() else {}
+    missing = [s.key for s in ctx.shards if s.key not in done]
+    if missing:
+        raise RuntimeError(
+            f"drafter_checkpoint: hidden-state version {ctx.version} lacks {len(missing)} of {len(ctx.shards)} "
+            f"shards (first: {missing[:5]}); backfill hidden_states first"
+        )
+    if not layout.vocab_mapping.exists():
+        raise FileNotFoundError(f"vocab_mapping: {layout.vocab_mapping} not found; materialize vocab_mapping first")
+    job = TrainJobConfig(
+        hidden_version_dir=str(ctx.version_dir),
+        target_dir=str(ctx.target.path),
+        vocab_mapping=str(layout.vocab_mapping),
+        out_dir="",
+        serving_context=profile.target.serving_context,
+        train=profile.train,
+        drafter=profile.drafter,
+        aux_layers=ctx.target.aux_layers,
+        export_dtype="bfloat16" if profile.target.dtype == "bfloat16" else "float32",
+    )
+    run_id = hashlib.sha256(job.to_json().encode()).hexdigest()[:12]
+    out_dir = layout.drafter_dir / f"run-{run_id}"
+    job = replace(job, out_dir=str(out_dir), metadata=provenance(job.to_json()) | {"hidden_version": ctx.version})
+    job_path = out_dir / "job.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    job.write(job_path)
+    command = build_torchrun_command(
+        job_path, nproc_per_node=profile.train.nproc_per_node, nnodes=profile.train.nnodes,
+        python=python or _python(),
+    )
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
+
+
+def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -> tuple[StageReport, bool, str]:
+    from eagle3_dagster.drafter.export import check_export
+
+    metrics = read_json(plan.out_dir / "metrics.json")
+    export_dir = plan.out_dir / "export"
+    check = check_export(export_dir)
+    detail = "ok" if check.ok else str(check)
+    atomic_write_json(layout.drafter_dir / CURRENT_POINTER, {"run_dir": str(plan.out_dir), "export": str(export_dir)})
+    final = metrics["final"]
+    initial = metrics.get("initial_eval") or {}
+    report = StageReport(
+        metadata={
+            "run_dir": plan.out_dir,
+            "export_dir": export_dir,
+            "steps": metrics["steps"],
+            "tokens_per_s": round(float(metrics["tokens_per_s"]), 1),
+            "final_loss": round(float(final["loss"]), 5),
+            "sim_accept_length": round(float(final["sim_accept_length"]), 4),
+            "initial_acc_0": round(float(initial.get("acc_0", float("nan"))), 4),
+            **{k: round(float(v), 4) for k, v in final.items() if k.startswith("acc_")},
+        },
+        images={"curves": plan.out_dir / "curves.png"},
+    )
+    return report, check.ok, detail
+
+
+def current_export(layout: ArtifactLayout) -> Path:
+    pointer = layout.drafter_dir / CURRENT_POINTER
+    if not pointer.exists():
+        raise FileNotFoundError(f"drafter_checkpoint: {pointer} not found; materialize drafter_checkpoint first")
+    return Path(read_json(pointer)["export"])
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable

@@ -1,0 +1,104 @@
+"""What a target model directory is, cheaply: its identity, its text config and a summary.
+
+Owns: the target's data version (`target_identity`), reading the text model's
+config through Kimi-K2.5's multimodal wrapper, and the summary the
+`target_model` asset shows. It never reads weight bytes, so it is as cheap on
+a 1 TB checkpoint as on the tiny target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import orjson
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+# Header length is a little-endian u64; anything larger than this is not a real safetensors file.
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: not found (is {path.parent} a model directory?)") from None
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets), without the data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: header length {n} is implausible; not a safetensors file")
+        try:
+            return json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
+
+
+def target_identity(model_dir: Path) -> str:
+    """sha256 over config.json bytes and the weight layout (index file, else each file's tensor names/dtypes/shapes).
+
+    A re-quantised or re-sharded checkpoint changes the identity; copying it elsewhere does not.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    config = model_dir / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{config}: not found (is {model_dir} a model directory?)")
+    h.update(b"config.json\0" + config.read_bytes())
+    index = model_dir / WEIGHT_INDEX
+    if index.exists():
+        h.update(b"\0" + WEIGHT_INDEX.encode() + b"\0" + index.read_bytes())
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no {WEIGHT_INDEX} and no *.safetensors files")
+        for f in files:
+            header = safetensors_header(f)
+            layout = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+            h.update(b"\0" + f.name.encode() + b"\0" + orjson.dumps(layout, option=orjson.OPT_SORT_KEYS))
+    return h.hexdigest()
+
+
+def load_target_config(model_dir: Path) -> dict:
+    """The text model's config: Kimi-K2.5's `text_config` when wrapped, else config.json itself.
+
+    Wrapper fields the text config lacks (e.g. `quantization_config`, `torch_dtype`) are carried over.
+    """
+    raw = _read_json(Path(model_dir) / "config.json")
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    merged = dict(text)
+    for key in ("quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in raw and key not in merged:
+            merged[key] = raw[key]
+    merged.setdefault("architectures", ["DeepseekV3ForCausalLM"])
+    return merged
+
+
+def target_summary(model_dir: Path) -> dict:
+    """The figures a reader checks first: layers, hidden size, vocab, architecture, dtype."""
+    raw = _read_json(Path(model_dir) / "config.json")
+    cfg = load_target_config(model_dir)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in cfg]
+    if missing:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: text config lacks {missing}")
+    return {
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "hidden_size": int(cfg["hidden_size"]),
+        "vocab_size": int(cfg["vocab_size"]),
+        "architecture": (raw.get("architectures") or cfg.get("architectures") or ["unknown"])[0],
+        "text_architecture": (cfg.get("architectures") or ["unknown"])[0],
+        "dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "unknown"),
+        "quantization": (cfg.get("quantization_config") or {}).get("quant_method"),
+    }

@@ -1,0 +1,87 @@
+"""Drafter training: the job description the Dagster asset writes, and the torchrun command that runs it.
+
+`TrainJobConfig` is a frozen, JSON-serializable description of one training
+run (explicit upstream paths, architecture overrides, hyperparameters); the
+asset writes it to a file and launches `build_torchrun_command(...)` through
+Dagster Pipes. The workers (`python -m eagle3_dagster.train`) read it back.
+Data order is in data.py, checkpoints in checkpoint.py, the loop in loop.py,
+the worker process in __main__.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from eagle3_dagster.config import DrafterConfig as DrafterOverrides
+from eagle3_dagster.config import TrainConfig
+
+DEFAULT_DATASET_CLASS = "eagle3_dagster.hidden.shards:HiddenStatesDataset"
+
+
+@dataclass(frozen=True)
+class TrainJobConfig:
+    hidden_version_dir: str  # one hidden-states version (all its shards)
+    target_dir: str  # the target model directory (embedding + lm_head are read from it)
+    vocab_mapping: str  # safetensors with d2t / t2d
+    out_dir: str  # checkpoints, metrics.json, curves.png, export/
+    serving_context: int  # the export's max_position_embeddings floor
+    train: TrainConfig = field(default_factory=TrainConfig)
+    drafter: DrafterOverrides = field(default_factory=DrafterOverrides)
+    aux_layers: tuple[int, ...] | None = None  # canonical; default: the dataset metadata's `aux_layers`
+    dataset_class: str = DEFAULT_DATASET_CLASS  # "module:Class" constructed with hidden_version_dir
+    export_dtype: str = "bfloat16"
+    eval_batches: int = 4
+    metadata: dict = field(default_factory=dict)  # provenance copied into metrics.json and the export config
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["train"] = self.train.model_dump()
+        d["drafter"] = self.drafter.model_dump()
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainJobConfig":
+        d = json.loads(text)
+        d["train"] = TrainConfig.model_validate(d.get("train") or {})
+        d["drafter"] = DrafterOverrides.model_validate(d.get("drafter") or {})
+        if d.get("aux_layers") is not None:
+            d["aux_layers"] = tuple(d["aux_layers"])
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"train job config: {e}") from None
+
+    def write(self, path: Path) -> Path:
+        from eagle3_dagster.io import atomic_write_text
+
+        atomic_write_text(path, self.to_json())
+        return Path(path)
+
+    @classmethod
+    def read(cls, path: Path) -> "TrainJobConfig":
+        return cls.from_json(Path(path).read_text())
+
+
+def build_torchrun_command(
+    job_cfg_path: Path,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    python: str = sys.executable,
+    extra_args: tuple[str, ...] | list[str] = (),
+) -> list[str]:
+    """`python -m torch.distributed.run ... -m eagle3_dagster.train --config <json>`.
+
+    Multi-node rendezvous flags (`--node-rank`, `--rdzv-endpoint`, …) go in `extra_args` and are passed to
+    torchrun before the module; running torchrun through `python -m` pins the interpreter explicitly.
+    """
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    cmd += [*extra_args, "-m", "eagle3_dagster.train", "--config", str(job_cfg_path)]
+    return cmd
+
+
+__all__ = ["TrainJobConfig", "build_torchrun_command"]

@@ -1,0 +1,208 @@
+"""The torchrun worker: `torchrun --nproc-per-node N -m eagle3_dagster.train --config job.json`.
+
+Builds the drafter from the job's explicit inputs, resumes from the latest
+checkpoint if there is one, trains, and on rank 0 writes `metrics.json`,
+`curves.png` and the SGLang/vLLM export. Under Dagster Pipes rank 0 streams
+per-step metrics with `pipes.log.info` and reports the materialization
+metadata at the end; without Pipes it shows a tqdm bar. `--stop-after-step N`
+exits the process abruptly (os._exit) after step N, the way a killed run does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from eagle3_dagster.drafter.export import export_drafter
+from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_dagster.drafter.target_head import load_target_tensors
+from eagle3_dagster.io import atomic_open, atomic_write_json
+from eagle3_dagster.train import TrainJobConfig
+from eagle3_dagster.train.checkpoint import Checkpointer
+from eagle3_dagster.train.data import BucketedSampler
+from eagle3_dagster.train.loop import LoopConfig, Trainer, TTTObjective
+
+
+def _init_distributed(backend: str) -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    use_cuda = backend == "nccl" and torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return rank, world, device
+
+
+def _load_dataset(job: TrainJobConfig):
+    module, _, cls = job.dataset_class.partition(":")
+    return getattr(importlib.import_module(module), cls)(Path(job.hidden_version_dir))
+
+
+def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """The drafter (seeded init, target embedding) and the target lm_head for the teacher."""
+    target = load_target_tensors(Path(job.target_dir), want=("embed", "lm_head"))
+    mapping = load_file(job.vocab_mapping)
+    if "d2t" not in mapping or "t2d" not in mapping:
+        raise KeyError(f"{job.vocab_mapping}: vocab mapping needs tensors 'd2t' and 't2d', has {sorted(mapping)}")
+    aux = job.aux_layers or tuple((getattr(dataset, "metadata", None) or {}).get("aux_layers") or ())
+    if len(aux) != 3:
+        raise ValueError(f"{job.hidden_version_dir}: aux layers unknown (job.aux_layers or metadata['aux_layers']): {aux}")
+    o, a = job.drafter, target.arch
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
+        draft_vocab_size=int(mapping["d2t"].shape[0]), aux_layers=aux, rms_norm_eps=a.rms_norm_eps,
+        rope_theta=a.rope_theta, max_position_embeddings=job.serving_context, hidden_size=o.hidden_size,
+        intermediate_size=o.intermediate_size, num_attention_heads=o.num_attention_heads,
+        num_key_value_heads=o.num_key_value_heads)
+    torch.manual_seed(job.train.seed)
+    drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
+    return drafter, target.lm_head
+
+
+def _pipes_context(rank: int):
+    """Only rank 0 talks to Dagster: one opened/closed pair and one materialization per run."""
+    if rank != 0:
+        return contextlib.nullcontext(None)
+    try:
+        from dagster_pipes import is_dagster_pipes_process, open_dagster_pipes
+    except ImportError:
+        return contextlib.nullcontext(None)
+    return open_dagster_pipes() if is_dagster_pipes_process() else contextlib.nullcontext(None)
+
+
+def run(job: TrainJobConfig, stop_after_step: int | None = None) -> dict | None:
+    rank, world, device = _init_distributed(job.train.backend)
+    out = Path(job.out_dir)
+    dataset = _load_dataset(job)
+    drafter, lm_head = build_drafter(job, dataset)
+    drafter.to(device)
+    sampler = BucketedSampler(dataset.lengths(), job.train.batch_tokens, rank, world, job.train.seed)
+    per_epoch = len(sampler) // job.train.grad_accum
+    total = job.train.max_steps or job.train.epochs * per_epoch
+    if total < 1:
+        raise ValueError(f"{len(sampler)} batches per rank give no optimizer step at grad_accum {job.train.grad_accum}")
+    loop_cfg = LoopConfig(ttt_steps=job.train.ttt_steps, lr=job.train.lr, total_steps=total,
+                          warmup_steps=max(1, math.ceil(job.train.warmup_ratio * total)),
+                          grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches)
+    objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps).to(device)
+    if world > 1:
+        # buffers (vocab map, target lm_head) are identical on every rank: never re-broadcast GBs per step
+        objective = torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    checkpointer = Checkpointer(out / "ckpt", job.train.checkpoint_every, rank)
+
+    with _pipes_context(rank) as pipes:
+        progress = None
+        if rank == 0 and pipes is None:
+            from tqdm import tqdm
+
+            progress = tqdm(total=total, desc="train", file=sys.stderr)
+
+        def on_step(step: int, m: dict[str, float]) -> None:
+            if rank != 0:
+                return
+            line = f"step {step}/{total} loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}"
+            if pipes is not None:
+                pipes.log.info(line)
+            else:
+                progress.update(1)
+                progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
+
+        trainer = Trainer(objective, drafter, dataset, sampler, loop_cfg, checkpointer, device, on_step)
+        resumed = trainer.resume_if_possible()
+        if resumed and progress is not None:
+            progress.update(trainer.step)
+        initial = trainer.evaluate() if not resumed else None
+        if initial is not None and rank == 0:
+            atomic_write_json(out / "initial_eval.json", initial)
+        timing = trainer.train(stop_after_step=stop_after_step)
+        if stop_after_step is not None and trainer.step >= stop_after_step and trainer.step < total:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(17)  # the simulated crash: no cleanup, no final checkpoint, no export
+        final = trainer.evaluate()
+        if progress is not None:
+            progress.close()
+        metrics = None
+        if rank == 0:
+            metrics = _write_outputs(job, trainer, drafter, final, timing, out)
+            if pipes is not None:
+                pipes.report_asset_materialization(metadata=_pipes_metadata(metrics))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return metrics
+
+
+def _write_outputs(job, trainer: Trainer, drafter: Eagle3Drafter, final: dict, timing: dict, out: Path) -> dict:
+    from eagle3_dagster.io import read_json
+
+    initial_path = out / "initial_eval.json"
+    k = job.train.ttt_steps
+    metrics = {
+        "steps": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        **timing,
+        "initial_eval": read_json(initial_path) if initial_path.exists() else None,
+        "final_eval": final,
+        "final": {f"acc_{j}": final[f"acc_{j}"] for j in range(k)}
+        | {"sim_accept_length": final["sim_accept_length"], "loss": final["loss"]},
+        "curves": {key: [h[key] for h in trainer.history.steps] for key in
+                   ["step", "loss", "lr", *[f"acc_{j}" for j in range(k)], *[f"loss_{j}" for j in range(k)]]},
+        "drafter_config": {**drafter.cfg.__dict__, "aux_layers": list(drafter.cfg.aux_layers)},
+        "job": job.metadata,
+    }
+    atomic_write_json(out / "metrics.json", metrics)
+    plot_curves(metrics["curves"], out / "curves.png", k)
+    export_drafter(drafter, out / "export", job.serving_context, getattr(torch, job.export_dtype),
+                   extra_config={"eagle3_dagster_train": {"steps": trainer.step, **job.metadata}})
+    return metrics
+
+
+def plot_curves(curves: dict[str, list[float]], path: Path, ttt_steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(curves["step"], curves["loss"], label="weighted loss")
+    ax_loss.set(xlabel="step", ylabel="forward KL", title="loss")
+    for j in range(ttt_steps):
+        ax_acc.plot(curves["step"], curves[f"acc_{j}"], label=f"acc_{j}")
+    ax_acc.set(xlabel="step", ylabel="top-1 agreement", title="per-step accuracy", ylim=(0, 1))
+    ax_acc.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _pipes_metadata(metrics: dict) -> dict:
+    f = metrics["final"]
+    return {"steps": metrics["steps"], "tokens_per_s": round(metrics["tokens_per_s"], 1),
+            "sim_accept_length": round(f["sim_accept_length"], 4), "final_loss": round(f["loss"], 5),
+            **{k: round(v, 4) for k, v in f.items() if k.startswith("acc_")}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_dagster.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, type=Path, help="TrainJobConfig JSON file")
+    parser.add_argument("--stop-after-step", type=int, default=None, help="simulate a crash after this step")
+    args = parser.parse_args(argv)
+    run(TrainJobConfig.read(args.config), stop_after_step=args.stop_after_step)
+
+
+if __name__ == "__main__":
+    main()

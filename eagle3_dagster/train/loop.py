@@ -1,0 +1,171 @@
+"""The training loop: TTT loss under DDP, accumulation, schedule, clipping, metrics.
+
+The loop reads like torchtitan's `Trainer.train`: the checkpointer owns its
+interval, the metrics sink owns how progress is shown (tqdm or Dagster Pipes);
+the loop only steps. `TTTObjective` is the module DDP wraps, so gradient
+all-reduce hooks see one forward per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, step_loss, step_weights, teacher_for_step
+from eagle3_dagster.drafter.model import Eagle3Drafter
+from eagle3_dagster.drafter.ttt import ttt_unroll
+from eagle3_dagster.train.checkpoint import Checkpointer
+from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate
+
+
+class TTTObjective(nn.Module):
+    """Drafter + frozen teacher head; forward returns the weighted loss and per-step counts [k, 3]."""
+
+    def __init__(self, drafter: Eagle3Drafter, target_lm_head_VH: torch.Tensor, ttt_steps: int) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("target_lm_head", target_lm_head_VH, persistent=False)
+        self.ttt_steps = ttt_steps
+        self.weights = step_weights(ttt_steps)
+
+    def forward(self, input_ids_BT, loss_mask_BT, aux_hidden_BT3H, last_hidden_BTH):
+        teacher = build_teacher(last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d)
+        total = aux_hidden_BT3H.new_zeros((), dtype=torch.float32)
+        stats = []
+        for j, logits in enumerate(ttt_unroll(self.drafter, input_ids_BT, aux_hidden_BT3H, self.ttt_steps)):
+            r = step_loss(logits, teacher_for_step(teacher, j))
+            total = total + self.weights[j] * r.loss
+            stats.append([r.kl_sum, r.num_valid, r.num_correct])
+        return total, torch.tensor(stats, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    ttt_steps: int
+    lr: float
+    total_steps: int
+    warmup_steps: int
+    grad_accum: int
+    grad_clip: float
+    eval_batches: int = 4
+
+
+def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def summarize(stats_K3: torch.Tensor) -> dict[str, float]:
+    """Per-step loss/acc from summed (kl_sum, num_valid, num_correct), and the simulated acceptance length."""
+    out: dict[str, float] = {}
+    accs = []
+    for j, (kl, n, c) in enumerate(stats_K3.tolist()):
+        out[f"loss_{j}"] = kl / max(n, 1)
+        out[f"acc_{j}"] = c / max(n, 1)
+        accs.append(out[f"acc_{j}"])
+    out["loss"] = sum(w * out[f"loss_{j}"] for j, w in enumerate(step_weights(len(accs))))
+    out["sim_accept_length"] = acceptance_length(accs, bonus=True)
+    out["sim_accept_length_no_bonus"] = acceptance_length(accs, bonus=False)
+    return out
+
+
+@dataclass
+class History:
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, objective: nn.Module, drafter: Eagle3Drafter, dataset: HiddenSamples, sampler: BucketedSampler,
+                 cfg: LoopConfig, checkpointer: Checkpointer, device: torch.device,
+                 on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None) -> None:
+        self.objective, self.drafter, self.dataset, self.sampler = objective, drafter, dataset, sampler
+        self.cfg, self.checkpointer, self.device, self.on_step = cfg, checkpointer, device, on_step
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.total_steps))
+        self.step = 0
+        self.tokens_seen = 0
+        self.history = History()
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def resume_if_possible(self) -> bool:
+        path = self.checkpointer.latest()
+        if path is None:
+            return False
+        state = self.checkpointer.load(path, model=self.drafter, optimizer=self.optimizer,
+                                       scheduler=self.scheduler, device=self.device)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.history.steps = list(state.get("history", []))
+        return True
+
+    def _micro_batch(self, batch: Batch, sync: bool) -> torch.Tensor:
+        b = batch.to(self.device)
+        ctx = self.objective.no_sync() if (not sync and hasattr(self.objective, "no_sync")) else nullcontext()
+        with ctx:
+            with self.autocast:
+                loss, stats = self.objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
+            (loss / self.cfg.grad_accum).backward()
+        return stats
+
+    def train_step(self) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = torch.zeros(self.cfg.ttt_steps, 3, dtype=torch.float64)
+        tokens = 0
+        for micro in range(self.cfg.grad_accum):
+            batch = collate(self.dataset, self.sampler.next_batch())
+            stats += self._micro_batch(batch, sync=micro == self.cfg.grad_accum - 1)
+            tokens += batch.num_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        totals = _all_reduce(torch.cat([stats.flatten(), torch.tensor([float(tokens)], dtype=torch.float64)]))
+        self.tokens_seen += int(totals[-1])
+        metrics = summarize(totals[:-1].view(-1, 3))
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], step_tokens=int(totals[-1]))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the first `eval_batches` batches of epoch 0 on every rank (a fixed set, same each call)."""
+        stats = torch.zeros(self.cfg.ttt_steps, 3, dtype=torch.float64)
+        for indices in self.sampler.batches_for(0)[: self.cfg.eval_batches]:
+            b = collate(self.dataset, indices).to(self.device)
+            with self.autocast:
+                _, s = self.objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
+            stats += s
+        return summarize(_all_reduce(stats))
+
+    def train(self, stop_after_step: int | None = None) -> dict[str, float]:
+        t0, tokens0 = time.perf_counter(), self.tokens_seen
+        while self.step < self.cfg.total_steps:
+            metrics = self.train_step()
+            self.history.steps.append({"step": self.step, **metrics})
+            self.on_step(self.step, metrics)
+            self.checkpointer.maybe_save(
+                self.step, model_state=self.drafter.trainable_state_dict(), optimizer=self.optimizer,
+                scheduler=self.scheduler, trainer_state={"sampler": self.sampler.state_dict(),
+                                                         "tokens_seen": self.tokens_seen, "history": self.history.steps})
+            if stop_after_step is not None and self.step >= stop_after_step:
+                break
+        elapsed = time.perf_counter() - t0
+        return {"tokens_per_s": (self.tokens_seen - tokens0) / max(elapsed, 1e-9), "train_seconds": elapsed}

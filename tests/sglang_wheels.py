@@ -1,0 +1,69 @@
+"""Real SGLang release files for tests, fetched once from PyPI and cached.
+
+`pip download --no-deps sglang==X` into `.cache/sglang-wheels/` (gitignored);
+from each wheel only `sglang/srt/models/deepseek_v2.py` and the dist-info
+METADATA (its version) are extracted. A failed download is an error, never a
+skip: the patch tests are only worth something against the real files.
+
+`make_site(version, root)` lays those out as an importable-looking site folder
+(`sglang/__init__.py` is empty; nothing of SGLang is ever imported) and returns
+a wrapper interpreter whose `importlib` finds that SGLang, which is exactly what
+`eagle3_dagster.sglang.patch` asks an interpreter.
+
+    python -m tests.sglang_wheels 0.5.9   # fetch one into the cache
+"""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels"
+MODEL_FILE = "sglang/srt/models/deepseek_v2.py"
+
+
+def wheel_path(version: str) -> Path:
+    """The cached wheel of `sglang==version`, downloading it if needed."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    hits = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
+    if hits:
+        return hits[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"sglang=={version}", "-d", str(CACHE)],
+        capture_output=True,
+        text=True,
+    )
+    hits = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
+    if proc.returncode != 0 or not hits:
+        raise RuntimeError(f"could not download sglang=={version}: {proc.stderr.strip()[-2000:]}")
+    return hits[0]
+
+
+def read_model_file(version: str) -> bytes:
+    with zipfile.ZipFile(wheel_path(version)) as z:
+        return z.read(MODEL_FILE)
+
+
+def make_site(version: str, root: Path, extra_paths: tuple[Path, ...] = ()) -> Path:
+    """Lay out the release's deepseek_v2.py under `root/site`; return a wrapper interpreter for it."""
+    site = root / "site"
+    with zipfile.ZipFile(wheel_path(version)) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        for name in (MODEL_FILE, meta):
+            dest = site / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(name))
+    (site / "sglang" / "__init__.py").write_text("")
+    python = root / "python"
+    path = ":".join(str(p) for p in (site, *extra_paths))
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{path}" exec "{sys.executable}" "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+if __name__ == "__main__":
+    for v in sys.argv[1:]:
+        print(wheel_path(v))

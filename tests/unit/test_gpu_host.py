@@ -1,0 +1,255 @@
+"""The GPU-host runner: local and real-SSH transports, preflight, and the server lifecycle.
+
+The SSH tests start a real OpenSSH server (Debian `openssh-server`) on loopback
+with throwaway host and user keys. The server tests use a fake SGLang script
+(tiny HTTP server with /health_generate and /generate that also forks a child)
+as the launcher, and check that the whole process group is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import httpx
+import pytest
+
+from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError, ServerError, ServerSpec, sglang_server
+from eagle3_dagster.sglang import patch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import sglang_wheels  # noqa: E402
+from resources.gpu_host import GpuHostResource  # noqa: E402
+
+FAKE_SERVER = r'''
+import json, os, subprocess, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+state = os.path.join(os.environ["FAKE_STATE_DIR"], f"pids-{port}.json")
+json.dump({"server": os.getpid(), "child": child.pid}, open(state, "w"))
+print("fake sglang starting", flush=True)
+if os.environ.get("FAKE_CRASH"):
+    print("CUDA out of memory (fake)", flush=True)
+    sys.exit(7)
+ready_at = time.monotonic() + 0.5
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, code, obj):
+        b = json.dumps(obj).encode()
+        self.send_response(code); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def do_GET(self):
+        self._send(200 if time.monotonic() > ready_at else 503, {})
+    def do_POST(self):
+        self._send(200, {"meta_info": {}, "argv": args, "dump_dir": os.environ.get("SGLANG_HS_DUMP_DIR"),
+                         "layers": os.environ.get("SGLANG_HS_DUMP_LAYERS")})
+print("fake sglang ready", flush=True)
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its parent is gone for our purposes
+        return f.read().split()[2] != "Z"
+
+
+def _wait_gone(pids, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real sshd on a loopback port, accepting a throwaway key for the current user."""
+    sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
+    assert Path(sshd_bin).exists(), "openssh-server is required: apt-get install -y openssh-server"
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    os.chmod(d / "authorized_keys", 0o600)
+    port = _free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+    )
+    with __import__("contextlib").suppress(OSError):
+        os.makedirs("/run/sshd", exist_ok=True)
+    proc = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
+    options = ("-i", str(d / "user_key"), "-p", str(port), "-o", "StrictHostKeyChecking=no",
+               "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR")
+    target = f"{getpass.getuser()}@127.0.0.1"
+    for _ in range(100):
+        if subprocess.run(["ssh", "-o", "BatchMode=yes", *options, target, "true"], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail(f"sshd did not accept connections: {proc.stderr.read1().decode()}")
+    yield target, options
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _hosts(tmp_path, sshd):
+    target, options = sshd
+    return {
+        "local": GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work"))),
+        "ssh": GpuHost(HostSpec("ssh", sys.executable, str(tmp_path / "work"), target, options)),
+    }
+
+
+@pytest.mark.parametrize("transport", ["local", "ssh"])
+def test_command_runs_with_explicit_interpreter_env_and_exit_code(tmp_path, sshd, transport):
+    host = _hosts(tmp_path, sshd)[transport]
+    script = "import os, sys; print(sys.executable); print(os.environ['EAGLE3_X']); print(os.getcwd()); sys.exit(3)"
+    proc = host.run([sys.executable, "-c", script], env={"EAGLE3_X": "a b'c"}, check=False)
+    assert proc.returncode == 3
+    assert proc.stdout.splitlines() == [sys.executable, "a b'c", str(tmp_path / "work")]
+    with pytest.raises(RuntimeError, match="exited 3"):
+        host.run([sys.executable, "-c", script], env={"EAGLE3_X": "1"})
+
+
+def test_preflight_fails_fast_on_interpreter_without_sglang(tmp_path):
+    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    start = time.monotonic()
+    with pytest.raises(PreflightError, match=rf"interpreter {sys.executable} has no sglang: ModuleNotFoundError"):
+        host.preflight(str(tmp_path / "out"))
+    assert time.monotonic() - start < 30
+    missing = GpuHost(HostSpec("local", "/nonexistent/python", str(tmp_path / "work")))
+    with pytest.raises(PreflightError, match="/nonexistent/python does not run"):
+        missing.preflight(str(tmp_path))
+
+
+@pytest.mark.parametrize("transport", ["local", "ssh"])
+def test_preflight_reports_sglang_version_patch_state_gpus_and_disk(tmp_path, sshd, transport):
+    python = sglang_wheels.make_site("0.5.9", tmp_path, extra_paths=(Path(__file__).resolve().parents[2],))
+    host = _hosts(tmp_path, sshd)[transport]
+    host = GpuHost(HostSpec(host.spec.transport, str(python), host.spec.workdir, host.spec.ssh_target,
+                            host.spec.ssh_options))
+    report = host.preflight(str(tmp_path / "not" / "yet"))
+    assert report["sglang_version"] == "0.5.9" and report["patch_state"] == "unpatched"
+    assert report["free_bytes"] > 0 and report["disk_path"] == str(tmp_path)
+    if transport == "ssh":
+        return  # the checks below are transport-independent
+    with pytest.raises(PreflightError, match="not patched"):
+        host.preflight(str(tmp_path), require_patch=True)
+    patch.apply(str(python))
+    assert host.preflight(str(tmp_path), require_patch=True)["patch_state"] == "patched"
+    with pytest.raises(PreflightError, match=r"GPUs visible, 64 needed"):
+        host.preflight(str(tmp_path), min_gpus=64)
+    with pytest.raises(PreflightError, match="GiB needed"):
+        host.preflight(str(tmp_path), min_free_bytes=2**62)
+
+
+def _fake_spec(tmp_path, port, **kw) -> ServerSpec:
+    script = tmp_path / "fake_sglang.py"
+    script.write_text(FAKE_SERVER)
+    return ServerSpec(model_path="/models/tiny", port=port, dump_dir=str(tmp_path / "dumps"), dump_layers=(2, 30, 58),
+                      launcher=(sys.executable, str(script)), health_timeout_s=30,
+                      env={"FAKE_STATE_DIR": str(tmp_path), **kw})
+
+
+@pytest.mark.parametrize("transport", ["local", "ssh"])
+def test_server_lifecycle_health_wait_log_stream_and_group_killed_on_exception(tmp_path, sshd, transport):
+    host = _hosts(tmp_path, sshd)[transport]
+    port = _free_port()
+    logs: list[str] = []
+    with pytest.raises(KeyError, match="boom"):
+        with sglang_server(host, _fake_spec(tmp_path, port), on_log=logs.append) as server:
+            reply = httpx.post(f"{server.base_url}/generate", json={}).json()
+            assert reply["dump_dir"] == str(tmp_path / "dumps") and reply["layers"] == "2,30,58"
+            for flag in ("--disable-radix-cache", "--disable-cuda-graph", "--skip-server-warmup"):
+                assert flag in reply["argv"]
+            assert reply["argv"][reply["argv"].index("--chunked-prefill-size") + 1] == "-1"
+            raise KeyError("boom")
+    pids = json.loads((tmp_path / f"pids-{port}.json").read_text())
+    assert _wait_gone([pids["server"], pids["child"]]), "server process group survived"
+    assert "fake sglang ready" in logs
+    assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()
+
+
+def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
+    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    port = _free_port()
+    with pytest.raises(ServerError, match=r"exited with 7(.|\n)*CUDA out of memory"):
+        with sglang_server(host, _fake_spec(tmp_path, port, FAKE_CRASH="1"), on_log=lambda line: None):
+            pass
+    assert _wait_gone([json.loads((tmp_path / f"pids-{port}.json").read_text())["child"]])
+
+
+def test_stale_server_from_a_dead_worker_is_stopped_before_the_next_start(tmp_path):
+    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    port = _free_port()
+    spec = _fake_spec(tmp_path, port)
+    orphan = host.spawn(spec.argv(sys.executable), spec.environment(), f"sglang-{port}")
+    deadline = time.monotonic() + 10
+    while not (tmp_path / f"pids-{port}.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first = json.loads((tmp_path / f"pids-{port}.json").read_text())
+    (tmp_path / f"pids-{port}.json").unlink()
+    with sglang_server(host, spec, on_log=lambda line: None):
+        assert _wait_gone([first["server"], first["child"]])
+    orphan.proc.wait(timeout=10)
+
+
+PIPES_CHILD = r'''
+import os, sys
+from dagster_pipes import open_dagster_pipes
+with open_dagster_pipes() as pipes:
+    pipes.log.info(f"hello from {pipes.asset_key}")
+    print("plain stdout line", flush=True)
+    pipes.report_asset_materialization(metadata={"tokens": 42, "x": os.environ["EAGLE3_X"], "cwd": os.getcwd()})
+    sys.exit(int(os.environ.get("EXIT", "0")))
+'''
+
+
+@pytest.mark.parametrize("transport", ["local", "ssh"])
+def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_stderr(tmp_path, sshd, transport):
+    target, options = sshd
+    resource = GpuHostResource(transport=transport, python=sys.executable, workdir=str(tmp_path / "work"),
+                               ssh_target=target if transport == "ssh" else None, ssh_options=list(options))
+    script = tmp_path / "child.py"
+    script.write_text(PIPES_CHILD)
+
+    def make_asset(exit_code: str):
+        @dg.asset(name="remote_thing")
+        def remote_thing(context, gpu_host: GpuHostResource):
+            return gpu_host.run_pipes(context=context, command=[sys.executable, str(script)],
+                                      env={"EAGLE3_X": "y z", "EXIT": exit_code},
+                                      cwd=str(tmp_path / "cwd")).get_materialize_result()
+        return remote_thing
+
+    result = dg.materialize([make_asset("0")], resources={"gpu_host": resource})
+    assert result.success
+    mat = result.asset_materializations_for_node("remote_thing")[0]
+    assert mat.metadata["tokens"].value == 42 and mat.metadata["x"].value == "y z"
+    assert mat.metadata["cwd"].value == str(tmp_path / "cwd")
+    failed = dg.materialize([make_asset("5")], resources={"gpu_host": resource}, raise_on_error=False)
+    assert not failed.success
+    assert not (tmp_path / "work" / "pipes.pid").exists()

@@ -1,0 +1,267 @@
+"""Shard format, writer commit protocol, manifests, reader, and the sharding of merged_train."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagle3_dagster.hidden.sharding import hidden_version, plan_shards, read_shard_records
+from eagle3_dagster.hidden.shards import (
+    HiddenStatesDataset,
+    ShardCorruptError,
+    ShardFormat,
+    ShardWriter,
+    is_shard_complete,
+    load_manifest,
+    manifest_path,
+    sample_index,
+    shard_path,
+    verify_shard,
+)
+from eagle3_dagster.io import write_jsonl
+
+H = 4
+FMT = ShardFormat(hidden_size=H, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="tiny@abc", code_version="t-1")
+
+
+def _sample(sid: str, n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "id": sid,
+        "input_ids": torch.randint(0, 100, (n,), generator=g),
+        "loss_mask": torch.randint(0, 2, (n,), generator=g),
+        "aux_hidden": torch.randn(n, 3 * H, generator=g),
+        "last_hidden": torch.randn(n, H, generator=g),
+    }
+
+
+def _write(version_dir: Path, key: str, samples: list[dict], order=None) -> dict:
+    ids, lengths = [s["id"] for s in samples], [len(s["input_ids"]) for s in samples]
+    with ShardWriter(version_dir, key, FMT, ids, lengths) as w:
+        for s in order if order is not None else samples:
+            w.write_sample(s["id"], **{k: v for k, v in s.items() if k != "id"})
+    return w.entry
+
+
+SAMPLES = [_sample("ds/a", 3, 0), _sample("ds/b", 5, 1), _sample("ds/c", 1, 2)]
+
+
+def test_reader_returns_each_sample_as_written(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    ds = HiddenStatesDataset(tmp_path)
+    assert len(ds) == 3 and ds.lengths() == [3, 5, 1]
+    for i, s in enumerate(SAMPLES):
+        got = ds[i]
+        assert got["sample_id"] == s["id"]
+        assert got["input_ids"].dtype == torch.long and torch.equal(got["input_ids"], s["input_ids"])
+        assert got["loss_mask"].dtype == torch.long and torch.equal(got["loss_mask"], s["loss_mask"])
+        assert got["aux_hidden"].dtype == torch.bfloat16
+        assert torch.equal(got["aux_hidden"], s["aux_hidden"].bfloat16())
+        assert torch.equal(got["last_hidden"], s["last_hidden"].bfloat16())
+    assert ds.metadata == {
+        "format_version": 1, "target_identity": "tiny@abc", "aux_layers": [1, 2, 3],
+        "aux_layer_numbering": "hf_output_hidden_states_index", "dtype": "bfloat16", "hidden_size": H,
+        "last_hidden_post_norm": True, "code_version": "t-1",
+    }
+
+
+def test_shard_is_a_valid_safetensors_file_with_offsets_and_sample_ids(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    tensors = load_file(shard_path(tmp_path, "shard-00000"))
+    assert tensors["offsets"].tolist() == [0, 3, 8, 9]
+    assert tensors["aux_hidden"].shape == (9, 3 * H) and tensors["last_hidden"].shape == (9, H)
+    assert tensors["loss_mask"].dtype == torch.uint8 and tensors["input_ids"].dtype == torch.int64
+    with safe_open(str(shard_path(tmp_path, "shard-00000")), framework="pt") as f:
+        meta = f.metadata()
+    assert orjson.loads(meta["sample_ids"]) == ["ds/a", "ds/b", "ds/c"]
+    assert meta["last_hidden_post_norm"] == "true" and meta["aux_layer_numbering"] == "hf_output_hidden_states_index"
+
+
+def test_write_order_does_not_change_shard_bytes(tmp_path):
+    e1 = _write(tmp_path / "v1", "shard-00000", SAMPLES)
+    e2 = _write(tmp_path / "v2", "shard-00000", SAMPLES, order=[SAMPLES[2], SAMPLES[0], SAMPLES[1]])
+    assert e1 == e2
+    assert shard_path(tmp_path / "v1", "shard-00000").read_bytes() == shard_path(tmp_path / "v2", "shard-00000").read_bytes()
+    assert manifest_path(tmp_path / "v1", "shard-00000").read_bytes() == manifest_path(tmp_path / "v2", "shard-00000").read_bytes()
+
+
+def test_manifest_maps_sample_to_rows_and_checksum(tmp_path):
+    entry = _write(tmp_path, "shard-00000", SAMPLES)
+    assert [s["rows"] for s in entry["samples"]] == [[0, 3], [3, 8], [8, 9]]
+    assert entry["bytes"] == shard_path(tmp_path, "shard-00000").stat().st_size
+    verify_shard(shard_path(tmp_path, "shard-00000"), entry)
+
+
+def test_failed_write_leaves_no_shard_and_no_manifest(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardWriter(tmp_path, "shard-00000", FMT, ["x"], [2]) as w:
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+    assert not w.tmp_path.exists()
+
+
+def test_incomplete_shard_refuses_to_commit(tmp_path):
+    w = ShardWriter(tmp_path, "shard-00000", FMT, ["a", "b"], [1, 1])
+    s = _sample("a", 1, 0)
+    w.write_sample("a", **{k: v for k, v in s.items() if k != "id"})
+    with pytest.raises(ValueError, match="1 samples never written"):
+        w.close()
+    w.abort()
+    assert not shard_path(tmp_path, "shard-00000").exists()
+
+
+def test_write_sample_rejects_wrong_shape_and_unknown_id(tmp_path):
+    w = ShardWriter(tmp_path, "shard-00000", FMT, ["a"], [2])
+    s = _sample("a", 3, 0)
+    with pytest.raises(ValueError, match="'a' input_ids has shape"):
+        w.write_sample("a", **{k: v for k, v in s.items() if k != "id"})
+    with pytest.raises(KeyError, match="'zzz' does not belong"):
+        w.write_sample("zzz", **{k: v for k, v in s.items() if k != "id"})
+    w.abort()
+
+
+def test_resume_trusts_the_manifest_not_the_file(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    assert is_shard_complete(tmp_path, "shard-00000", [s["id"] for s in SAMPLES])
+    manifest_path(tmp_path, "shard-00000").unlink()  # crash between rename and manifest
+    assert shard_path(tmp_path, "shard-00000").exists()
+    assert not is_shard_complete(tmp_path, "shard-00000")
+    _write(tmp_path, "shard-00000", SAMPLES[:2])
+    assert not is_shard_complete(tmp_path, "shard-00000", [s["id"] for s in SAMPLES])  # different samples
+
+
+def test_rewriting_a_shard_drops_its_old_manifest_before_replacing_the_file(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    w = ShardWriter(tmp_path, "shard-00000", FMT, ["a"], [1])
+    assert not manifest_path(tmp_path, "shard-00000").exists()
+    w.abort()
+
+
+def test_stale_temp_of_a_dead_writer_is_removed(tmp_path):
+    stale = tmp_path / ".shard-00000.safetensors.999999999.tmp"
+    stale.write_bytes(b"partial")
+    _write(tmp_path, "shard-00000", SAMPLES)
+    assert not stale.exists()
+
+
+def test_verify_shard_names_the_corrupted_shard(tmp_path):
+    entry = _write(tmp_path, "shard-00007", SAMPLES)
+    path = shard_path(tmp_path, "shard-00007")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match="shard-00007.*sha256"):
+        verify_shard(path, entry)
+    path.write_bytes(bytes(data[:-1]))
+    with pytest.raises(ShardCorruptError, match="shard-00007.*bytes on disk"):
+        verify_shard(path, entry)
+
+
+def test_manifests_of_shards_finished_in_any_order_aggregate(tmp_path):
+    _write(tmp_path, "shard-00001", [_sample("s/3", 2, 3)])
+    _write(tmp_path, "shard-00000", SAMPLES)
+    (tmp_path / ".shard-00002.safetensors.1.tmp").write_bytes(b"in flight")
+    manifest = load_manifest(tmp_path)
+    assert list(manifest) == ["shard-00000", "shard-00001"]
+    assert sample_index(manifest)["s/3"] == ("shard-00001", 0, 2)
+    ds = HiddenStatesDataset(tmp_path)
+    assert ds.sample_ids == ["ds/a", "ds/b", "ds/c", "s/3"]
+    assert HiddenStatesDataset(tmp_path, shard_keys=["shard-00001"]).lengths() == [2]
+    with pytest.raises(FileNotFoundError, match="shard-00002"):
+        HiddenStatesDataset(tmp_path, shard_keys=["shard-00002"])
+
+
+def test_dataset_pickles_for_dataloader_workers(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    ds = HiddenStatesDataset(tmp_path)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[1]["aux_hidden"], ds[1]["aux_hidden"])
+
+
+def test_shards_with_different_headers_are_refused_together(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    other = ShardFormat(hidden_size=H, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="other", code_version="t-1")
+    with ShardWriter(tmp_path, "shard-00001", other, ["z"], [1]) as w:
+        s = _sample("z", 1, 9)
+        w.write_sample("z", **{k: v for k, v in s.items() if k != "id"})
+    with pytest.raises(ValueError, match="shard-00001.*target_identity"):
+        HiddenStatesDataset(tmp_path)
+
+
+# --- sharding of merged_train -------------------------------------------------------------------
+
+
+def _records(lengths: list[int]) -> list[dict]:
+    return [
+        {"id": f"ds/{i}", "dataset": "ds", "input_ids": [(i + j) % 50 for j in range(n)], "loss_mask": [j % 2 for j in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
+
+
+def test_plan_shards_cuts_merged_train_in_file_order(tmp_path):
+    path = tmp_path / "merged_train.jsonl"
+    write_jsonl(path, _records([3, 4, 5, 6, 7]))
+    specs = plan_shards(path, 2)
+    assert [s.key for s in specs] == ["shard-00000", "shard-00001", "shard-00002"]
+    assert [(s.first_record, s.num_records, s.num_tokens) for s in specs] == [(0, 2, 7), (2, 2, 11), (4, 1, 7)]
+    assert specs[1].sample_ids == ("ds/2", "ds/3") and specs[1].lengths == (5, 6)
+    recs = read_shard_records(path, specs[1])
+    assert [r.id for r in recs] == ["ds/2", "ds/3"] and recs[0].input_ids == _records([3, 4, 5])[2]["input_ids"]
+
+
+def test_read_shard_records_detects_a_changed_merged_train(tmp_path):
+    path = tmp_path / "merged_train.jsonl"
+    write_jsonl(path, _records([3, 4, 5]))
+    spec = plan_shards(path, 2)[1]
+    write_jsonl(path, _records([3, 4, 6]))
+    with pytest.raises(ValueError, match="merged_train changed"):
+        read_shard_records(path, spec)
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"id": "ds/empty", "input_ids": [], "loss_mask": []}, "'ds/empty' is empty"),
+        ({"id": "ds/long", "input_ids": [1] * 9, "loss_mask": [0] * 9}, "'ds/long' has 9 tokens, more than max_seq_len=8"),
+        ({"id": "ds/oov", "input_ids": [1, 100], "loss_mask": [0, 1]}, "'ds/oov' has token id 100 outside the vocabulary"),
+        ({"id": "ds/neg", "input_ids": [-1], "loss_mask": [0]}, "'ds/neg' has token id -1"),
+        ({"id": "ds/mask", "input_ids": [1, 2], "loss_mask": [1]}, "'ds/mask' has 2 input_ids but 1 loss_mask"),
+    ],
+)
+def test_bad_samples_are_errors_naming_sample_and_file(tmp_path, record, message):
+    path = tmp_path / "merged_train.jsonl"
+    write_jsonl(path, _records([2]) + [record])
+    with pytest.raises(ValueError, match=message) as e:
+        plan_shards(path, 4, max_seq_len=8, vocab_size=100)
+    assert str(path) in str(e.value) and ":2:" in str(e.value)
+
+
+def test_duplicate_sample_ids_are_refused(tmp_path):
+    path = tmp_path / "merged_train.jsonl"
+    write_jsonl(path, _records([2]) + _records([3]))
+    with pytest.raises(ValueError, match="'ds/0' appears more than once"):
+        plan_shards(path, 4)
+
+
+def test_hidden_version_is_short_stable_and_changes_with_each_input():
+    base = dict(target_identity="t", merged_train_sha="m", aux_layers=[2, 30, 58], dtype="bfloat16",
+                backend_code_version="hf-1", samples_per_shard=128)
+    v = hidden_version(**base)
+    assert v == hidden_version(**base) and v.startswith("hs-") and len(v) == 15
+    for k, other in [("target_identity", "t2"), ("merged_train_sha", "m2"), ("aux_layers", [1, 30, 58]),
+                     ("dtype", "float32"), ("backend_code_version", "sglang-1"), ("samples_per_shard", 64)]:
+        assert hidden_version(**{**base, k: other}) != v, k
+
+
+def test_engine_shard_writer_does_not_keep_file_descriptors_after_close(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    _write(tmp_path, "shard-00000", SAMPLES)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -1,0 +1,222 @@
+"""The in-process speculative-decoding engine: exact greedy output and SGLang-style accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from eagle3_dagster.bench.proposers import AlwaysWrongProposer, Eagle3Proposer, NgramProposer, OracleProposer
+from eagle3_dagster.bench.specdec import (
+    OutputMismatchError,
+    SpecConfig,
+    TargetRunner,
+    check_identical,
+    generate_greedy,
+    generate_speculative,
+    run_inprocess_benchmark,
+)
+
+VOCAB = 96
+AUX = (1, 2, 3)
+MAX_NEW = 25
+
+
+@pytest.fixture(scope="module")
+def target() -> DeepseekV3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 14)]
+
+
+@pytest.fixture(scope="module")
+def greedy(target, prompts) -> dict[tuple[int, ...], list[int]]:
+    runner = TargetRunner(target)
+    return {tuple(p): generate_greedy(runner, p, MAX_NEW).output_ids for p in prompts}
+
+
+class _StandInCache:
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :length], self.v[:, :length]
+
+
+class _StandInDrafter(nn.Module):
+    """The drafter API (eagle3_dagster.drafter.model) in miniature: one causal attention layer over a cache."""
+
+    def __init__(self, target_hidden: int, hidden: int, vocab: int, draft_vocab: int) -> None:
+        super().__init__()
+        self.cfg = type("Cfg", (), {"aux_layers": AUX})()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
+        self.qkv = nn.Linear(2 * hidden, 3 * hidden, bias=False)
+        self.pos = nn.Embedding(256, hidden)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        ids = torch.randperm(vocab)[:draft_vocab].sort().values
+        self.register_buffer("d2t", ids - torch.arange(draft_vocab))
+
+    def project_aux(self, aux):
+        return self.fc(aux)
+
+    def step(self, input_ids, hidden, position_ids, cache=None):
+        x = torch.cat([self.embed_tokens(input_ids) + self.pos(position_ids), hidden], -1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        past = len(cache) if cache is not None else 0
+        if cache is not None:
+            cache.k = k if cache.k is None else torch.cat([cache.k, k], 1)
+            cache.v = v if cache.v is None else torch.cat([cache.v, v], 1)
+            k, v = cache.k, cache.v
+        t_new, t_all = q.shape[1], k.shape[1]
+        mask = torch.arange(t_all)[None] <= (torch.arange(t_new)[:, None] + past)
+        att = (q @ k.transpose(1, 2)).masked_fill(~mask, -math.inf).softmax(-1)
+        out = hidden + att @ v
+        return out, self.lm_head(out)
+
+    def draft_to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+def _untrained_eagle(target) -> Eagle3Proposer:
+    torch.manual_seed(3)
+    drafter = _StandInDrafter(target.config.hidden_size, 24, VOCAB, 48)
+    return Eagle3Proposer(drafter, name="eagle3_untrained", cache_factory=_StandInCache)
+
+
+def test_greedy_reference_equals_transformers_generate(target, prompts, greedy):
+    for p in prompts:
+        out = target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+        assert out[0, len(p):].tolist() == greedy[tuple(p)]
+
+
+@pytest.mark.parametrize("spec", [(3, 1, 4), (7, 1, 8)])
+@pytest.mark.parametrize("method", ["ngram", "eagle3_untrained"])
+def test_speculative_output_equals_target_greedy_output(target, prompts, greedy, method, spec):
+    proposer = NgramProposer() if method == "ngram" else _untrained_eagle(target)
+    runner = TargetRunner(target, proposer.aux_layers)
+    for p in prompts:
+        gen = generate_speculative(runner, proposer, p, SpecConfig.parse(spec), MAX_NEW)
+        assert gen.output_ids == greedy[tuple(p)]
+        assert gen.verify_tokens == MAX_NEW - 1  # every token but the prefill's comes from a verify step
+        assert 1.0 <= gen.verify_tokens / gen.verify_ct <= spec[0] + 1
+
+
+@pytest.mark.parametrize("spec", [(3, 1, 4), (7, 1, 8)])
+def test_oracle_drafter_accepts_every_draft(target, prompts, greedy, spec):
+    k = spec[0]
+    max_new = 1 + 3 * (k + 1)  # the prefill token, then exactly three full verify steps
+    oracle = OracleProposer(greedy)
+    for p in prompts:
+        gen = generate_speculative(TargetRunner(target), oracle, p, SpecConfig.parse(spec), max_new)
+        assert gen.output_ids == greedy[tuple(p)][:max_new]
+        assert gen.verify_ct == 3
+        assert gen.verify_tokens / gen.verify_ct == k + 1
+        assert gen.accepted_by_position == [3] * k
+
+
+def test_oracle_at_the_max_new_tokens_boundary_drafts_only_what_fits(target, prompts, greedy):
+    p = prompts[0]
+    # 1 prefill token + 4 + 4 + 2: the last verify step may draft only one token.
+    gen = generate_speculative(TargetRunner(target), OracleProposer(greedy), p, SpecConfig(3), 11)
+    assert gen.output_ids == greedy[tuple(p)][:11]
+    assert (gen.verify_ct, gen.verify_tokens) == (3, 10)
+    assert gen.accepted_by_position == [3, 2, 2]
+    assert gen.proposed_by_position == [3, 2, 2]
+
+
+def test_always_wrong_drafter_gives_acceptance_length_one(target, prompts, greedy):
+    wrong = AlwaysWrongProposer(greedy, VOCAB)
+    for p in prompts:
+        gen = generate_speculative(TargetRunner(target), wrong, p, SpecConfig(7, 1, 8), MAX_NEW)
+        assert gen.output_ids == greedy[tuple(p)]
+        assert gen.verify_tokens / gen.verify_ct == 1.0
+        assert gen.accepted_by_position == [0] * 7
+
+
+def test_generation_stops_at_eos_exactly_where_greedy_stops(target, prompts, greedy):
+    p = prompts[1]
+    ref = greedy[tuple(p)]
+    eos = ref[6]
+    expected = ref[: ref.index(eos) + 1]
+    assert generate_greedy(TargetRunner(target), p, MAX_NEW, {eos}).output_ids == expected
+    for proposer in (OracleProposer(greedy), NgramProposer(), _untrained_eagle(target)):
+        runner = TargetRunner(target, proposer.aux_layers)
+        gen = generate_speculative(runner, proposer, p, SpecConfig(3), MAX_NEW, {eos})
+        assert gen.output_ids == expected
+
+
+def test_ngram_proposer_continues_the_latest_match_of_the_longest_suffix():
+    ngram = NgramProposer(max_ngram=2)
+    assert ngram.propose([5, 6, 7, 8, 5, 6, 9, 9, 5, 6], None, 3) == [9, 9, 5]
+    assert ngram.propose([1, 2, 3], None, 3) == []
+
+
+def test_benchmark_rows_carry_acceptance_and_speedup_per_set_and_config(target, prompts, greedy):
+    sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])], "b": [("q0", prompts[2])]}
+    proposers = {"oracle": OracleProposer(greedy), "ngram": NgramProposer()}
+    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW)
+    by_key = {(r["set"], r["method"], r["spec"]): r for r in rows}
+    assert set(by_key) == {(s, m, c) for s in "ab" for m, c in [("no_spec", None), ("oracle", "3,1,4"),
+                                                               ("ngram", "3,1,4")]}
+    assert by_key[("a", "no_spec", None)]["speedup"] == 1.0
+    assert by_key[("a", "no_spec", None)]["completion_tokens"] == 2 * MAX_NEW
+    oracle = by_key[("a", "oracle", "3,1,4")]
+    assert oracle["acceptance_length"] == 4.0  # 24 tokens after the prefill token = 6 full verify steps per prompt
+    assert oracle["accept_rate_by_position"][0] == 1.0
+
+
+def test_a_speculative_output_that_differs_is_reported_with_prompt_and_position():
+    with pytest.raises(OutputMismatchError, match=r"eagle3 3,1,4 on prompt 'set/p7'.*token 2"):
+        check_identical("eagle3 3,1,4", "set/p7", [4, 5, 6, 7], [4, 5, 9, 7])
+
+
+def test_untrained_drafter_on_the_micro_target_reproduces_greedy_output(micro_target, micro_profile):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3_dagster.bench.prompts import heldout_sharegpt, render_prompts
+    from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+
+    model = AutoModelForCausalLM.from_pretrained(micro_target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(micro_target)
+    prompt_set = heldout_sharegpt(3, micro_profile.data.heldout_fraction)
+    prompts = render_prompts(tokenizer, prompt_set, max_prompt_tokens=96)
+    assert prompts and all(ids for _, ids in prompts)
+    tc = model.config
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=tc.hidden_size, target_intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
+        draft_vocab_size=128, aux_layers=micro_profile.hidden.aux_layers, num_attention_heads=2,
+    )
+    t2d = torch.zeros(tc.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(tc.vocab_size, generator=torch.Generator().manual_seed(0))[:128]] = True
+    hot = t2d.nonzero().squeeze(-1)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach(), hot - torch.arange(128), t2d)
+    proposers = {"eagle3_untrained": Eagle3Proposer(drafter, name="eagle3_untrained"), "ngram": NgramProposer()}
+    rows = run_inprocess_benchmark(model, {"heldout_sharegpt": prompts}, proposers, [SpecConfig(3), SpecConfig(7)],
+                                   max_new_tokens=micro_profile.bench.max_new_tokens, check=True)
+    assert [(r["method"], r["spec"]) for r in rows] == [
+        ("no_spec", None), ("eagle3_untrained", "3,1,4"), ("eagle3_untrained", "7,1,8"), ("ngram", "3,1,4"),
+        ("ngram", "7,1,8"),
+    ]
+    assert all(1.0 <= r["acceptance_length"] <= 8.0 for r in rows[1:])

@@ -1,0 +1,91 @@
+"""TTT attention against a naive dense-mask reference, and TTT unrolling against serve-time stepping."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3_dagster.drafter.model import DraftKVCache, DrafterConfig, Eagle3Drafter
+from eagle3_dagster.drafter.ttt import causal_attention_with_lse, shift_left, ttt_attention, ttt_unroll
+
+
+def naive_ttt_attention(q, k0, v0, extra_k, extra_v):
+    """The SpecForge flex mask spelled out: causal over step-0 keys ∪ (kv ≥ T ∧ (kv − q) % T == 0)."""
+    t = q.shape[2]
+    keys = torch.cat([k0, *extra_k], dim=2)
+    values = torch.cat([v0, *extra_v], dim=2)
+    q_idx = torch.arange(t)[:, None]
+    kv_idx = torch.arange(keys.shape[2])[None, :]
+    allowed = ((kv_idx < t) & (kv_idx <= q_idx)) | ((kv_idx >= t) & ((kv_idx - q_idx) % t == 0))
+    scores = (q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
+def _inputs(steps: int, b=2, n=3, t=37, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randn(b, n, t, d, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    return mk(), mk(), mk(), [mk() for _ in range(steps)], [mk() for _ in range(steps)]
+
+
+def test_ttt_attention_matches_dense_mask_reference_forward_and_gradient():
+    for steps in (0, 1, 3):
+        q, k0, v0, ek, ev = _inputs(steps)
+        out = ttt_attention(q, k0, v0, ek, ev, block=8)  # several blocks, last one ragged
+        ref = naive_ttt_attention(q, k0, v0, ek, ev)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        grad_out = torch.randn_like(out)
+        leaves = [q, k0, v0, *ek, *ev]
+        got = torch.autograd.grad(out, leaves, grad_out)
+        want = torch.autograd.grad(ref, leaves, grad_out)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_, rtol=1e-6, atol=1e-6)
+
+
+def test_blockwise_causal_logsumexp_equals_dense_logsumexp():
+    q, k, v, _, _ = _inputs(0, t=20)
+    _, lse = causal_attention_with_lse(q, k, v, block=6)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+def _drafter(seed=0) -> tuple[Eagle3Drafter, DrafterConfig]:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=20, aux_layers=(1, 2, 3))
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[::2] = True
+    d2t = torch.arange(0, 40, 2) - torch.arange(20)
+    model = Eagle3Drafter(cfg, torch.randn(40, 16), d2t, t2d).double()
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.3)
+    return model, cfg
+
+
+def test_ttt_step_j_equals_serve_time_drafting_with_kv_cache():
+    """Step j at position t is what the drafter computes after prefill up to t and j draft steps."""
+    model, _ = _drafter()
+    t_len, steps = 11, 3
+    ids = torch.randint(0, 40, (1, t_len))
+    aux = torch.randn(1, t_len, 36, dtype=torch.float64)
+    with torch.no_grad():
+        ttt_logits = list(ttt_unroll(model, ids, aux, steps, block=4))
+        for t in (0, 4, 6):
+            cache = DraftKVCache()
+            pos = torch.arange(t + 1)[None]
+            hidden, logits = model.step(ids[:, 1 : t + 2], model.project_aux(aux[:, : t + 1]), pos, cache)
+            torch.testing.assert_close(logits[:, t], ttt_logits[0][:, t])
+            for j in range(1, steps):
+                tok = ids[:, t + 1 + j : t + 2 + j]
+                hidden, logits = model.step(tok, hidden[:, -1:], torch.tensor([[t + j]]), cache)
+                torch.testing.assert_close(logits[:, 0], ttt_logits[j][:, t])
+            assert len(cache) == t + steps
+            cache.crop(t + 1)
+            assert len(cache) == t + 1
+
+
+def test_shift_left_pads_past_the_end():
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift_left(x, 2).tolist() == [[3, 4, 0, 0]]
+    assert shift_left(x, 0) is x
