@@ -53,7 +53,7 @@ def _external_target_asset(profile: Profile):
     def target_model(context) -> dg.ObserveResult:
         host = context.resources.gpu_host
         out = host.check_output(
-            [host.python, "-m", "eagle3_dagster.target", "--json", str(profile.target.path)], timeout_s=120
+            [host.python, "-m", "eagle3_dagster.cli", "target-info", str(profile.target.path)], timeout_s=120
         )
         info = json.loads(out)
         return dg.ObserveResult(

@@ -51,6 +51,10 @@ class TinyTargetConfig(_Strict):
     pretrain_seq_len: int = 256
     pretrain_batch_size: int = 8
     pretrain_lr: float = 3e-3
+    pretrain_answer_words: int | None = Field(
+        None, ge=1, description="clip each assistant answer to this many words in pre-training, so the "
+        "target learns to close its turns within the demo's generation budget"
+    )
 
 
 class TargetConfig(_Strict):

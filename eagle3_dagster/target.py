@@ -48,6 +48,8 @@ def target_identity(model_dir: Path) -> str:
     """sha256 over config.json bytes and the weight layout (index file, else each file's tensor names/dtypes/shapes).
 
     A re-quantised or re-sharded checkpoint changes the identity; copying it elsewhere does not.
+    Retrained weights of the same layout do not, unless config.json says so: the tiny build
+    writes `weights_sha256` into it for that reason.
     """
     model_dir = Path(model_dir)
     h = hashlib.sha256()

@@ -62,7 +62,7 @@ def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> Conversation 
     messages = list(conv.messages)
     end = None
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or not any(p["role"] == "user" for p in messages[:i]):
             continue
         prompt = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
         if len(tokenizer.encode(prompt, add_special_tokens=False)) > budget:
@@ -140,7 +140,12 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
         stats = tk.tokenize_conversations(conversations(profile, ds, source_stats, tokenizer), tokenizer, out, quarantine,
                                           dataset=name, source=ds.source, max_turns=ds.max_turns,
                                           bad_fraction_threshold=threshold)
-    progress(f"tokenized {name}: {stats.num_records} records, {stats.num_tokens} tokens", )
+    progress(f"tokenized {name}: {stats.num_records} records, {stats.num_tokens} tokens")
+    if stats.num_records == 0:
+        raise ValueError(
+            f"tokenized_dataset[{name}]: no usable record out of {stats.num_inputs} inputs "
+            f"({stats.num_dropped_length} cut off by length, {stats.num_quarantined} quarantined in {quarantine})"
+        )
     meta = {"path": out, "quarantine_path": quarantine, **stats.as_dict()}
     if source_stats:
         meta["source"] = source_stats
@@ -161,6 +166,8 @@ def merge_partitions(profile: Profile, layout: ArtifactLayout, progress: Progres
     histogram = plot_length_histogram(stats.lengths, out.with_name("sequence_lengths.png"),
                                       max_seq_len=profile.data.max_seq_len)
     progress(f"merged {stats.num_records} records, {stats.num_tokens} tokens")
+    if stats.num_records == 0:
+        raise ValueError(f"merged_train: no record left after the drop list and truncation ({stats.as_dict()['before']})")
     num_shards = math.ceil(stats.num_records / profile.hidden.samples_per_shard)
     sha = sha256_file(out)
     return StageReport(

@@ -10,7 +10,9 @@ leaves a half-written target.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import re
 import os
 import shutil
 import time
@@ -84,7 +86,7 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
         lr=cfg.pretrain_lr,
         seed=cfg.seed,
     )
-    streams, data_reader = _pretrain_streams(tokenizer, settings)
+    streams, data_reader = _pretrain_streams(tokenizer, settings, cfg.pretrain_answer_words)
     say(f"rendered {len(streams)} conversations ({sum(map(len, streams)):,} tokens) for {settings.num_steps} pretrain steps")
     sequences_NT = pack_sequences(streams, settings.seq_len, settings.num_steps * settings.batch_size)
 
@@ -105,6 +107,9 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
+    # config.json carries a digest of the weights, so the target's identity (config + weight
+    # layout, see eagle3_dagster.target) changes when a rebuild changes the weights.
+    model.config.weights_sha256 = weights_digest(model)
     model.save_pretrained(str(work))
     _check_reload(model, work, sequences_NT[:2, :32])
     _plot_loss(result.step_losses, work / "loss_curve.png")
@@ -134,20 +139,46 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
     return report
 
 
-def _pretrain_streams(tokenizer, settings: PretrainSettings) -> tuple[list[list[int]], ShareGPTReader]:
+def _pretrain_streams(tokenizer, settings: PretrainSettings,
+                      answer_words: int | None = None) -> tuple[list[list[int]], ShareGPTReader]:
     """Chat-rendered train-split conversations, read until they cover the token budget."""
     cap = MAX_SEQS_PER_CONVERSATION * settings.seq_len
     reader = ShareGPTReader(split="train")
     streams: list[list[int]] = []
     total = 0
     for batch in _batched(reader, 64):
-        texts = [tokenizer.apply_chat_template(list(c.messages), tokenize=False) for c in batch]
+        texts = [tokenizer.apply_chat_template(_clip_answers(c.messages, answer_words), tokenize=False)
+                 for c in batch]
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             streams.append(ids[:cap])
             total += len(streams[-1])
         if total >= settings.num_tokens:
             break
     return streams, reader
+
+
+def _clip_answers(messages, words: int | None) -> list[dict]:
+    """ShareGPT answers run to hundreds of tokens; a tiny target pre-trained on their openings alone
+    would never see a turn end and every regenerated answer would be cut off by length."""
+    if words is None:
+        return list(messages)
+    pattern = re.compile(r"\s*(?:\S+\s+){0,%d}\S+" % (words - 1))
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            match = pattern.match(m["content"])
+            m = {**m, "content": match.group(0).strip() if match else m["content"]}
+        out.append(m)
+    return out
+
+
+@torch.no_grad()
+def weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode() + b"\0" + str(tuple(tensor.shape)).encode() + str(tensor.dtype).encode())
+        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _batched(iterable, n: int):

@@ -49,7 +49,7 @@ def test_streams_first_conversations_of_real_file_with_normalised_roles(real_fil
     assert convs[0].id == "QWJhYvA_0" and convs[0].messages[0]["content"].startswith("Summarize the main ideas")
 
 
-def test_real_file_reports_truncation_at_the_byte_where_the_cut_record_starts(full_read, real_file, caplog):
+def test_real_file_reports_truncation_at_the_byte_where_the_cut_record_starts(full_read, real_file):
     stats, ids = full_read
     assert stats.truncated_at_end is True
     size = real_file.stat().st_size

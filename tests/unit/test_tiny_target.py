@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_dagster.io import read_json, sha256_file
 from eagle3_dagster.target import load_target_config, target_identity, target_summary
-from eagle3_dagster.tiny.build import build_tiny_target
+from eagle3_dagster.tiny.build import build_tiny_target, weights_digest
 from eagle3_dagster.tiny.pretrain import downsample, pack_sequences
 
 
@@ -110,6 +110,16 @@ def test_rebuild_replaces_an_existing_target_directory(micro_profile, tmp_path):
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["target"]
     assert any("pretrain step" in m for m in messages) and "ready" in messages[-1]
+
+
+def test_identity_of_a_rebuild_with_other_weights_differs(micro_target, micro_profile, tmp_path):
+    other = micro_profile.target.tiny.model_copy(update={"pretrain_tokens": 2000, "tokenizer_train_conversations": 50})
+    build_tiny_target(other, tmp_path / "target")
+    assert (tmp_path / "target" / "config.json").read_text() != (micro_target / "config.json").read_text()
+    assert target_identity(tmp_path / "target") != target_identity(micro_target)
+    assert read_json(micro_target / "config.json")["weights_sha256"] == weights_digest(
+        AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32)
+    )
 
 
 def test_identity_follows_config_and_weight_layout_not_location(micro_target, tmp_path):
