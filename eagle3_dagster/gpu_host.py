@@ -33,6 +33,20 @@ from eagle3_dagster.sglang import patch as sglang_patch
 
 LogFn = Callable[[str], None]
 
+# Runs the command as its own process group (pid file = group id) and a watchdog beside it that
+# waits for EOF on stdin, i.e. for the launching worker to go away, then stops the group: TERM,
+# then KILL after a grace period. The child's own stdin is /dev/null.
+# (Background jobs of a non-interactive shell get /dev/null as stdin, hence the explicit fd 3.)
+WATCHDOG = """\
+exec 3<&0
+setsid -w bash -c {inner} </dev/null 3<&- & child=$!
+( cat <&3 >/dev/null; pg=$(cat {pidfile} 2>/dev/null) && [ -n "$pg" ] && kill -TERM -- -$pg && \
+  sleep 20 && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
+exec 3<&-
+wait $child; rc=$?
+kill $watchdog 2>/dev/null
+exit $rc"""
+
 # Run by the host's interpreter: one JSON line describing what a step will need.
 PROBE = r"""
 import hashlib, importlib.util, json, os, shutil, subprocess, sys
@@ -142,8 +156,10 @@ class GpuHost:
         self.stop_stale(name)
         inner = f"echo $$ > {shlex.quote(pidfile)}; {shell_script(argv, env, cwd)}"
         script = f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && " \
-                 f"exec setsid -w bash -c {shlex.quote(inner)}"
-        proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                 + WATCHDOG.format(inner=shlex.quote(inner), pidfile=shlex.quote(pidfile))
+        # The worker keeps the write end of stdin and never writes: when it dies (even by SIGKILL) the
+        # watchdog on the host reads EOF and stops the process group, so no GPU job outlives its run.
+        proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
                                 text=True, bufsize=1, start_new_session=True)
         return HostProcess(self, proc, pidfile)
 
@@ -229,6 +245,13 @@ class HostProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        self.release()
+
+    def release(self) -> None:
+        """Close the watchdog's stdin once the process has ended, so the watchdog ends too."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class GpuHostResource(dg.ConfigurableResource):
                 raise
             finally:
                 host.signal_group(proc.pidfile, "KILL", remove=True)
+                proc.release()
             if returncode != 0:
                 raise dg.DagsterPipesExecutionError(
                     f"{' '.join(command)} on {host.where()} failed with exit code {returncode}"

@@ -167,7 +167,9 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
             proc = host.spawn(argv, {}, f"driver-{shard.key}")
             for line in proc.proc.stdout:
                 progress(line.rstrip("\n"))
-            if proc.proc.wait() != 0:
+            returncode = proc.proc.wait()
+            proc.release()
+            if returncode != 0:
                 raise RuntimeError(f"hidden_states[{shard.key}]: the SGLang driver failed on {host.where()}")
             progress(f"shard {shard.key} done ({i}/{len(specs)})", )
     return []

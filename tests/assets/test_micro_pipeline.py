@@ -95,6 +95,6 @@ def test_checks_pass_and_figures_are_within_bounds(pipeline_run) -> None:
         assert target["tokens_seen"] >= 40_000
         assert target["final_loss"] < 6.0
         merged = meta("merged_train")
-        assert merged["num_records"] > 10
+        assert merged["num_records"] >= 5 and merged["num_shards"] >= 2
         bench = meta("benchmark_report")
         assert bench["acceptance_length"] >= 1.0

@@ -1,0 +1,222 @@
+"""The micro pipeline as a user drives it: a real webserver + daemon, GraphQL, and headless Chromium.
+
+The test starts `dagster dev` on loopback for the project's own code location
+(workspace.yaml → definitions.py, EAGLE3_PROFILE = micro with outputs in a temp
+folder), launches the stage jobs below through GraphQL, backfills a few
+hidden_states shard partitions that the sensor registered from merged_train,
+then opens the UI in Chromium and checks what it shows. Screenshots go to
+artifacts/.
+"""
+
+import re
+import shutil
+import time
+
+import pytest
+
+from eagle3_dagster.config import load_profile
+
+pytestmark = pytest.mark.e2e
+
+DATASETS = load_profile("micro").dataset_names
+# Jobs launched in order through GraphQL, as (job, partition key or None). Each needs the ones before it.
+STAGE_RUNS: list[tuple[str, str | None]] = [
+    ("target_job", None),  # target_model
+    *[("data_job", ds) for ds in DATASETS],  # raw_responses + tokenized_dataset per dataset
+    ("corpus_job", None),  # merged_train, vocab_mapping, extraction_plan (+ blocking fits_on_disk check)
+]
+# Shard partitions backfilled through launchPartitionBackfill; needs corpus_job (merged_train registers them).
+BACKFILL_SHARDS = 2
+# Launched after the backfill, on every registered shard.
+FINAL_RUNS: list[tuple[str, str | None]] = [("train_job", None)]  # drafter_checkpoint, benchmark_report
+RUN_TIMEOUT_S = 600
+
+ASSET_NODES = """{ assetNodes { assetKey { path } groupName } }"""
+LATEST_METADATA = """
+query Latest($path: [String!]!) {
+  assetOrError(assetKey: {path: $path}) {
+    ... on Asset { assetMaterializations(limit: 1) { runId metadataEntries { __typename label
+      ... on IntMetadataEntry { intValue } ... on FloatMetadataEntry { floatValue }
+      ... on TextMetadataEntry { text } } } }
+  }
+}"""
+SHARD_KEYS = """{ assetNodeOrError(assetKey: {path: ["hidden_states"]}) { ... on AssetNode { partitionKeys } } }"""
+LAUNCH_BACKFILL = """
+mutation Backfill($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on PythonError { message stack }
+    ... on InvalidSubsetError { message }
+    ... on UnauthorizedError { message }
+  }
+}"""
+BACKFILL = """
+query Backfill($id: String!) {
+  partitionBackfillOrError(backfillId: $id) {
+    __typename
+    ... on PartitionBackfill { status numPartitions partitionNames runs { runId status tags { key value } } }
+    ... on PythonError { message }
+  }
+}"""
+BACKFILL_DONE = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED", "FAILING"}
+
+
+def launch_and_wait(dep, job: str, partition: str | None) -> dict:
+    tags = {"dagster/partition": partition} if partition else {}
+    run_id = dep.submit(job, tags=tags)
+    run = dep.wait_for_run(run_id, timeout_s=RUN_TIMEOUT_S)
+    assert run["status"] == "SUCCESS", f"{job}[{partition}] {run['status']}:\n{dep.run_log(run_id)[-4000:]}"
+    return run
+
+
+def assets_by_group(dep) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for node in dep.graphql(ASSET_NODES)["assetNodes"]:
+        groups.setdefault(node["groupName"], []).append("/".join(node["assetKey"]["path"]))
+    return {g: sorted(names) for g, names in sorted(groups.items())}
+
+
+def latest_metadata(dep, asset: str) -> dict:
+    data = dep.graphql(LATEST_METADATA, {"path": [asset]})["assetOrError"]
+    [event] = data["assetMaterializations"]
+    return {e["label"]: e for e in event["metadataEntries"]}
+
+
+@pytest.fixture(scope="module")
+def stages_done(micro_deployment) -> list[dict]:
+    return [launch_and_wait(micro_deployment, job, partition) for job, partition in STAGE_RUNS]
+
+
+@pytest.fixture(scope="module")
+def target_built(micro_deployment) -> None:
+    """The browser tests need only target_model; they must not wait on (or fail with) later stages."""
+    data = micro_deployment.graphql(LATEST_METADATA, {"path": ["target_model"]})["assetOrError"]
+    if not data.get("assetMaterializations"):
+        launch_and_wait(micro_deployment, "target_job", None)
+
+
+@pytest.fixture(scope="module")
+def backfill(micro_deployment, stages_done) -> dict:
+    dep = micro_deployment
+    deadline = time.monotonic() + 120  # the sensor's minimum interval is 15 s
+    while not (keys := dep.graphql(SHARD_KEYS)["assetNodeOrError"]["partitionKeys"]):
+        assert time.monotonic() < deadline, "the sensor registered no hidden_states partitions from merged_train"
+        time.sleep(1)
+    chosen = keys[:BACKFILL_SHARDS]
+    params = {"assetSelection": [{"path": ["hidden_states"]}], "partitionNames": chosen, "fromFailure": False}
+    launched = dep.graphql(LAUNCH_BACKFILL, {"params": params})["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    deadline = time.monotonic() + RUN_TIMEOUT_S * BACKFILL_SHARDS
+    while True:
+        result = dep.graphql(BACKFILL, {"id": launched["backfillId"]})["partitionBackfillOrError"]
+        if result["status"] in BACKFILL_DONE and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED")
+                                                       for r in result["runs"]):
+            break
+        assert time.monotonic() < deadline, f"backfill not done after {RUN_TIMEOUT_S * BACKFILL_SHARDS} s: {result}"
+        time.sleep(2)
+    return {"keys": keys, "chosen": chosen, "result": result}
+
+
+def test_graphql_launches_every_stage_job_and_each_run_succeeds(stages_done):
+    assert [r["status"] for r in stages_done] == ["SUCCESS"] * len(STAGE_RUNS)
+    for run in stages_done:
+        tags = {t["key"]: t["value"] for t in run["tags"]}
+        assert tags.get("eagle3/profile") == "micro"
+
+
+def test_sensor_registers_one_partition_per_merged_train_shard(micro_deployment, backfill):
+    meta = latest_metadata(micro_deployment, "merged_train")
+    assert backfill["keys"] == [f"shard-{i:05d}" for i in range(meta["num_shards"]["intValue"])]
+
+
+def test_partition_backfill_over_shards_runs_one_successful_run_per_shard(micro_deployment, backfill):
+    result = backfill["result"]
+    assert result["numPartitions"] == BACKFILL_SHARDS
+    by_partition = {next(t["value"] for t in r["tags"] if t["key"] == "dagster/partition"): r["status"]
+                    for r in result["runs"]}
+    assert by_partition == {key: "SUCCESS" for key in backfill["chosen"]}, result
+
+
+def test_training_runs_after_every_shard_is_extracted(micro_deployment, backfill):
+    dep = micro_deployment
+    for key in backfill["keys"][BACKFILL_SHARDS:]:
+        launch_and_wait(dep, "extract_job", key)
+    for job, partition in FINAL_RUNS:
+        launch_and_wait(dep, job, partition)
+
+
+# ---- the browser --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser_page(micro_deployment, tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "the UI test needs Debian's chromium (apt-get install chromium); scripts/test.sh installs it"
+    profile_dir = tmp_path_factory.mktemp("chromium-profile")
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(profile_dir), executable_path=chromium, headless=True, args=args,
+            viewport={"width": 1600, "height": 1000},
+        )
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        # The first visit opens a newsletter dialog over every page; answer it once, as a user would.
+        page.goto(f"{micro_deployment.url}/overview")
+        page.get_by_role("button", name="Skip").click(timeout=30_000)
+        yield page
+        context.close()
+
+
+def wait_for_text(page, text: str, timeout_s: float = 60) -> None:
+    page.get_by_text(text, exact=False).first.wait_for(state="attached", timeout=timeout_s * 1000)
+
+
+def open_page(page, url: str, expect: str) -> str:
+    """Go to `url`, wait for `expect` to render, return the page's text."""
+    page.goto(url)
+    wait_for_text(page, expect)
+    page.wait_for_timeout(1000)  # graph layout and the last GraphQL answers
+    return page.inner_text("body")
+
+
+def test_ui_asset_catalog_and_graph_show_every_asset(micro_deployment, target_built, browser_page, artifacts_dir):
+    dep, page = micro_deployment, browser_page
+    groups = assets_by_group(dep)
+    names = sorted(n for members in groups.values() for n in members)
+    assert {"target_model", "merged_train", "hidden_states", "drafter_checkpoint"} <= set(names)
+
+    catalog = open_page(page, f"{dep.url}/assets", names[0])
+    page.screenshot(path=str(artifacts_dir / "ui_asset_catalog.png"), full_page=True)
+    assert [n for n in names if n not in catalog] == [], "asset catalog is missing assets"
+
+    lineage = open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
+    page.screenshot(path=str(artifacts_dir / "ui_asset_lineage.png"), full_page=True)
+    assert [g for g in groups if g not in lineage] == [], "global lineage is missing asset groups"
+    for group, members in groups.items():
+        graph = open_page(page, f"{dep.url}/locations/{dep.location_name}/asset-groups/{group}", members[0])
+        page.screenshot(path=str(artifacts_dir / f"ui_asset_graph_{group}.png"), full_page=True)
+        assert [n for n in members if n not in graph] == [], f"graph of group {group} is missing assets"
+
+
+def test_ui_asset_page_shows_latest_materialization_metadata(micro_deployment, target_built, browser_page,
+                                                              artifacts_dir):
+    dep, page = micro_deployment, browser_page
+    meta = latest_metadata(dep, "target_model")
+    numeric = {k: e.get("intValue", e.get("floatValue")) for k, e in meta.items()
+               if e["__typename"] in ("IntMetadataEntry", "FloatMetadataEntry")}
+    assert numeric, f"target_model's materialization carries no numeric metadata: {sorted(meta)}"
+
+    text = open_page(page, f"{dep.url}/assets/target_model", next(iter(numeric)))
+    page.screenshot(path=str(artifacts_dir / "ui_target_model.png"), full_page=True)
+    assert [k for k in meta if k not in text] == [], "asset page is missing metadata labels"
+    for label, value in numeric.items():
+        if isinstance(value, int):
+            shown = {str(value), f"{value:,}"}
+            assert any(s in text for s in shown), f"{label}={value} not shown on the asset page"
+        else:
+            assert re.search(re.escape(f"{value:.3g}"[:4]), text), f"{label}={value} not shown on the asset page"
