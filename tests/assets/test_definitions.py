@@ -1,0 +1,77 @@
+"""The code location: it loads for every profile, and the graph is the one DESIGN §1 draws."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from definitions import build_definitions
+from eagle3_dagster.config import CONFIG_DIR, load_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# asset → the assets it depends on (DESIGN §1)
+GRAPH = {
+    "target_model": set(),
+    "raw_responses": {"target_model"},
+    "tokenized_dataset": {"raw_responses", "target_model"},
+    "merged_train": {"tokenized_dataset"},
+    "vocab_mapping": {"merged_train", "target_model"},
+    "extraction_plan": {"merged_train", "target_model"},
+    "hidden_states": {"merged_train", "extraction_plan", "target_model"},
+    "drafter_checkpoint": {"hidden_states", "vocab_mapping", "target_model"},
+    "benchmark_report": {"drafter_checkpoint", "target_model"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_definitions_load_for_every_profile(name: str) -> None:
+    defs = build_definitions(load_profile(name))
+    graph = defs.resolve_asset_graph()
+    assert {k.to_user_string() for k in graph.get_all_asset_keys()} == set(GRAPH)
+    for asset, deps in GRAPH.items():
+        parents = {k.to_user_string() for k in graph.get(dg.AssetKey(asset)).parent_keys}
+        assert parents == deps, asset
+    for job in ["data_job", "corpus_job", "extract_job", "train_job", "cleanup_hidden_states"]:
+        defs.resolve_job_def(job)
+    assert defs.resolve_schedule_def("hidden_states_backfill")
+    assert defs.resolve_sensor_def("register_shard_partitions")
+
+
+def test_production_target_is_observed_and_demo_target_is_built() -> None:
+    prod = build_definitions(load_profile("production")).resolve_asset_graph()
+    demo = build_definitions(load_profile("demo")).resolve_asset_graph()
+    assert prod.get(dg.AssetKey("target_model")).is_observable
+    assert demo.get(dg.AssetKey("target_model")).is_materializable
+
+
+def test_gpu_assets_share_the_gpu_host_pool_and_every_asset_has_a_code_version() -> None:
+    graph = build_definitions(load_profile("micro")).resolve_asset_graph()
+    for name in ["hidden_states", "drafter_checkpoint", "benchmark_report"]:
+        assert graph.get(dg.AssetKey(name)).pools == {"gpu_host"}, name
+    for name in GRAPH:
+        node = graph.get(dg.AssetKey(name))
+        assert node.code_version, name
+
+
+def test_hidden_state_shards_are_dynamic_partitions_and_datasets_static() -> None:
+    profile = load_profile("production")
+    graph = build_definitions(profile).resolve_asset_graph()
+    shards = graph.get(dg.AssetKey("hidden_states")).partitions_def
+    assert isinstance(shards, dg.DynamicPartitionsDefinition) and shards.name == "hidden_state_shards"
+    datasets = graph.get(dg.AssetKey("raw_responses")).partitions_def
+    assert datasets.get_partition_keys() == profile.dataset_names
+
+
+def test_dagster_cli_validates_the_workspace() -> None:
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=ROOT, env=os.environ | {"EAGLE3_PROFILE": "micro"}, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Validation successful" in out.stdout + out.stderr
