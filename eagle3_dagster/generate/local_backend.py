@@ -6,15 +6,26 @@ Owns: the demo's "server": render the prompt with the target's own chat template
 tool_calls with the Kimi parser, so records look exactly like an API's. Usage
 counts are the real prompt and generated token counts; cost is zero.
 
-One model, one forward at a time: calls are serialised with a lock and run in a
-worker thread so the event loop (and progress reporting) stays responsive.
+Micro-batching: on CPU a tiny target's decode step is almost all per-call Python
+overhead, so one `generate` for 32 prompts costs little more than one for a
+single prompt. `complete()` therefore only queues its request; one worker thread
+(the only one that touches the model) gathers whatever is pending, waiting
+`batch_wait_s` after each arrival for more, up to `max_batch`, and runs one
+left-padded `generate` per (max_tokens, temperature) group. The event loop stays
+free while it runs. Greedy answers do not depend on the batch; sampled answers
+are seeded from the batch's request ids, so they repeat when the same requests
+are batched together again (batch composition itself depends on timing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import queue
 import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -23,59 +34,156 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eagle3_dagster.chat.kimi import parse_completion, stop_token_ids
 from eagle3_dagster.generate.client import ChatRequestError, ChatResult
 
+_STOP = object()  # queue sentinel: the worker exits
+
+
+@dataclass
+class _Request:
+    messages: list[dict]
+    request_id: str
+    max_tokens: int
+    temperature: float
+    reasoning: bool
+    future: Future = field(default_factory=Future)
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+def _local_error(e: BaseException) -> BaseException:
+    """Model and template failures become a failed request; anything else is a bug and propagates as is."""
+    if isinstance(e, (ValueError, RuntimeError)):
+        return ChatRequestError("local_error", f"{type(e).__name__}: {e}")
+    return e
+
 
 class LocalChatBackend:
-    """Generation with `model.generate`; `paid=False`, so an interrupted request is simply re-run."""
+    """Generation with batched `model.generate`; `paid=False`, so an interrupted request is simply re-run."""
 
     paid = False
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", *, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, device: str = "cpu", *, dtype: str = "float32", seed: int = 0,
+                 max_batch: int = 32, batch_wait_s: float = 0.005) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model_dir = Path(model_dir)
         self.device = device
         self.seed = seed
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{self.model_dir}: tokenizer has no chat template")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError(f"{self.model_dir}: tokenizer has no pad token, needed to batch prompts")
+        self.tokenizer.padding_side = "left"  # generation continues from the last column
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).to(device).eval()
         self._stop_ids = stop_token_ids(self.tokenizer)
-        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()  # one per worker, so a closing worker's sentinel is its own
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"LocalChatBackend(model_dir={str(self.model_dir)!r}, device={self.device!r})"
 
-    def generate(self, messages: list[dict], *, request_id: str, max_tokens: int, temperature: float,
-                 reasoning: bool) -> ChatResult:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                    thinking=reasoning)
-        prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        input_ids = torch.tensor([prompt_ids], device=self.device)
+    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
+                       temperature: float, reasoning: bool) -> ChatResult:
+        request = _Request(list(messages), request_id, max_tokens, temperature, reasoning)
+        with self._worker_lock:  # started lazily, so the backend also works again after `aclose`
+            if self._worker is None:
+                self._queue = queue.Queue()
+                self._worker = threading.Thread(target=self._serve, args=(self._queue,), name="local-generate",
+                                                daemon=True)
+                self._worker.start()
+            self._queue.put(request)
+        return await asyncio.wrap_future(request.future)
+
+    async def aclose(self) -> None:
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+            if worker is None:
+                return
+            self._queue.put(_STOP)  # after every request already queued: those are still answered
+        await asyncio.to_thread(worker.join)
+
+    def _serve(self, requests: queue.Queue) -> None:
+        stopping = False
+        while not stopping:
+            first = requests.get()
+            if first is _STOP:
+                return
+            pending = [first]
+            while len(pending) < self.max_batch:
+                try:
+                    item = requests.get(timeout=self.batch_wait_s)
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stopping = True
+                    break
+                pending.append(item)
+            # Cancelled awaits are dropped here; the rest can no longer be cancelled.
+            live = [r for r in pending if r.future.set_running_or_notify_cancel()]
+            key = lambda r: (r.max_tokens, r.temperature)  # noqa: E731
+            for _, group in groupby(sorted(live, key=key), key=key):
+                self._run_batch(list(group))
+
+    def _run_batch(self, batch: list[_Request]) -> None:
+        ready = []
+        for r in batch:  # a prompt the template cannot render fails alone, not its batch
+            try:
+                prompt = self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False,
+                                                            thinking=r.reasoning)
+                r.prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                ready.append(r)
+            except Exception as e:  # noqa: BLE001 - bad history (e.g. a malformed tool call) fails its request
+                r.future.set_exception(ChatRequestError(
+                    "local_error", f"request {r.request_id}: chat template failed: {type(e).__name__}: {e}"))
+        if not ready:
+            return
+        try:
+            rows = self._generate(ready)
+        except Exception as e:  # noqa: BLE001 - every request of the batch fails; the worker carries on
+            for r in ready:
+                r.future.set_exception(_local_error(e))
+            return
+        for r, generated in zip(ready, rows):
+            try:
+                r.future.set_result(self._result(r, generated))
+            except Exception as e:  # noqa: BLE001
+                r.future.set_exception(_local_error(e))
+
+    def _generate(self, batch: list[_Request]) -> list[list[int]]:
+        """One `generate` for the batch; each row cut after its first stop token (pad columns follow it)."""
+        padded = self.tokenizer.pad({"input_ids": [r.prompt_ids for r in batch]}, padding=True, return_tensors="pt")
+        input_ids = padded["input_ids"].to(self.device)
+        temperature, max_tokens = batch[0].temperature, batch[0].max_tokens
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with self._lock, torch.inference_mode():
-            # Seeded per request, so a re-run of the same request id samples the same answer.
-            torch.manual_seed(self.seed ^ int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16))
+        with torch.inference_mode():
+            if temperature > 0:
+                # generate() takes no torch.Generator: the global one is seeded, only this thread samples.
+                torch.manual_seed(self.seed ^ _ids_hash(r.request_id for r in batch))
             out = self.model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                eos_token_id=self._stop_ids, pad_token_id=self._stop_ids[0], top_k=None, top_p=None, **sampling,
+                input_ids, attention_mask=padded["attention_mask"].to(self.device), max_new_tokens=max_tokens,
+                eos_token_id=self._stop_ids, pad_token_id=self.tokenizer.pad_token_id, top_k=None, top_p=None,
+                **sampling,
             )
-        generated = out[0, len(prompt_ids):].tolist()
+        rows = []
+        for row in out[:, input_ids.shape[1]:].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in self._stop_ids), len(row))
+            rows.append(row[:end])
+        return rows
+
+    def _result(self, r: _Request, generated: list[int]) -> ChatResult:
         finished = bool(generated) and generated[-1] in self._stop_ids
         text = self.tokenizer.decode(generated, skip_special_tokens=False)
-        reasoning_text, content, tool_calls = parse_completion(text, thinking=reasoning)
+        reasoning_text, content, tool_calls = parse_completion(text, thinking=r.reasoning)
         return ChatResult(
             reasoning=reasoning_text or "", content=content, tool_calls=tool_calls or [],
             finish_reason="stop" if finished else "length",
-            usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(generated),
-                   "total_tokens": len(prompt_ids) + len(generated)},
+            usage={"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(generated),
+                   "total_tokens": len(r.prompt_ids) + len(generated)},
             cost=0.0, provider="local", model=str(self.model_dir.name),
         )
 
-    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool) -> ChatResult:
-        try:
-            return await asyncio.to_thread(self.generate, messages, request_id=request_id, max_tokens=max_tokens,
-                                           temperature=temperature, reasoning=reasoning)
-        except (ValueError, RuntimeError) as e:
-            raise ChatRequestError("local_error", f"{type(e).__name__}: {e}") from e
 
-    async def aclose(self) -> None:
-        return None
+def _ids_hash(request_ids) -> int:
+    return int(hashlib.sha256("\n".join(sorted(request_ids)).encode()).hexdigest()[:8], 16)
