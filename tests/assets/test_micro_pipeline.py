@@ -98,3 +98,31 @@ def test_checks_pass_and_figures_are_within_bounds(pipeline_run) -> None:
         assert merged["num_records"] >= 5 and merged["num_shards"] >= 2
         bench = meta("benchmark_report")
         assert bench["acceptance_length"] >= 1.0
+
+
+def test_retried_extraction_resumes_from_the_manifest(pipeline_run, tmp_path) -> None:
+    """A run that died after writing shard-00000 but before recording shard-00001 is retried:
+    the recorded shard is skipped, untouched; the unrecorded one is redone, byte for byte."""
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    env_profile = home.parent / "micro.yaml"
+    from definitions import build_definitions
+    from eagle3_dagster.config import load_profile_file
+
+    profile = load_profile_file(env_profile)
+    version_dir = next((Path(profile.hidden.root)).glob("hs-*"))
+    first, second = version_dir / "shard-00000.safetensors", version_dir / "shard-00001.safetensors"
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (first, second)}
+    (version_dir / "shard-00001.manifest.json").unlink()  # the crash: renamed, never recorded
+    defs = build_definitions(profile)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        for key in ["shard-00000", "shard-00001"]:
+            result = defs.resolve_job_def("extract_job").execute_in_process(instance=instance, partition_key=key)
+            assert result.success
+            meta = result.asset_materializations_for_node("hidden_states")[0].metadata
+            assert meta["resumed_shards"].value == (1 if key == "shard-00000" else 0)
+            checks = {c.check_name: c.passed for c in result.get_asset_check_evaluations()}
+            assert checks == {"bytes_match_plan": True, "manifest_checksums": True}
+    assert first.stat().st_mtime_ns == before[first][0]
+    assert second.read_bytes() == before[second][1]
+    assert (version_dir / "shard-00001.manifest.json").exists()
