@@ -162,36 +162,33 @@ def _rewrite(path: Path, data: bytes) -> None:
 
 def apply(python: str) -> str:
     """Patch the interpreter's SGLang; returns what happened. Idempotent."""
-    version, path = locate_sglang(python)
-    release = release_for(version)
-    data = path.read_bytes()
-    state = file_state(version, data)
-    if state == "patched":
-        return f"already patched: {path} (sglang {version})"
-    if state == "modified-unknown":
-        raise PatchError(f"{path} differs from pristine sglang {version} and from the patched file; refusing")
-    new = apply_unified_diff(data.decode(), release.patch_file.read_text()).encode()
-    if hashlib.sha256(new).hexdigest() != release.patched_sha256:
-        raise PatchError(f"{release.patch_file} did not produce the expected patched file for sglang {version}")
-    _rewrite(path, new)
-    return f"patched: {path} (sglang {version})"
+    return _transition(python, reverse=False)
 
 
 def revert(python: str) -> str:
     """Restore the pristine file byte for byte. Idempotent."""
+    return _transition(python, reverse=True)
+
+
+def _transition(python: str, *, reverse: bool) -> str:
+    """Move the file to the patched (or pristine) state, checking the result by its sha256 before writing."""
     version, path = locate_sglang(python)
     release = release_for(version)
     data = path.read_bytes()
     state = file_state(version, data)
-    if state == "unpatched":
-        return f"already pristine: {path} (sglang {version})"
+    done_state, verb = ("unpatched", "reverted") if reverse else ("patched", "patched")
+    if state == done_state:
+        return f"already {'pristine' if reverse else 'patched'}: {path} (sglang {version})"
     if state == "modified-unknown":
         raise PatchError(f"{path} differs from pristine sglang {version} and from the patched file; refusing")
-    old = apply_unified_diff(data.decode(), release.patch_file.read_text(), reverse=True).encode()
-    if hashlib.sha256(old).hexdigest() != release.pristine_sha256:
-        raise PatchError(f"reverting {path} did not restore the pristine sglang {version} file")
-    _rewrite(path, old)
-    return f"reverted: {path} (sglang {version})"
+    result = apply_unified_diff(data.decode(), release.patch_file.read_text(), reverse=reverse).encode()
+    expected = release.pristine_sha256 if reverse else release.patched_sha256
+    if hashlib.sha256(result).hexdigest() != expected:
+        what = f"reverting {path} did not restore the pristine" if reverse else \
+            f"{release.patch_file} did not produce the expected patched"
+        raise PatchError(f"{what} file for sglang {version}")
+    _rewrite(path, result)
+    return f"{verb}: {path} (sglang {version})"
 
 
 def verify(python: str) -> str:
