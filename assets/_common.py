@@ -23,6 +23,12 @@ GPU_POOL = "gpu_host"
 CODE_VERSION = "1"
 
 
+def code_version(profile: Profile, *sections: str) -> str:
+    """The code version plus a fingerprint of the config sections the asset reads: editing one of them
+    marks the asset (and, through data versions, everything downstream) stale in the UI."""
+    return f"{CODE_VERSION}-{profile.fingerprint(*sections)}"
+
+
 def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: Profile) -> None:
     """Put the profile on the run itself, so that runs launched from the UI carry it too."""
     try:

@@ -9,7 +9,7 @@ last checkpoint. The report compares itself with the previous materialization.
 
 import dagster as dg
 
-from assets._common import CODE_VERSION, GPU_POOL, layout, materialize_result, progress_logger, report_metadata, tag_run
+from assets._common import GPU_POOL, code_version, layout, materialize_result, progress_logger, report_metadata, tag_run
 from eagle3_dagster.config import Profile
 
 GROUP = "drafter"
@@ -21,7 +21,7 @@ def build(profile: Profile) -> list:
         name="drafter_checkpoint",
         group_name=GROUP,
         deps=["hidden_states", "vocab_mapping", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "train", "drafter", "target"),
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
@@ -30,7 +30,6 @@ def build(profile: Profile) -> list:
                                        "with its shape, and nothing else")],
         description="EAGLE-3 drafter trained with torchrun (DDP) on the hidden-state shards, exported in the "
         "layout SGLang and vLLM load.",
-        tags={"eagle3/config": profile.fingerprint("train")},
         retry_policy=dg.RetryPolicy(max_retries=1),
     )
     def drafter_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
@@ -55,7 +54,7 @@ def build(profile: Profile) -> list:
         name="benchmark_report",
         group_name=GROUP,
         deps=["drafter_checkpoint", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "bench"),
         pool=GPU_POOL,
         kinds={"markdown"},
         required_resource_keys={"gpu_host"},

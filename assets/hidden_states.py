@@ -10,7 +10,7 @@ compares the bytes written with the plan's prediction.
 
 import dagster as dg
 
-from assets._common import CODE_VERSION, GPU_POOL, layout, materialize_result, progress_logger, tag_run
+from assets._common import GPU_POOL, code_version, layout, materialize_result, progress_logger, tag_run
 from assets.partitions import HIDDEN_STATE_SHARDS
 from eagle3_dagster.config import Profile
 
@@ -25,13 +25,12 @@ def build(profile: Profile) -> list:
         name="extraction_plan",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "hidden"),
         required_resource_keys={"gpu_host"},
         check_specs=[dg.AssetCheckSpec(FITS_CHECK, asset="extraction_plan", blocking=True,
                                        description="the shards fit in the free space where they go")],
         description="Exact bytes and estimated hours of extraction for the current merged_train, free space "
         "where the shards go, and every superseded hidden-state version with its size.",
-        tags={"eagle3/config": profile.fingerprint("hidden")},
     )
     def extraction_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.hidden import plan_stage
@@ -53,7 +52,7 @@ def build(profile: Profile) -> list:
         group_name=GROUP,
         partitions_def=HIDDEN_STATE_SHARDS,
         deps=["merged_train", "extraction_plan", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "hidden", "gpu_host"),
         pool=GPU_POOL,
         kinds={"safetensors"},
         required_resource_keys={"gpu_host"},
@@ -65,7 +64,6 @@ def build(profile: Profile) -> list:
         ],
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
         f"({profile.hidden.backend} backend). Resumes from the manifest when retried.",
-        tags={"eagle3/config": profile.fingerprint("hidden")},
     )
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.hidden import extract_stage

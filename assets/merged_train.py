@@ -8,7 +8,7 @@ registered from its metadata by a sensor.
 
 import dagster as dg
 
-from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
 from eagle3_dagster.config import Profile
 
 GROUP = "data"
@@ -19,11 +19,10 @@ def build(profile: Profile) -> list:
         name="merged_train",
         group_name=GROUP,
         deps=["tokenized_dataset"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "data", "datasets", "hidden"),
         kinds={"json"},
         description="merged_train.jsonl: chosen datasets merged, truncated to max_seq_len with loss masks "
         "recomputed, shuffled with the configured seed (same inputs and seed, same bytes).",
-        tags={"eagle3/config": profile.fingerprint("data")},
     )
     def merged_train(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.data import merge_partitions
@@ -35,11 +34,10 @@ def build(profile: Profile) -> list:
         name="vocab_mapping",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "data"),
         kinds={"pytorch"},
         description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), "
         "safetensors.",
-        tags={"eagle3/config": profile.fingerprint("data")},
     )
     def vocab_mapping(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.data import build_vocab

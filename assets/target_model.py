@@ -11,7 +11,7 @@ import json
 
 import dagster as dg
 
-from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
 from eagle3_dagster.config import Profile
 
 GROUP = "target"
@@ -27,11 +27,10 @@ def _tiny_target_asset(profile: Profile):
     @dg.asset(
         name="target_model",
         group_name=GROUP,
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "target"),
         kinds={"pytorch"},
         description="The tiny DeepSeek-V3 target (MLA, MoE, first layer dense) pre-trained on ShareGPT, "
         "with a byte-level BPE carrying Kimi's special tokens and chat template.",
-        tags={"eagle3/config": profile.fingerprint("target")},
     )
     def target_model(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.target import build_target

@@ -8,7 +8,7 @@ share passes `data.bad_fraction_threshold`.
 
 import dagster as dg
 
-from assets._common import CODE_VERSION, layout, materialize_result, progress_logger, tag_run
+from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
 from assets.partitions import dataset_partitions
 from eagle3_dagster.config import Profile
 
@@ -21,11 +21,10 @@ def build(profile: Profile) -> list:
         group_name=GROUP,
         partitions_def=dataset_partitions(profile),
         deps=["raw_responses", "target_model"],
-        code_version=CODE_VERSION,
+        code_version=code_version(profile, "data", "datasets"),
         kinds={"json"},
         description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
         "rendered with the target's chat template; quarantine.jsonl beside it.",
-        tags={"eagle3/config": profile.fingerprint("data")},
     )
     def tokenized_dataset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.stages.data import tokenize_partition

@@ -235,10 +235,15 @@ class Profile(_Strict):
                 return d
         raise KeyError(f"no dataset named {name!r} in profile {self.profile!r}")
 
-    def fingerprint(self, section: str) -> str:
-        """Stable hash of one section, used as a data-version input so a changed config marks assets stale."""
-        payload = getattr(self, section).model_dump_json() if hasattr(self, section) else ""
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    def fingerprint(self, *sections: str) -> str:
+        """Stable hash of some sections; part of each asset's code version, so a changed config marks it stale."""
+        h = hashlib.sha256()
+        for section in sections:
+            value = getattr(self, section)
+            payload = value.model_dump_json() if hasattr(value, "model_dump_json") else \
+                "[" + ",".join(v.model_dump_json() for v in value) + "]"
+            h.update(section.encode() + b"\0" + payload.encode() + b"\0")
+        return h.hexdigest()[:12]
 
     def path(self, *parts: str) -> Path:
         root = Path(self.run_root)

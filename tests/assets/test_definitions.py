@@ -75,3 +75,15 @@ def test_dagster_cli_validates_the_workspace() -> None:
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Validation successful" in out.stdout + out.stderr
+
+
+def test_a_changed_config_section_changes_the_code_version_of_the_assets_that_read_it() -> None:
+    def versions(**overrides) -> dict[str, str]:
+        graph = build_definitions(load_profile("micro", overrides=overrides)).resolve_asset_graph()
+        return {name: graph.get(dg.AssetKey(name)).code_version for name in GRAPH}
+
+    base = versions()
+    changed = versions(data={"max_seq_len": 256})
+    differs = {name for name in GRAPH if base[name] != changed[name]}
+    assert differs == {"tokenized_dataset", "merged_train", "vocab_mapping"}
+    assert versions(train={"lr": 0.01})["drafter_checkpoint"] != base["drafter_checkpoint"]
