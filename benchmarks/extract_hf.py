@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_dagster.hidden.extract_hf import extract_shard_hf, length_buckets, load_target_hf
+from eagle3_dagster.hidden.extract_hf import extract_shard_hf, length_buckets, load_target_hf, pad_batch
 from eagle3_dagster.hidden.plan import actual_bytes
 from eagle3_dagster.hidden.sharding import plan_shards, read_shard_records
 from eagle3_dagster.io import write_jsonl
@@ -51,12 +51,7 @@ def write_merged_train(path: Path, num_samples: int, min_len: int, max_len: int,
 def forward_only(model, batches: list[list], device) -> float:
     start = time.perf_counter()
     for batch in batches:
-        longest = len(batch[0].input_ids)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros(len(batch), longest, dtype=torch.long)
-        for b, r in enumerate(batch):
-            ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
-            mask[b, : len(r.input_ids)] = 1
+        ids, mask = pad_batch(batch)
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         out.last_hidden_state.cpu()
     if device.type == "cuda":

@@ -150,16 +150,22 @@ class _BackgroundWriter:
             raise self.error
 
 
+def pad_batch(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and attention mask for a length-sorted batch (longest first)."""
+    longest = len(batch[0].input_ids)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for b, r in enumerate(batch):
+        ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
+        mask[b, : len(r.input_ids)] = 1
+    return ids, mask
+
+
 @torch.inference_mode()
 def _run_batches(model, capture: _AuxCapture, records, batch_tokens: int, sink: _BackgroundWriter) -> None:
     device = next(model.parameters()).device
     for batch in length_buckets(records, batch_tokens):
-        longest = len(batch[0].input_ids)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        mask = torch.zeros(len(batch), longest, dtype=torch.long)
-        for b, r in enumerate(batch):
-            ids[b, : len(r.input_ids)] = torch.tensor(r.input_ids)
-            mask[b, : len(r.input_ids)] = 1
+        ids, mask = pad_batch(batch)
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
         sink.put((batch, capture.take(), out.last_hidden_state))
 
