@@ -55,6 +55,7 @@ class TokenizeStats:
     quarantine_by_reason: dict[str, int] = field(default_factory=dict)
     num_usage_checked: int = 0
     num_usage_mismatch: int = 0  # rebuilt completion length != usage.completion_tokens (beyond tolerance)
+    num_exact_completion_ids: int = 0  # turns whose completion ids came from the backend, not re-tokenized
 
     @property
     def usage_mismatch_rate(self) -> float:
@@ -75,13 +76,21 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def build_turn_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None, content: str | None,
-                      tool_calls: list[dict] | None, *, thinking: bool = True,
-                      tools: list[dict] | None = None) -> tuple[list[int], list[int], int]:
-    """(input_ids, loss_mask, completion length) of one generated turn after its exact prompt."""
+                      tool_calls: list[dict] | None, *, thinking: bool = True, tools: list[dict] | None = None,
+                      completion_ids: list[int] | None = None) -> tuple[list[int], list[int], int]:
+    """(input_ids, loss_mask, completion length) of one generated turn after its exact prompt.
+
+    `completion_ids`, when the backend reported them, are used as they are: they are what the target
+    generated, which re-tokenizing the rendered text need not reproduce."""
     prompt = tokenizer.apply_chat_template(prompt_messages, tools=tools, add_generation_prompt=True,
                                            tokenize=False, thinking=thinking)
     prompt_ids = encode(tokenizer, prompt)
-    completion_ids = encode(tokenizer, render_completion(reasoning, content, tool_calls, thinking=thinking))
+    if completion_ids is None:
+        completion_ids = encode(tokenizer, render_completion(reasoning, content, tool_calls, thinking=thinking))
+    else:
+        bad = [t for t in completion_ids if not isinstance(t, int) or not 0 <= t < len(tokenizer)]
+        if bad:
+            raise ValueError(f"completion_ids hold ids outside the vocab: {bad[:5]}")
     return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), len(completion_ids)
 
 
@@ -146,10 +155,11 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
             try:
                 ids, mask, n_completion = build_turn_sample(
                     tokenizer, turn["messages"], response.get("reasoning"), response.get("content"),
-                    response.get("tool_calls"), thinking=thinking)
+                    response.get("tool_calls"), thinking=thinking, completion_ids=response.get("completion_ids"))
             except (KeyError, TypeError, ValueError) as e:
                 yield "bad", (f"unrenderable: {type(e).__name__}: {e}"[:200], where, turn)
                 continue
+            stats.num_exact_completion_ids += "completion_ids" in response
             reported = (turn.get("usage") or {}).get("completion_tokens")
             if isinstance(reported, int):
                 stats.num_usage_checked += 1

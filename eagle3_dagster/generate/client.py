@@ -45,6 +45,9 @@ class ChatResult:
     provider: str | None
     model: str | None
     attempt_failures: dict[str, int] = field(default_factory=dict)
+    # The completion's token ids exactly as generated, when the backend knows them (the in-process one):
+    # re-tokenizing the decoded text can merge or split differently from what the model produced.
+    completion_ids: list[int] | None = None
 
     def assistant_message(self) -> dict:
         """The turn as history for the next request (the template decides what of it to render)."""

@@ -181,7 +181,7 @@ class LocalChatBackend:
             finish_reason="stop" if finished else "length",
             usage={"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(generated),
                    "total_tokens": len(r.prompt_ids) + len(generated)},
-            cost=0.0, provider="local", model=str(self.model_dir.name),
+            cost=0.0, provider="local", model=str(self.model_dir.name), completion_ids=[int(t) for t in generated],
         )
 
 

@@ -182,7 +182,8 @@ def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[
         "request_id": rid, "dataset": dataset, "conversation_id": conv_id, "turn": turn,
         "messages": history,  # exactly the prompt this answer was generated from
         "response": {"reasoning": result.reasoning, "content": result.content,
-                     "tool_calls": result.tool_calls, "finish_reason": result.finish_reason},
+                     "tool_calls": result.tool_calls, "finish_reason": result.finish_reason,
+                     **({"completion_ids": result.completion_ids} if result.completion_ids is not None else {})},
         "usage": result.usage, "cost_usd": result.cost, "provider": result.provider, "model": result.model,
         "settings": settings.identity(), "attempt_failures": result.attempt_failures,
     }

@@ -181,6 +181,7 @@ def test_local_backend_regenerates_with_the_targets_chat_template(tmp_path, micr
     assert turn["provider"] == "local" and turn["cost_usd"] == 0.0
     assert 1 <= turn["usage"]["completion_tokens"] <= 12
     assert turn["response"]["finish_reason"] in {"stop", "length"}
+    assert len(turn["response"]["completion_ids"]) == turn["usage"]["completion_tokens"]
     assert stats.num_successes == 1
 
 

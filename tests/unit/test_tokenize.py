@@ -162,3 +162,29 @@ def test_too_many_bad_records_fail_the_stage_without_publishing_the_output(tmp_p
                                bad_fraction_threshold=0.05)
     assert not (tmp_path / "tok.jsonl").exists()
     assert len(list(iter_jsonl(tmp_path / "q.jsonl"))) == 6
+
+
+def test_completion_ids_reported_by_the_backend_are_supervised_as_generated_not_retokenized(tmp_path, tok):
+    msgs = [SYSTEM, {"role": "user", "content": "Hi"}]
+    canonical = hand(tok, "R", "</think>", "Hello", "<|im_end|>")
+    # what a model may really emit: "Hello" spelled one byte-level piece at a time
+    spelled = hand(tok, "R", "</think>") + [tok.convert_tokens_to_ids(c) for c in "Hello"] + hand(tok, "<|im_end|>")
+    assert spelled != canonical and tok.decode(spelled) == tok.decode(canonical)
+    turn = _turn("a", "c1", 0, msgs, "R", "Hello", completion_tokens=len(spelled))
+    turn["response"]["completion_ids"] = spelled
+    stats = tokenize_regenerated(_store_with(tmp_path, [turn]), tok, tmp_path / "tok.jsonl", tmp_path / "q.jsonl",
+                                 dataset="ds")
+    (record,) = list(iter_jsonl(tmp_path / "tok.jsonl"))
+    assert record["input_ids"][-len(spelled):] == spelled
+    assert record["loss_mask"] == [0] * (len(record["input_ids"]) - len(spelled)) + [1] * len(spelled)
+    assert stats.num_exact_completion_ids == 1 and stats.num_usage_mismatch == 0
+
+
+def test_completion_ids_outside_the_vocab_are_quarantined(tmp_path, tok):
+    turn = _turn("a", "c1", 0, [SYSTEM, {"role": "user", "content": "Hi"}], "R", "Hello")
+    turn["response"]["completion_ids"] = [5, len(tok) + 7]
+    turn2 = _turn("b", "c2", 0, [SYSTEM, {"role": "user", "content": "Hi"}], "R", "Hello")
+    stats = tokenize_regenerated(_store_with(tmp_path, [turn, turn2]), tok, tmp_path / "tok.jsonl",
+                                 tmp_path / "q.jsonl", dataset="ds", bad_fraction_threshold=0.9)
+    assert stats.num_quarantined == 1 and stats.num_records == 1
+    assert "outside the vocab" in (tmp_path / "q.jsonl").read_text()
