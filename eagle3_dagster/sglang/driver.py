@@ -207,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m eagle3_dagster.sglang.driver ...`: one shard, run on the GPU host (launched through Pipes)."""
     import argparse
 
-    from dagster_pipes import open_dagster_pipes
-
     from eagle3_dagster.hidden.sharding import plan_shards
+    from eagle3_dagster.pipes_bridge import pipes_session
 
     p = argparse.ArgumentParser(prog="eagle3_dagster.sglang.driver")
     p.add_argument("--base-url", required=True)
@@ -227,19 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard)}
     if a.shard not in specs:
         raise SystemExit(f"{a.merged_train}: no shard {a.shard!r} at {a.samples_per_shard} samples per shard")
-    with open_dagster_pipes() as pipes:
+    with pipes_session() as pipes:
         def progress(done: int, total: int) -> None:
-            pipes.log.info(f"{a.shard}: {done}/{total} tokens")
+            line = f"{a.shard}: {done}/{total} tokens"
+            pipes.log.info(line) if pipes is not None else print(line, flush=True)
 
         result = extract_shard_sglang(
             DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
             a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
             dtype=a.dtype, target_identity=a.target_identity, progress=progress,
         )
-        pipes.report_asset_materialization(metadata={
+        summary = {
             "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
             "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
-        })
+        }
+        if pipes is not None:
+            pipes.report_asset_materialization(metadata=summary)
+        else:
+            print(summary, flush=True)
     return 0
 
 

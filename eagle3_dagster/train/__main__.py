@@ -11,7 +11,6 @@ exits the process abruptly (os._exit) after step N, the way a killed run does.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import math
 import os
@@ -26,6 +25,7 @@ from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 from eagle3_dagster.io import atomic_open, atomic_write_json
+from eagle3_dagster.pipes_bridge import pipes_session
 from eagle3_dagster.train import TrainJobConfig
 from eagle3_dagster.train.checkpoint import Checkpointer
 from eagle3_dagster.train.data import BucketedSampler
@@ -72,13 +72,7 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
 
 def _pipes_context(rank: int):
     """Only rank 0 talks to Dagster: one opened/closed pair and one materialization per run."""
-    if rank != 0:
-        return contextlib.nullcontext(None)
-    try:
-        from dagster_pipes import is_dagster_pipes_process, open_dagster_pipes
-    except ImportError:
-        return contextlib.nullcontext(None)
-    return open_dagster_pipes() if is_dagster_pipes_process() else contextlib.nullcontext(None)
+    return pipes_session(enabled=rank == 0)
 
 
 def run(job: TrainJobConfig, stop_after_step: int | None = None) -> dict | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import orjson
@@ -178,12 +177,15 @@ def test_manifests_of_shards_finished_in_any_order_aggregate(tmp_path):
         HiddenStatesDataset(tmp_path, shard_keys=["shard-00002"])
 
 
-def test_dataset_pickles_for_dataloader_workers(tmp_path):
+def test_dataset_serves_spawned_dataloader_workers(tmp_path):
+    """A worker started with spawn gets the dataset by value: open handles must not travel with it."""
     _write(tmp_path, "shard-00000", SAMPLES)
     ds = HiddenStatesDataset(tmp_path)
-    ds[0]
-    clone = pickle.loads(pickle.dumps(ds))
-    assert torch.equal(clone[1]["aux_hidden"], ds[1]["aux_hidden"])
+    ds[0]  # opens the shard in this process first
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    served = list(loader)
+    assert [s["sample_id"] for s in served] == ds.sample_ids
+    assert torch.equal(served[1]["aux_hidden"], ds[1]["aux_hidden"])
 
 
 def test_shards_with_different_headers_are_refused_together(tmp_path):
