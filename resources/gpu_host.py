@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import dagster as dg
+from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises (1.13)
 from dagster._core.pipes.utils import extract_message_or_forward_to_file  # no public equivalent (1.13)
 from pydantic import Field
 
@@ -100,7 +101,7 @@ class GpuHostResource(dg.ConfigurableResource):
                 host.signal_group(proc.pidfile, "KILL", remove=True)
                 proc.release()
             if returncode != 0:
-                raise dg.DagsterPipesExecutionError(
+                raise DagsterPipesExecutionError(
                     f"{' '.join(command)} on {host.where()} failed with exit code {returncode}"
                 )
         return dg.PipesClientCompletedInvocation(session)

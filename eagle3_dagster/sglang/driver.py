@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+import orjson
 import torch
 from safetensors import safe_open
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -204,11 +205,12 @@ def _result(spec: ShardSpec, version_dir: Path, entry: dict, seconds: float, *, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3_dagster.sglang.driver ...`: one shard, run on the GPU host (launched through Pipes)."""
+    """`python -m eagle3_dagster.sglang.driver ...`: one shard, run on the GPU host beside the dump folder.
+
+    Progress and the summary go to stdout, which the hidden-states stage streams into the run log."""
     import argparse
 
     from eagle3_dagster.hidden.sharding import plan_shards
-    from eagle3_dagster.pipes_bridge import pipes_session
 
     p = argparse.ArgumentParser(prog="eagle3_dagster.sglang.driver")
     p.add_argument("--base-url", required=True)
@@ -226,24 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard)}
     if a.shard not in specs:
         raise SystemExit(f"{a.merged_train}: no shard {a.shard!r} at {a.samples_per_shard} samples per shard")
-    with pipes_session() as pipes:
-        def progress(done: int, total: int) -> None:
-            line = f"{a.shard}: {done}/{total} tokens"
-            pipes.log.info(line) if pipes is not None else print(line, flush=True)
 
-        result = extract_shard_sglang(
-            DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
-            a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
-            dtype=a.dtype, target_identity=a.target_identity, progress=progress,
-        )
-        summary = {
-            "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
-            "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
-        }
-        if pipes is not None:
-            pipes.report_asset_materialization(metadata=summary)
-        else:
-            print(summary, flush=True)
+    def progress(done: int, total: int) -> None:
+        print(f"{a.shard}: {done}/{total} tokens", flush=True)
+
+    result = extract_shard_sglang(
+        DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
+        a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
+        dtype=a.dtype, target_identity=a.target_identity, progress=progress,
+    )
+    print(orjson.dumps({
+        "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
+        "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
+    }).decode(), flush=True)
     return 0
 
 

@@ -20,6 +20,8 @@ from eagle3_dagster.stages import StageReport
 from eagle3_dagster.stages.hidden import hidden_context
 
 CURRENT_POINTER = "current.json"
+# The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
+PIPES_WORKER = "resources.pipes_child"
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: 
     job.write(job_path)
     command = build_torchrun_command(
         job_path, nproc_per_node=profile.train.nproc_per_node, nnodes=profile.train.nnodes,
-        python=python or _python(),
+        python=python or _python(), module=PIPES_WORKER,
     )
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)

@@ -71,16 +71,19 @@ def build_torchrun_command(
     nnodes: int = 1,
     python: str = sys.executable,
     extra_args: tuple[str, ...] | list[str] = (),
+    module: str = "eagle3_dagster.train",
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m eagle3_dagster.train --config <json>`.
 
     Multi-node rendezvous flags (`--node-rank`, `--rdzv-endpoint`, …) go in `extra_args` and are passed to
     torchrun before the module; running torchrun through `python -m` pins the interpreter explicitly.
+    `module` is the worker: the engine's own, or a wrapper with the same arguments (the Dagster Pipes
+    child in resources/pipes_child.py).
     """
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
     if nnodes == 1:
         cmd.append("--standalone")
-    cmd += [*extra_args, "-m", "eagle3_dagster.train", "--config", str(job_cfg_path)]
+    cmd += [*extra_args, "-m", module, "--config", str(job_cfg_path)]
     return cmd
 
 

@@ -2,9 +2,9 @@
 
 Builds the drafter from the job's explicit inputs, resumes from the latest
 checkpoint if there is one, trains, and on rank 0 writes `metrics.json`,
-`curves.png` and the SGLang/vLLM export. Under Dagster Pipes rank 0 streams
-per-step metrics with `pipes.log.info` and reports the materialization
-metadata at the end; without Pipes it shows a tqdm bar. `--stop-after-step N`
+`curves.png` and the SGLang/vLLM export. Given a `Reporter` (Dagster's Pipes
+child, `resources/pipes_child.py`, supplies one) rank 0 streams per-step
+metrics to it and reports the final metrics; without one it shows a tqdm bar. `--stop-after-step N`
 exits the process abruptly (os._exit) after step N, the way a killed run does.
 """
 
@@ -15,6 +15,7 @@ import importlib
 import math
 import os
 import sys
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -25,7 +26,6 @@ from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 from eagle3_dagster.io import atomic_open, atomic_write_json
-from eagle3_dagster.pipes_bridge import pipes_session
 from eagle3_dagster.train import TrainJobConfig
 from eagle3_dagster.train.checkpoint import Checkpointer
 from eagle3_dagster.train.data import BucketedSampler
@@ -70,13 +70,17 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
     return drafter, target.lm_head
 
 
-def _pipes_context(rank: int):
-    """Only rank 0 talks to Dagster: one opened/closed pair and one materialization per run."""
-    return pipes_session(enabled=rank == 0)
+class Reporter(Protocol):
+    """Where rank 0 sends progress lines and the final metrics (the run log, under Dagster)."""
+
+    def log(self, line: str) -> None: ...
+
+    def report(self, metadata: dict) -> None: ...
 
 
-def run(job: TrainJobConfig, stop_after_step: int | None = None) -> dict | None:
+def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Reporter | None = None) -> dict | None:
     rank, world, device = _init_distributed(job.train.backend)
+    reporter = reporter if rank == 0 else None
     out = Path(job.out_dir)
     dataset = _load_dataset(job)
     drafter, lm_head = build_drafter(job, dataset)
@@ -96,43 +100,42 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None) -> dict | None:
             objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     checkpointer = Checkpointer(out / "ckpt", job.train.checkpoint_every, rank)
 
-    with _pipes_context(rank) as pipes:
-        progress = None
-        if rank == 0 and pipes is None:
-            from tqdm import tqdm
+    progress = None
+    if rank == 0 and reporter is None:
+        from tqdm import tqdm
 
-            progress = tqdm(total=total, desc="train", file=sys.stderr)
+        progress = tqdm(total=total, desc="train", file=sys.stderr)
 
-        def on_step(step: int, m: dict[str, float]) -> None:
-            if rank != 0:
-                return
-            line = f"step {step}/{total} loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}"
-            if pipes is not None:
-                pipes.log.info(line)
-            else:
-                progress.update(1)
-                progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
+    def on_step(step: int, m: dict[str, float]) -> None:
+        if rank != 0:
+            return
+        line = f"step {step}/{total} loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}"
+        if reporter is not None:
+            reporter.log(line)
+        else:
+            progress.update(1)
+            progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
 
-        trainer = Trainer(objective, drafter, dataset, sampler, loop_cfg, checkpointer, device, on_step)
-        resumed = trainer.resume_if_possible()
-        if resumed and progress is not None:
-            progress.update(trainer.step)
-        initial = trainer.evaluate() if not resumed else None
-        if initial is not None and rank == 0:
-            atomic_write_json(out / "initial_eval.json", initial)
-        timing = trainer.train(stop_after_step=stop_after_step)
-        if stop_after_step is not None and trainer.step >= stop_after_step and trainer.step < total:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(17)  # the simulated crash: no cleanup, no final checkpoint, no export
-        final = trainer.evaluate()
-        if progress is not None:
-            progress.close()
-        metrics = None
-        if rank == 0:
-            metrics = _write_outputs(job, trainer, drafter, final, timing, out)
-            if pipes is not None:
-                pipes.report_asset_materialization(metadata=_pipes_metadata(metrics))
+    trainer = Trainer(objective, drafter, dataset, sampler, loop_cfg, checkpointer, device, on_step)
+    resumed = trainer.resume_if_possible()
+    if resumed and progress is not None:
+        progress.update(trainer.step)
+    initial = trainer.evaluate() if not resumed else None
+    if initial is not None and rank == 0:
+        atomic_write_json(out / "initial_eval.json", initial)
+    timing = trainer.train(stop_after_step=stop_after_step)
+    if stop_after_step is not None and trainer.step >= stop_after_step and trainer.step < total:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(17)  # the simulated crash: no cleanup, no final checkpoint, no export
+    final = trainer.evaluate()
+    if progress is not None:
+        progress.close()
+    metrics = None
+    if rank == 0:
+        metrics = _write_outputs(job, trainer, drafter, final, timing, out)
+        if reporter is not None:
+            reporter.report(summary_metadata(metrics))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -183,19 +186,19 @@ def plot_curves(curves: dict[str, list[float]], path: Path, ttt_steps: int) -> N
     plt.close(fig)
 
 
-def _pipes_metadata(metrics: dict) -> dict:
+def summary_metadata(metrics: dict) -> dict:
     f = metrics["final"]
     return {"steps": metrics["steps"], "tokens_per_s": round(metrics["tokens_per_s"], 1),
             "sim_accept_length": round(f["sim_accept_length"], 4), "final_loss": round(f["loss"], 5),
             **{k: round(v, 4) for k, v in f.items() if k.startswith("acc_")}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eagle3_dagster.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path, help="TrainJobConfig JSON file")
     parser.add_argument("--stop-after-step", type=int, default=None, help="simulate a crash after this step")
     args = parser.parse_args(argv)
-    run(TrainJobConfig.read(args.config), stop_after_step=args.stop_after_step)
+    run(TrainJobConfig.read(args.config), stop_after_step=args.stop_after_step, reporter=reporter)
 
 
 if __name__ == "__main__":

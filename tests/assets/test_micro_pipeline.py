@@ -126,3 +126,14 @@ def test_retried_extraction_resumes_from_the_manifest(pipeline_run, tmp_path) ->
     assert first.stat().st_mtime_ns == before[first][0]
     assert second.read_bytes() == before[second][1]
     assert (version_dir / "shard-00001.manifest.json").exists()
+
+
+def test_torchrun_streams_per_step_metrics_into_the_run_log_through_pipes(pipeline_run) -> None:
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        (run,) = [r for r in instance.get_runs() if r.job_name == "train_job"]
+        messages = [e.user_message for e in instance.all_logs(run.run_id)]
+    assert any("opened dagster pipes" in m for m in messages)
+    steps = [m for m in messages if m.startswith("step ")]
+    assert steps and "loss" in steps[-1] and "acc_0" in steps[-1]
