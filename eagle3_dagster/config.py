@@ -14,12 +14,46 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
 DEFAULT_PROFILE = "demo"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = PROJECT_ROOT / "configs"
+
+
+# Cron syntax as Dagster reads it (five fields, names, ranges, steps, `L` for the last day of the month,
+# @-aliases). Checked here because the engine may not import Dagster and croniter is not a dependency; a
+# test compares this with Dagster's own `is_valid_cron_string`.
+_CRON_ALIASES = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+_CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day of month", 1, 31, ()),
+                ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")),
+                ("day of week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")))
+
+
+def cron_problem(cron: str) -> str | None:
+    """What is wrong with a cron string, or None when Dagster would accept it."""
+    if cron.strip().lower() in _CRON_ALIASES:
+        return None
+    parts = cron.split()
+    if len(parts) != 5:
+        return f"{len(parts)} fields, a cron schedule has 5"
+    for text, (name, lo, hi, names) in zip(parts, _CRON_FIELDS):
+        for item in text.lower().split(","):
+            if name == "day of month" and item == "l":
+                continue
+            base, _, step = item.partition("/")
+            if step and not (step.isdigit() and int(step) >= 1):
+                return f"{name}: bad step {step!r}"
+            bounds = base.split("-") if base != "*" else []
+            if len(bounds) > 2:
+                return f"{name}: bad range {base!r}"
+            for b in bounds:
+                value = names.index(b) + (1 if name == "month" else 0) if b in names else \
+                    (int(b) if b.isdigit() else None)
+                if value is None or not lo <= value <= hi:
+                    return f"{name}: {b!r} is not in {lo}-{hi}"
+    return None
 
 
 class _Strict(BaseModel):
@@ -29,28 +63,28 @@ class _Strict(BaseModel):
 class TinyTargetConfig(_Strict):
     """The demo's target: a DeepSeek-V3 model small enough to pre-train on a CPU."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="seed of the tokenizer training, the weights and the pre-training")
     vocab_size: int = Field(4096, ge=300, description="BPE vocabulary incl. special tokens")
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    moe_intermediate_size: int = 64
-    num_hidden_layers: int = Field(4, ge=2)
-    num_attention_heads: int = 4
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32
-    qk_rope_head_dim: int = 16
-    qk_nope_head_dim: int = 16
-    v_head_dim: int = 32
-    n_routed_experts: int = 8
-    num_experts_per_tok: int = 2
-    n_shared_experts: int = 1
-    first_k_dense_replace: int = 1
-    max_position_embeddings: int = 2048
-    tokenizer_train_conversations: int = Field(3000, description="ShareGPT conversations the BPE is trained on")
-    pretrain_tokens: int = Field(400_000, description="token budget of the pre-training run")
-    pretrain_seq_len: int = 256
-    pretrain_batch_size: int = 8
-    pretrain_lr: float = 3e-3
+    hidden_size: int = Field(128, ge=8, description="model width H")
+    intermediate_size: int = Field(256, ge=1, description="MLP width of the dense layers")
+    moe_intermediate_size: int = Field(64, ge=1, description="MLP width of each expert")
+    num_hidden_layers: int = Field(4, ge=2, description="decoder layers L")
+    num_attention_heads: int = Field(4, ge=1, description="attention heads (MLA)")
+    q_lora_rank: int = Field(64, ge=1, description="MLA query low-rank dimension")
+    kv_lora_rank: int = Field(32, ge=1, description="MLA key/value low-rank dimension")
+    qk_rope_head_dim: int = Field(16, ge=2, description="MLA rotary part of each query/key head")
+    qk_nope_head_dim: int = Field(16, ge=1, description="MLA non-rotary part of each query/key head")
+    v_head_dim: int = Field(32, ge=1, description="MLA value head dimension")
+    n_routed_experts: int = Field(8, ge=1, description="routed experts per MoE layer")
+    num_experts_per_tok: int = Field(2, ge=1, description="experts each token is routed to")
+    n_shared_experts: int = Field(1, ge=0, description="always-active experts per MoE layer")
+    first_k_dense_replace: int = Field(1, ge=0, description="leading layers with a dense MLP instead of MoE")
+    max_position_embeddings: int = Field(2048, ge=16, description="longest context the tiny target supports")
+    tokenizer_train_conversations: int = Field(3000, ge=1, description="ShareGPT conversations the BPE is trained on")
+    pretrain_tokens: int = Field(400_000, ge=1, description="token budget of the pre-training run")
+    pretrain_seq_len: int = Field(256, ge=8, description="tokens per pre-training sequence")
+    pretrain_batch_size: int = Field(8, ge=1, description="sequences per pre-training step")
+    pretrain_lr: float = Field(3e-3, gt=0, le=1, description="peak learning rate of the pre-training")
     pretrain_answer_words: int | None = Field(
         None, ge=1, description="clip each assistant answer to this many words in pre-training, so the "
         "target learns to close its turns within the demo's generation budget"
@@ -62,11 +96,15 @@ class TargetConfig(_Strict):
         description="tiny: build the demo target locally; external: an existing model directory (GPU host)"
     )
     path: str | None = Field(None, description="model directory for kind=external (on the GPU host)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    serving_context: int = Field(
-        2048, description="longest context the drafter is served at; sets the export's max_position_embeddings"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the target is loaded in")
+    trust_remote_code: bool = Field(
+        False, description="let transformers run Python code shipped with the target's checkpoint (Kimi-K2.5 "
+        "needs it for its tokenizer); off unless the profile turns it on"
     )
-    tiny: TinyTargetConfig = TinyTargetConfig()
+    serving_context: int = Field(
+        2048, ge=16, description="longest context the drafter is served at; sets the export's max_position_embeddings"
+    )
+    tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="the demo target's shape (kind=tiny)")
 
     @model_validator(mode="after")
     def _path_for_external(self) -> "TargetConfig":
@@ -83,7 +121,7 @@ class DatasetConfig(_Strict):
     )
     path: str | None = Field(None, description="local file or hub dataset for the *_jsonl sources")
     regenerate: bool = Field(True, description="replace assistant turns with the target's own answers")
-    max_conversations: int | None = Field(None, ge=1)
+    max_conversations: int | None = Field(None, ge=1, description="use at most this many conversations")
     max_turns: int = Field(8, ge=1, description="assistant turns regenerated per conversation at most")
 
     @model_validator(mode="after")
@@ -98,14 +136,28 @@ class GenerationConfig(_Strict):
         description="local: the target in-process with transformers; openai: an OpenAI-compatible server"
     )
     base_url: str | None = Field(None, description="e.g. https://openrouter.ai/api/v1 or http://gpu-host:30000/v1")
-    model: str | None = None
+    model: str | None = Field(None, description="model name the server knows, e.g. moonshotai/kimi-k2.5")
     api_key_env: str = Field("OPENROUTER_API_KEY", description="name of the environment variable holding the key")
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    concurrency: int = Field(8, ge=1)
-    max_retries: int = Field(6, ge=0)
-    timeout_s: float = 120.0
-    budget_usd: float | None = Field(None, description="stop cleanly once this much has been spent")
+    max_new_tokens: int = Field(256, ge=1, le=1_000_000, description="completion tokens per request at most")
+    temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature; 0 is greedy")
+    concurrency: int = Field(8, ge=1, le=4096, description="requests in flight")
+    max_retries: int = Field(6, ge=0, le=100, description="retries of a request after a retryable failure")
+    timeout_s: float = Field(120.0, gt=0, le=86400, description="seconds one request may take")
+    budget_usd: float | None = Field(
+        None, gt=0, description="spend cap of a partition: a request is sent only when its worst-case cost "
+        "(see price_usd_per_completion_token) still fits, so the cap holds at any concurrency"
+    )
+    price_usd_per_completion_token: float | None = Field(
+        None, ge=0, le=1, description="the model's price of one completion token (USD), at least what the "
+        "provider charges: each request reserves max_new_tokens x this before it is sent; needed with budget_usd"
+    )
+    price_usd_per_prompt_token: float = Field(
+        0.0, ge=0, le=1, description="the model's price of one prompt token (USD); the reservation bounds a "
+        "prompt's tokens by its UTF-8 bytes"
+    )
+    max_failure_fraction: float = Field(
+        0.05, ge=0, le=1, description="raw_responses fails when more of a run's requests than this fail for good"
+    )
     reasoning: bool = Field(True, description="ask for and keep reasoning_content")
     reasoning_style: Literal["openrouter", "chat_template"] = Field(
         "openrouter", description="openrouter: `reasoning` request field; chat_template: SGLang/vLLM thinking kwarg"
@@ -119,25 +171,28 @@ class GenerationConfig(_Strict):
     def _url_for_openai(self) -> "GenerationConfig":
         if self.backend == "openai" and not (self.base_url and self.model):
             raise ValueError("generation.base_url and generation.model are required for backend 'openai'")
+        if self.backend == "openai" and self.budget_usd is not None and self.price_usd_per_completion_token is None:
+            raise ValueError("generation.price_usd_per_completion_token is required when generation.budget_usd is "
+                             "set: each request reserves max_new_tokens x this price before it is sent")
         return self
 
 
 class DataConfig(_Strict):
-    max_seq_len: int = Field(8192, ge=16)
-    shuffle_seed: int = 42
+    max_seq_len: int = Field(8192, ge=16, description="tokens per training sample at most; longer ones are cut")
+    shuffle_seed: int = Field(42, ge=0, le=2**32 - 1, description="seed of merged_train's shuffle")
     drop_datasets: list[str] = Field(default_factory=list, description="datasets left out of merged_train")
     bad_fraction_threshold: float = Field(0.05, ge=0, le=1, description="tokenized_dataset fails above this")
     heldout_fraction: float = Field(0.05, ge=0, lt=1, description="conversations kept out of training")
-    draft_vocab_size: int = Field(32000, ge=1)
+    draft_vocab_size: int = Field(32000, ge=1, description="tokens in the drafter's vocabulary")
 
 
 class GpuHostConfig(_Strict):
-    transport: Literal["local", "ssh"] = "local"
+    transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list)
+    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
-    num_gpus: int = 0
+    num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
 
     @model_validator(mode="after")
     def _target_for_ssh(self) -> "GpuHostConfig":
@@ -147,73 +202,89 @@ class GpuHostConfig(_Strict):
 
 
 class HiddenConfig(_Strict):
-    backend: Literal["hf", "sglang"] = "hf"
+    backend: Literal["hf", "sglang"] = Field("hf", description="hf: transformers (CPU or GPU); sglang: patched server")
     aux_layers: list[int] | None = Field(
         None, description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the stored states")
     root: str = Field(description="hidden-states root; one folder per version below it")
-    samples_per_shard: int = Field(256, ge=1)
+    samples_per_shard: int = Field(256, ge=1, description="samples per shard (one partition each)")
     batch_tokens: int = Field(4096, ge=16, description="hf backend: tokens per length-bucketed batch")
     throughput_tokens_per_s: float = Field(2000.0, gt=0, description="for the plan's time estimate")
-    tp_size: int = 1
-    sglang_port: int = 30000
+    tp_size: int = Field(1, ge=1, le=1024, description="SGLang tensor-parallel size")
+    sglang_port: int = Field(30000, ge=1, le=65535, description="port of the SGLang server on the GPU host")
     sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
     backfill_batch: int = Field(4, ge=1, description="shard partitions the backfill schedule requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the backfill schedule looks for missing shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
 
+    @field_validator("backfill_cron")
+    @classmethod
+    def _valid_cron(cls, value: str) -> str:
+        problem = cron_problem(value)
+        if problem:
+            raise ValueError(f"not a cron schedule Dagster accepts ({problem}): {value!r}")
+        return value
+
 
 class DrafterConfig(_Strict):
-    hidden_size: int | None = Field(None, description="default: the target's hidden size")
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
+    hidden_size: int | None = Field(None, ge=8, description="default: the target's hidden size")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width; default: the target's")
+    num_attention_heads: int | None = Field(None, ge=1, description="attention heads; default: the target's")
+    num_key_value_heads: int | None = Field(None, ge=1, description="key/value heads; default: attention heads")
 
 
 class TrainConfig(_Strict):
-    ttt_steps: int = Field(7, ge=1)
-    epochs: int = 1
-    max_steps: int | None = None
-    lr: float = 1e-4
-    warmup_ratio: float = 0.02
-    batch_tokens: int = 4096
-    grad_accum: int = 1
-    grad_clip: float = 0.5
-    checkpoint_every: int = 200
-    seed: int = 0
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    backend: Literal["gloo", "nccl"] = "gloo"
+    ttt_steps: int = Field(7, ge=1, le=64, description="training-time-test unroll steps k")
+    epochs: int = Field(1, ge=1, description="passes over the hidden states")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate")
+    warmup_ratio: float = Field(0.02, ge=0, lt=1, description="share of the steps spent warming up")
+    batch_tokens: int = Field(4096, ge=16, description="padded tokens per micro-batch and rank")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    grad_clip: float = Field(0.5, gt=0, description="gradient norm clip")
+    checkpoint_every: int = Field(200, ge=1, description="optimizer steps between checkpoints")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the drafter's init and the sampler")
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="torchrun workers per node")
+    nnodes: int = Field(1, ge=1, le=1024, description="torchrun nodes")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend")
 
 
 class BenchConfig(_Strict):
     spec_configs: list[tuple[int, int, int]] = Field(
         default_factory=lambda: [(3, 1, 4), (7, 1, 8)], description="(num_steps, topk, num_draft_tokens)"
     )
-    num_prompts: int = 20
-    max_new_tokens: int = 64
-    sets: list[str] = Field(default_factory=lambda: ["heldout_sharegpt"])
+    num_prompts: int = Field(20, ge=1, description="prompts per set")
+    max_new_tokens: int = Field(64, ge=1, description="tokens generated per prompt")
+    sets: list[str] = Field(default_factory=lambda: ["heldout_sharegpt"], description="prompt sets to measure")
     set_paths: dict[str, str] = Field(
         default_factory=dict, description="local jsonl/parquet per prompt set (tool_use has no hub copy)"
     )
-    max_prompt_tokens: int | None = Field(None, description="prompts longer than this are left out")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="prompts longer than this are left out")
     concurrency: int = Field(8, ge=1, description="served benchmark: requests in flight")
     ngram_max: int = Field(3, ge=1, description="n-gram baseline: longest n-gram looked up in the context")
 
+    @field_validator("spec_configs")
+    @classmethod
+    def _positive_configs(cls, value: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        bad = [c for c in value if min(c) < 1]
+        if bad:
+            raise ValueError(f"every (num_steps, topk, num_draft_tokens) must be >= 1, got {bad}")
+        return value
+
 
 class Profile(_Strict):
-    profile: str
+    profile: str = Field(description="the profile's name (its file stem)")
     run_root: str = Field(description="where every artifact of this profile is written")
-    target: TargetConfig
-    datasets: list[DatasetConfig]
-    generation: GenerationConfig
-    data: DataConfig = DataConfig()
-    gpu_host: GpuHostConfig = GpuHostConfig()
-    hidden: HiddenConfig
-    drafter: DrafterConfig = DrafterConfig()
-    train: TrainConfig = TrainConfig()
-    bench: BenchConfig = BenchConfig()
+    target: TargetConfig = Field(description="the verifier model")
+    datasets: list[DatasetConfig] = Field(description="prompt and conversation datasets, one partition each")
+    generation: GenerationConfig = Field(description="how raw_responses regenerates assistant turns")
+    data: DataConfig = Field(DataConfig(), description="tokenize, merge and vocabulary settings")
+    gpu_host: GpuHostConfig = Field(GpuHostConfig(), description="where GPU work runs")
+    hidden: HiddenConfig = Field(description="hidden-state extraction and storage")
+    drafter: DrafterConfig = Field(DrafterConfig(), description="the drafter's shape")
+    train: TrainConfig = Field(TrainConfig(), description="drafter training")
+    bench: BenchConfig = Field(BenchConfig(), description="benchmark_report")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Profile":

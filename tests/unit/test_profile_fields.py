@@ -1,0 +1,83 @@
+"""Every profile field is described and every number bounded; a bad value is a ProfileError naming file and field."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from eagle3_dagster.config import CONFIG_DIR, Profile, ProfileError, load_profile_file
+
+
+def _fields(model: type[BaseModel], prefix: str = ""):
+    for name, info in model.model_fields.items():
+        yield f"{prefix}{name}", info
+        for arg in [info.annotation, *typing.get_args(info.annotation)]:
+            for inner in [arg, *typing.get_args(arg)]:
+                if isinstance(inner, type) and issubclass(inner, BaseModel):
+                    yield from _fields(inner, f"{prefix}{name}.")
+
+
+def _numeric(annotation) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) \
+        is typing.Union else (annotation,)
+    return any(a in (int, float) for a in args)
+
+
+def test_every_field_has_a_description_and_every_number_has_bounds():
+    undescribed = [name for name, info in _fields(Profile) if not info.description]
+    unbounded = [name for name, info in _fields(Profile) if _numeric(info.annotation)
+                 and not any(hasattr(m, a) for m in info.metadata for a in ("ge", "gt", "le", "lt"))]
+    assert undescribed == [] and unbounded == []
+
+
+def _profile_with(tmp_path: Path, old: str, new: str) -> Path:
+    text = (CONFIG_DIR / "micro.yaml").read_text()
+    assert old in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    return bad
+
+
+@pytest.mark.parametrize("old,new,field", [
+    ("checkpoint_every: 5", "checkpoint_every: 0", "train.checkpoint_every"),
+    ("shuffle_seed: 42", "shuffle_seed: -1", "data.shuffle_seed"),
+    ("temperature: 0.0", "temperature: 0.0\n  timeout_s: 0", "generation.timeout_s"),
+    ("epochs: 2", "epochs: 0", "train.epochs"),
+    ("\n  lr: 0.003", "\n  lr: -0.1", "train.lr"),
+    ("num_prompts: 4", "num_prompts: 0", "bench.num_prompts"),
+    ("throughput_tokens_per_s: 5000", "throughput_tokens_per_s: 5000\n  backfill_cron: '61 * * * *'",
+     "hidden.backfill_cron"),
+    ("throughput_tokens_per_s: 5000", "throughput_tokens_per_s: 5000\n  backfill_cron: 'every ten minutes'",
+     "hidden.backfill_cron"),
+    ("spec_configs: [[3, 1, 4]]", "spec_configs: [[0, 1, 4]]", "bench.spec_configs"),
+])
+def test_a_bad_number_or_cron_is_a_profile_error_naming_file_and_field(tmp_path, old, new, field):
+    bad = _profile_with(tmp_path, old, new)
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    assert str(bad) in str(e.value) and field in str(e.value)
+
+
+@pytest.mark.parametrize("cron", ["*/10 * * * *", "0 3 * * 1-5", "15,45 */2 1 jan,jul mon", "@daily", "0 0 L * *"])
+def test_cron_strings_dagster_accepts_are_accepted(tmp_path, cron):
+    from dagster._utils.schedules import is_valid_cron_string
+
+    bad = _profile_with(tmp_path, "throughput_tokens_per_s: 5000",
+                        f"throughput_tokens_per_s: 5000\n  backfill_cron: '{cron}'")
+    if is_valid_cron_string(cron):
+        assert load_profile_file(bad).hidden.backfill_cron == cron
+    else:
+        with pytest.raises(ProfileError, match="hidden.backfill_cron"):
+            load_profile_file(bad)
+
+
+def test_a_budget_without_a_price_bound_is_refused_naming_the_field(tmp_path):
+    bad = _profile_with(tmp_path, "temperature: 0.0", "temperature: 0.0\n  budget_usd: 10")
+    text = bad.read_text().replace("backend: local", "backend: openai\n  base_url: http://x/v1\n  model: m", 1)
+    bad.write_text(text)
+    with pytest.raises(ProfileError, match="generation.price_usd_per_completion_token"):
+        load_profile_file(bad)
