@@ -15,11 +15,14 @@ a wrapper interpreter whose `importlib` finds that SGLang, which is exactly what
 
 from __future__ import annotations
 
+import ast
 import stat
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import List, Optional
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels"
 MODEL_FILE = "sglang/srt/models/deepseek_v2.py"
@@ -45,6 +48,43 @@ def wheel_path(version: str) -> Path:
 def read_model_file(version: str) -> bytes:
     with zipfile.ZipFile(wheel_path(version)) as z:
         return z.read(MODEL_FILE)
+
+
+def read_file(version: str, relpath: str) -> str | None:
+    """A source file of the release (`sglang/...`), or None when the release has no such file."""
+    with zipfile.ZipFile(wheel_path(version)) as z:
+        try:
+            return z.read(relpath).decode()
+        except KeyError:
+            return None
+
+
+def find_method(source: str, class_name: str, method: str) -> ast.FunctionDef | None:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    return item
+    return None
+
+
+def run_set_eagle3_layers_to_capture(source: str, class_name: str, layer_ids, num_layers: int = 61):
+    """Run the release's own `set_eagle3_layers_to_capture` (plain Python) on a model-shaped object;
+    returns the `layers_to_capture` it sets."""
+    fn = find_method(source, class_name, "set_eagle3_layers_to_capture")
+    if fn is None:
+        raise LookupError(f"{class_name} has no set_eagle3_layers_to_capture")
+    module = ast.Module(body=[fn], type_ignores=[])
+    namespace = {"Optional": Optional, "List": List}
+    exec(compile(module, f"<{class_name}.set_eagle3_layers_to_capture>", "exec"), namespace)
+    model = SimpleNamespace(
+        pp_group=SimpleNamespace(is_last_rank=True),
+        config=SimpleNamespace(num_hidden_layers=num_layers),
+        model=SimpleNamespace(layers_to_capture=[]),
+        capture_aux_hidden_states=False,
+    )
+    namespace["set_eagle3_layers_to_capture"](model, layer_ids)
+    return list(model.model.layers_to_capture)
 
 
 def make_site(version: str, root: Path, extra_paths: tuple[Path, ...] = ()) -> Path:

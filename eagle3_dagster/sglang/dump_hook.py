@@ -9,7 +9,9 @@ binds this module only when `SGLANG_HS_DUMP_DIR` is set and calls:
 - `layer_collector(i, forward_batch, inner)` (SGLang >= 0.5.14): a collector the
   decoder layer hands that same sum to (`append` or `capture`), teeing into
   SGLang's own EAGLE-3 collector `inner` when there is one;
-- `capture_final(hidden_states, input_ids, forward_batch)` after the final norm.
+- `capture_final(hidden_states, forward_batch)` after the final norm. The token ids come
+  from `forward_batch.input_ids`: Kimi-K2.5 (`KimiK25ForConditionalGeneration`) reaches
+  the language model through `general_mm_embed_routine` with `input_ids=None`.
 
 Only plain EXTEND forwards are dumped (`is_extend()` is also true for MIXED,
 TARGET_VERIFY, DRAFT_EXTEND...), only on attention-TP rank 0 (= TP rank 0
@@ -22,10 +24,17 @@ request ids, so there the key is `ids-` + sha256 of the token ids, which
 requires whole-prompt extends (`--chunked-prefill-size -1 --disable-radix-cache`).
 
 GPU tensors are copied into pinned host buffers with non_blocking copies on the
-current stream (so later in-place updates of the residual cannot race them); a
-CUDA event marks completion and a writer thread waits on it, splits, and writes
-atomically. The forward never waits on disk unless the writer falls
+current stream (so later in-place updates of the residual cannot race them). A
+host buffer is never read, sliced into a copy or handed back to the pool before
+the CUDA event recorded after the forward's last copy has been waited on: the
+writer thread waits on it, splits, and writes atomically, and only then returns
+the buffers to the pool. The forward never waits on disk unless the writer falls
 `MAX_PENDING` batches behind.
+
+The hook refuses to run where its Python cannot see every forward (inside a CUDA
+graph capture or a torch.compile trace: prefill/piecewise CUDA graphs) and where
+the captured rows are not SGLang's all-reduced residual stream (FlashInfer
+all-reduce fusion leaves a per-rank partial sum), naming the server option.
 """
 
 from __future__ import annotations
@@ -82,6 +91,21 @@ def _as_list(batch, name: str) -> list[int]:
     return [int(x) for x in (value.tolist() if hasattr(value, "tolist") else value)]
 
 
+def _inside_graph_or_trace() -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_partial_sum(t) -> None:
+    if getattr(t, "_sglang_needs_allreduce_fusion", False):
+        raise RuntimeError(
+            "hidden-state dump: captured a layer output whose all-reduce is fused into the next layer "
+            "(FlashInfer all-reduce fusion), a per-rank partial sum; launch the extraction server with "
+            "--enforce-disable-flashinfer-allreduce-fusion and without --enable-flashinfer-allreduce-fusion"
+        )
+
+
 class _Collector:
     """Stands in for SGLang's aux collector on one layer (>= 0.5.14)."""
 
@@ -125,12 +149,20 @@ class HiddenStateDumper:
         mode = forward_batch.forward_mode
         if getattr(mode, "name", mode) != "EXTEND":
             return False
+        if _inside_graph_or_trace():
+            raise RuntimeError(
+                "hidden-state dump: the model forward is being captured into a CUDA graph or traced by "
+                "torch.compile, so the dump would not run on replay; launch the extraction server with "
+                "--disable-cuda-graph (and --disable-piecewise-cuda-graph where the release has it)"
+            )
         if self._rank is None:
             self._rank = (self._rank_fn or _default_rank)()
         return self._rank == 0
 
     def capture_layer_input(self, layer: int, hidden_states, residual, forward_batch) -> None:
         if layer in self.layers and self.active(forward_batch):
+            # The fusion flag sits on the layer output itself; the sum below is a fresh tensor without it.
+            _refuse_partial_sum(hidden_states)
             self._stage(layer, hidden_states if residual is None else hidden_states + residual)
 
     def layer_collector(self, layer: int, forward_batch, inner):
@@ -138,52 +170,58 @@ class HiddenStateDumper:
             return _Collector(self, layer, inner)
         return inner
 
-    def capture_final(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, forward_batch) -> None:
+    def capture_final(self, hidden_states: torch.Tensor, forward_batch) -> None:
         staged, self._staged = self._staged, {}
         buffers, self._inflight = self._inflight, []
         if not self.active(forward_batch):
+            self._recycle(buffers)
             return
         missing = [i for i in self.layers if i not in staged]
         if missing:
+            self._recycle(buffers)
             raise RuntimeError(
                 f"hidden-state dump: layers {missing} were not captured in this forward "
                 "(two-batch overlap and pipeline parallelism skip the capture; run without them)"
             )
+        input_ids = getattr(forward_batch, "input_ids", None)
+        if input_ids is None:
+            self._recycle(buffers)
+            raise RuntimeError("hidden-state dump: forward_batch.input_ids is missing; cannot key the rows")
         seq_lens = _as_list(forward_batch, "extend_seq_lens")
         prefix_lens = _as_list(forward_batch, "extend_prefix_lens")
         num_tokens = sum(seq_lens)
         if hidden_states.shape[0] < num_tokens or input_ids.shape[0] < num_tokens:
+            self._recycle(buffers)
             raise RuntimeError(
                 f"hidden-state dump: {hidden_states.shape[0]} rows for {num_tokens} tokens; the hidden states "
                 "are scattered across ranks (DP attention / a2a MoE); run with plain TP"
             )
         rids = getattr(forward_batch, "rids", None)
+        # Views of the staged host buffers, not copies: their device-to-host copies may still be in flight.
+        tensors = {f"hidden.{i}": staged[i][:num_tokens] for i in self.layers}
+        tensors["last_hidden"] = self._to_host(hidden_states[:num_tokens])
+        tensors["input_ids"] = self._to_host(input_ids[:num_tokens].to(torch.int64))
         item = {
             "seq_lens": seq_lens,
             "prefix_lens": prefix_lens,
             "rids": list(rids) if rids is not None else None,
-            "tensors": {f"hidden.{i}": self._to_host(staged[i][:num_tokens]) for i in self.layers},
+            "tensors": tensors,
+            "buffers": buffers + self._inflight,
+            "event": None,
         }
-        item["tensors"]["last_hidden"] = self._to_host(hidden_states[:num_tokens])
-        item["tensors"]["input_ids"] = self._to_host(input_ids[:num_tokens].to(torch.int64))
-        item["buffers"] = buffers + self._inflight
         self._inflight = []
-        item["event"] = None
-        if hidden_states.is_cuda:
+        if item["buffers"]:  # pooled host buffers exist only for device-to-host copies
             item["event"] = torch.cuda.Event()
-            item["event"].record()
+            item["event"].record()  # on the current stream, after every copy above
         self._queue.put(item)
 
     def _stage(self, layer: int, hidden: torch.Tensor) -> None:
-        if getattr(hidden, "_sglang_needs_allreduce_fusion", False):
-            raise RuntimeError(
-                "hidden-state dump: captured a tensor whose all-reduce is fused into the next layer "
-                "(--enable-flashinfer-allreduce-fusion); it is a per-rank partial sum, run without the fusion"
-            )
+        _refuse_partial_sum(hidden)
         # Device-to-host now, on the current stream: later in-place updates are ordered after the copy.
         self._staged[layer] = self._to_host(hidden)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor that will equal `t` once this forward's event has been waited on."""
         if not t.is_cuda:
             return t.detach().clone()
         flat = self._take(t.numel(), t.dtype)
@@ -191,6 +229,15 @@ class HiddenStateDumper:
         buf = flat[: t.numel()].view(t.shape)
         buf.copy_(t.detach(), non_blocking=True)
         return buf
+
+    def _recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers whose copies were issued but never read: free to reuse only after the stream passed them."""
+        if buffers:
+            event = torch.cuda.Event()
+            event.record()
+            event.synchronize()
+            with self._pool_lock:
+                self._pool.extend(buffers)
 
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with self._pool_lock:
@@ -276,5 +323,5 @@ def layer_collector(layer: int, forward_batch, inner):
     return get_dumper().layer_collector(layer, forward_batch, inner)
 
 
-def capture_final(hidden_states, input_ids, forward_batch) -> None:
-    get_dumper().capture_final(hidden_states, input_ids, forward_batch)
+def capture_final(hidden_states, forward_batch) -> None:
+    get_dumper().capture_final(hidden_states, forward_batch)

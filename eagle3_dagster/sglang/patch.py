@@ -1,10 +1,10 @@
 """Apply, verify and revert the hidden-state dump patch on a given interpreter's SGLang.
 
-Owns: the table of SGLang releases the patch was tested on (pristine and patched
-sha256 of `sglang/srt/models/deepseek_v2.py` per release), a strict unified-diff
-applier, and the `patch apply|verify|revert --python PATH` command. The patch
-files themselves live in `patches/sglang/v<version>/` (see its README for what
-each touches); the dump logic lives in `eagle3_dagster.sglang.dump_hook`.
+Owns: a strict unified-diff applier and the `patch apply|verify|revert --python
+PATH` command. Which releases are supported, their pristine and patched sha256 and
+their patch files come from `eagle3_dagster.sglang.releases` (generated from the
+wheels by `patches/sglang/make_patch.py`); the dump logic lives in
+`eagle3_dagster.sglang.dump_hook`.
 
 SGLang is never imported here: the target interpreter is asked where its SGLang
 is (`importlib.util.find_spec`, which does not import it) and which version it
@@ -24,48 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_dagster.io import atomic_write_bytes
+from eagle3_dagster.sglang import releases
 
-PATCH_DIR = Path(__file__).resolve().parents[2] / "patches" / "sglang"
-PATCH_NAME = "hs-dump.patch"
 TARGET_RELPATH = "srt/models/deepseek_v2.py"
 
-
-@dataclass(frozen=True)
-class SupportedRelease:
-    version: str
-    pristine_sha256: str
-    patched_sha256: str
-
-    @property
-    def patch_file(self) -> Path:
-        return PATCH_DIR / f"v{self.version}" / PATCH_NAME
-
-
-SUPPORTED: dict[str, SupportedRelease] = {
-    r.version: r
-    for r in [
-        SupportedRelease(
-            "0.5.6.post2",
-            "07aaa454ef64488eda9835d96ec9e437687e1024f8004554547e46a7ed602fbd",
-            "b0e18702ac019c9c9a71626b9e05c7aef8d5aeb3c1576c681dfb8637c32f30e0",
-        ),
-        SupportedRelease(
-            "0.5.9",
-            "4071b9a6a6ac71e1143204708df42f2ba5bd163a5d7a020579242df56e490a35",
-            "2cfac0d5772c9ceeb62cf74927790391ce115f00a113f134a0042ee99bc656fd",
-        ),
-        SupportedRelease(
-            "0.5.14",
-            "947fdc256101f538a668090f82e5eb5f888e2434f2bbbf69a99cdaa628cf902e",
-            "fcb1bf8b8f94f42d576480f4126dfa482844ced8bfa0c3fd7bdead008e48241d",
-        ),
-        SupportedRelease(
-            "0.5.23",
-            "f61f93019bf1e7680f45a1fe227244433e1b22021cb955e53d25b9cf900473f9",
-            "9bfdbc9dfaabcfe0f29925faff852a9918a0c444d8e85286f9cde24244abf4e2",
-        ),
-    ]
-}
 
 # Run by the target interpreter: prints where its SGLang is, without importing it.
 LOCATE_SCRIPT = (
@@ -82,17 +44,14 @@ class PatchError(RuntimeError):
 
 
 def supported_versions() -> list[str]:
-    return list(SUPPORTED)
+    return list(releases.supported())
 
 
-def release_for(version: str) -> SupportedRelease:
+def release_for(version: str) -> releases.Release:
     try:
-        return SUPPORTED[version]
-    except KeyError:
-        raise PatchError(
-            f"SGLang {version} is not supported by the hidden-state dump patch "
-            f"(tested releases: {', '.join(SUPPORTED)}); add it with patches/sglang/make_patch.py"
-        ) from None
+        return releases.release(version)
+    except releases.UnsupportedRelease as e:
+        raise PatchError(str(e)) from None
 
 
 def locate_sglang(python: str) -> tuple[str, Path]:

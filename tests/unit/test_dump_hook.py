@@ -1,10 +1,13 @@
 """The dump hook on CPU, driven the way the patched SGLang drives it.
 
 `TinyLoopModel` mimics DeepseekV2Model.forward: embedding (+ absolute-position
-embedding, so mislabelled positions show), a residual stream with fused add+norm
-layers, the final norm, and the patch's calls, in both patch styles. Its layers
-are per-token, so a chunked prefill yields the same states as a whole one, and
-`reference_states` computes them HF-style for the whole prompt.
+embedding, so mislabelled positions show), a residual stream updated in place as
+SGLang's fused add+norm does, the final norm, and the patch's calls, in both patch
+styles. `KimiWrapper` calls it the way `KimiK25ForConditionalGeneration` does
+(through `general_mm_embed_routine`: `input_ids=None`, embeddings passed in; the ids
+live on the forward batch). Its layers are per-token, so a chunked prefill yields
+the same states as a whole one, and `reference_states` computes them HF-style for
+the whole prompt. `tests/cuda_emulation.py` gives the GPU's copy ordering.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from safetensors import safe_open
 
 from eagle3_dagster.sglang import dump_hook
 from eagle3_dagster.sglang.dump_hook import HiddenStateDumper, chunk_filename, content_key
+from tests.cuda_emulation import lagging_cuda, to_device
 
 
 class ForwardMode(IntEnum):  # SGLang's enum (0.5.6 forward_batch_info.py), by name
@@ -43,21 +47,29 @@ class TinyLoopModel(torch.nn.Module):
     def _norm(x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
+    def embed_tokens(self, input_ids, positions) -> torch.Tensor:
+        return self.embed[input_ids] + self.pos[positions]
+
     @torch.no_grad()
-    def forward(self, input_ids, positions, forward_batch, hook, style: str = "loop") -> torch.Tensor:
-        hidden, residual = self.embed[input_ids] + self.pos[positions], None
+    def forward(self, input_ids, positions, forward_batch, hook, style: str = "loop", input_embeds=None):
+        hidden = self.embed_tokens(input_ids, positions) if input_embeds is None else input_embeds
+        residual = None
         for i in range(self.num_layers):
             if style == "loop":
                 hook.capture_layer_input(i, hidden, residual, forward_batch)
-            residual = hidden if residual is None else hidden + residual
+            if residual is None:
+                residual = hidden.clone()
+            else:
+                residual.add_(hidden)  # in place, as SGLang's fused add+RMSNorm updates the residual
             if style == "collector":
                 collector = hook.layer_collector(i, forward_batch, None)
                 if collector is not None:
                     collector.append(residual)
             hidden = torch.tanh(self._norm(residual) @ self.mlps[i])
         final = self._norm(hidden + residual)
-        hook.capture_final(final, input_ids, forward_batch)
+        hook.capture_final(final, forward_batch)
         return final
+
 
     @torch.no_grad()
     def reference_states(self, input_ids: list[int]) -> list[torch.Tensor]:
@@ -70,6 +82,18 @@ class TinyLoopModel(torch.nn.Module):
             states.append(x)
         states[-1] = self._norm(states[-1])
         return states
+
+
+class KimiWrapper(torch.nn.Module):
+    """KimiK25ForConditionalGeneration's convention: the language model gets input_ids=None."""
+
+    def __init__(self, language_model: TinyLoopModel):
+        super().__init__()
+        self.language_model = language_model
+
+    def forward(self, input_ids, positions, forward_batch, hook, style: str = "loop"):
+        embeds = self.language_model.embed_tokens(input_ids, positions)
+        return self.language_model(None, positions, forward_batch, hook, style, input_embeds=embeds)
 
 
 def extend_batch(requests: list[tuple[str | None, list[int], int]], mode=ForwardMode.EXTEND, cpu_lists: bool = True):
@@ -88,6 +112,7 @@ def extend_batch(requests: list[tuple[str | None, list[int], int]], mode=Forward
         batch.rids = [rid for rid, _, _ in requests]
     input_ids = torch.tensor([t for _, ids, _ in requests for t in ids])
     positions = torch.cat([torch.arange(p, p + len(ids)) for _, ids, p in requests])
+    batch.input_ids = input_ids
     return input_ids, positions, batch
 
 
@@ -199,3 +224,61 @@ def test_module_functions_configure_from_environment_on_first_call(model, tmp_pa
     model(ids, pos, batch, dump_hook, "collector")
     dump_hook.get_dumper().flush()
     assert (tmp_path / chunk_filename("m", 0)).exists()
+
+
+@pytest.mark.parametrize("style", ["loop", "collector"])
+def test_kimi_wrapper_without_input_ids_dumps_ids_from_the_forward_batch(model, tmp_path, style):
+    dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
+    prompts = {"k1": [3, 4, 5, 6], "k2": [9, 1]}
+    ids, pos, batch = extend_batch([(rid, p, 0) for rid, p in prompts.items()])
+    KimiWrapper(model)(ids, pos, batch, dumper, style)
+    dumper.flush()
+    for rid, prompt in prompts.items():
+        tensors, _ = read_chunk(tmp_path / chunk_filename(rid, 0))
+        assert tensors["input_ids"].tolist() == prompt
+        torch.testing.assert_close(tensors["hidden.2"], model.reference_states(prompt)[2])
+
+
+@pytest.mark.parametrize("style", ["loop", "collector"])
+@pytest.mark.parametrize("wrapper", ["deepseek", "kimi"])
+def test_async_copies_are_read_only_after_their_event_across_batches(model, tmp_path, monkeypatch, style, wrapper):
+    """GPU lags the CPU: every stored tensor equals its source, several requests per batch, buffers reused."""
+    stream = lagging_cuda(monkeypatch)
+    forward = KimiWrapper(model) if wrapper == "kimi" else model  # device ids make every activation a device tensor
+    dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
+    batches = [
+        {"a": [3, 4, 5], "b": list(range(10, 21)), "c": [7]},
+        {"d": [8, 9, 10, 11, 12], "e": [1, 2]},  # reuses the first batch's pooled buffers
+        {"f": list(range(20, 40)), "g": [5], "h": [6, 7]},
+    ]
+    for prompts in batches:
+        ids, pos, batch = extend_batch([(rid, p, 0) for rid, p in prompts.items()])
+        batch.input_ids = to_device(batch.input_ids)
+        forward(to_device(ids), to_device(pos), batch, dumper, style)
+    assert stream.issued > stream.landed  # copies were still in flight when the forwards returned
+    dumper.flush()
+    for prompts in batches:
+        for rid, prompt in prompts.items():
+            tensors, _ = read_chunk(tmp_path / chunk_filename(rid, 0))
+            ref = model.reference_states(prompt)
+            assert tensors["input_ids"].tolist() == prompt
+            for layer in LAYERS:
+                torch.testing.assert_close(tensors[f"hidden.{layer}"], ref[layer])
+            torch.testing.assert_close(tensors["last_hidden"], ref[-1])
+
+
+def test_fused_allreduce_partial_sum_is_refused_naming_the_option(model, tmp_path):
+    dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
+    ids, pos, batch = extend_batch([("a", [1, 2, 3], 0)])
+    hidden = torch.randn(3, 8)
+    hidden._sglang_needs_allreduce_fusion = True  # SGLang marks the MLP output it did not all-reduce
+    with pytest.raises(RuntimeError, match="enforce-disable-flashinfer-allreduce-fusion"):
+        dumper.capture_layer_input(1, hidden, torch.randn(3, 8), batch)
+
+
+def test_forward_inside_a_graph_capture_or_compile_trace_is_refused(model, tmp_path, monkeypatch):
+    dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
+    ids, pos, batch = extend_batch([("a", [1, 2, 3], 0)])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match="--disable-cuda-graph"):
+        model(ids, pos, batch, dumper)

@@ -12,9 +12,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sglang_wheels  # noqa: E402
 
-from eagle3_dagster.sglang import patch  # noqa: E402
+import importlib.util  # noqa: E402
 
-UNSUPPORTED_RELEASE = "0.5.13"  # real release between supported ones, deliberately not in the table
+from eagle3_dagster.sglang import patch, releases  # noqa: E402
+
+UNSUPPORTED_RELEASE = "0.5.9"  # real release whose KimiK25ForConditionalGeneration cannot serve EAGLE-3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _make_patch_module():
+    spec = importlib.util.spec_from_file_location("make_patch", ROOT / "patches" / "sglang" / "make_patch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _model_file(python: Path) -> Path:
@@ -26,14 +36,14 @@ def test_apply_compile_verify_idempotent_revert_restores_pristine_bytes(version,
     python = sglang_wheels.make_site(version, tmp_path)
     target = _model_file(python)
     pristine = target.read_bytes()
-    assert hashlib.sha256(pristine).hexdigest() == patch.SUPPORTED[version].pristine_sha256
+    assert hashlib.sha256(pristine).hexdigest() == releases.release(version).pristine_sha256
     target.chmod(0o644)
 
     assert patch.verify(str(python)) == "unpatched"
     assert patch.apply(str(python)).startswith("patched:")
     patched = target.read_bytes()
     compile(patched, str(target), "exec")
-    assert b"_eagle3_hs_dump.capture_final(hidden_states, input_ids, forward_batch)" in patched
+    assert b"_eagle3_hs_dump.capture_final(hidden_states, forward_batch)" in patched
     assert patch.verify(str(python)) == "patched"
     assert target.stat().st_mode & 0o777 == 0o644
 
@@ -83,7 +93,7 @@ def test_modified_file_is_reported_and_never_patched_or_reverted(tmp_path):
 
 
 def test_cli_verify_exit_codes_and_interpreter_without_sglang(tmp_path, capsys):
-    python = sglang_wheels.make_site("0.5.9", tmp_path)
+    python = sglang_wheels.make_site("0.5.14", tmp_path)
     assert patch.main(["verify", "--python", str(python)]) == 1
     assert capsys.readouterr().out.strip() == "unpatched"
     assert patch.main(["apply", "--python", str(python)]) == 0
@@ -101,3 +111,50 @@ def test_diff_context_mismatch_is_an_error_not_a_fuzzy_apply():
     assert patch.apply_unified_diff("x\ny\nz\n", diff, reverse=True) == "x\nz\n"
     with pytest.raises(patch.PatchError, match="context does not match"):
         patch.apply_unified_diff("x\nw\n", diff)
+
+
+def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_through_0_5_23():
+    assert patch.supported_versions() == [
+        "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14",
+        "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
+    ]
+    make_patch = _make_patch_module()
+    for version in ["0.5.6.post2", "0.5.9"]:  # no kimi_k25.py / no set_eagle3_layers_to_capture on K2.5
+        row, _ = make_patch.analyze(version)
+        assert row["serves_kimi_k25_eagle3"] is False
+        with pytest.raises(SystemExit, match="cannot serve Kimi-K2.5 with EAGLE-3"):
+            make_patch.refuse_unless_serves(row)
+
+
+@pytest.mark.parametrize("version", patch.supported_versions())
+def test_table_patch_and_matrix_are_what_the_generator_makes_from_the_wheel(version):
+    make_patch = _make_patch_module()
+    row, diff = make_patch.analyze(version)
+    assert row == json_row(version)
+    assert releases.release(version).patch_file.read_text() == diff
+    assert make_patch.matrix([row]).splitlines()[2] in (ROOT / "patches" / "sglang" / "README.md").read_text()
+
+
+def json_row(version: str) -> dict:
+    import json
+
+    rows = json.loads(releases.TABLE.read_text())["releases"]
+    return next(r for r in rows if r["version"] == version)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])
+def test_generator_refuses_a_patch_whose_hook_call_reads_a_name_not_in_scope(version):
+    """The loop style on a release whose layer loop no longer holds `residual` compiles but would NameError."""
+    make_patch = _make_patch_module()
+    pristine = sglang_wheels.read_model_file(version).decode()
+    with pytest.raises(SystemExit, match="reads 'residual'"):
+        make_patch.render(pristine, "loop")
+    assert make_patch.detect_style(pristine) == "collector"
+
+
+def test_generator_refuses_a_moved_anchor():
+    make_patch = _make_patch_module()
+    pristine = sglang_wheels.read_model_file("0.5.23").decode()
+    moved = pristine.replace("        if len(aux_hidden_states) == 0:\n", "        if not len(aux_hidden_states):\n")
+    with pytest.raises(SystemExit, match="anchor 'return'"):
+        make_patch.render(moved, "collector")

@@ -1,0 +1,113 @@
+"""The SGLang releases this project supports, as read from each release's own sources.
+
+Owns the table `patches/sglang/releases.json`, which `patches/sglang/make_patch.py`
+generates from the release wheels (never edited by hand): per release, the sha256
+of its pristine and patched `deepseek_v2.py`, the patch style, whether it serves
+Kimi-K2.5 with EAGLE-3, how its `set_eagle3_layers_to_capture` turns a draft
+config's `eagle_aux_hidden_state_layer_ids` into captured layers (found by running
+that method from the release's source), and the server options an extraction
+launch needs on it. Everything version-dependent reads this table, so adding a
+release is one command and no code change.
+
+Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i]`):
+- `always_plus_one`: captures `[id + 1 for id in ids]` (Llama; DeepSeek <= 0.5.12);
+- `plus_one_if_first_is_one`: adds 1 only when `ids[0] == 1`, else captures `ids`
+  as given (DeepSeek >= 0.5.13; Kimi-K2.5 delegates to its DeepSeek language model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+PATCH_DIR = Path(__file__).resolve().parents[2] / "patches" / "sglang"
+TABLE = PATCH_DIR / "releases.json"
+
+ALWAYS_PLUS_ONE = "always_plus_one"
+PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    pristine_sha256: str
+    patched_sha256: str
+    style: str  # "loop" (<= 0.5.13) or "collector"
+    serves_kimi_k25_eagle3: bool
+    aux_id_rules: dict[str, str]  # architecture family ("deepseek", "llama") -> rule
+    extraction_args: tuple[str, ...]  # server options an extraction launch adds on this release
+    capture_only_mode: bool  # --enable-return-aux-hidden-states exists (not used: see README)
+
+    @property
+    def patch_file(self) -> Path:
+        return PATCH_DIR / f"v{self.version}" / "hs-dump.patch"
+
+
+class UnsupportedRelease(ValueError):
+    """A release the table does not hold; the message names the supported ones."""
+
+
+@cache
+def supported() -> dict[str, Release]:
+    rows = json.loads(TABLE.read_text())["releases"]
+    return {
+        r["version"]: Release(
+            version=r["version"], pristine_sha256=r["pristine_sha256"], patched_sha256=r["patched_sha256"],
+            style=r["style"], serves_kimi_k25_eagle3=r["serves_kimi_k25_eagle3"], aux_id_rules=r["aux_id_rules"],
+            extraction_args=tuple(r["extraction_args"]), capture_only_mode=r["capture_only_mode"],
+        )
+        for r in rows
+    }
+
+
+def release(version: str) -> Release:
+    try:
+        return supported()[version]
+    except KeyError:
+        raise UnsupportedRelease(
+            f"SGLang {version} is not supported (supported: {', '.join(supported())}); "
+            "add it with `python patches/sglang/make_patch.py add <version>`"
+        ) from None
+
+
+def arch_family(architecture: str) -> str:
+    """The `set_eagle3_layers_to_capture` family of a target's HF architecture name."""
+    if architecture.startswith(("Deepseek", "KimiK2", "KimiK25")):
+        return "deepseek"
+    if architecture.startswith("Llama"):
+        return "llama"
+    raise ValueError(f"target architecture {architecture!r}: no known SGLang EAGLE-3 capture rule")
+
+
+def captured_layers(rule: str, ids: list[int]) -> list[int]:
+    """What a release's `set_eagle3_layers_to_capture(ids)` captures, in canonical numbering."""
+    if rule == ALWAYS_PLUS_ONE or (rule == PLUS_ONE_IF_FIRST_IS_ONE and ids and ids[0] == 1):
+        return [i + 1 for i in ids]
+    if rule == PLUS_ONE_IF_FIRST_IS_ONE:
+        return list(ids)
+    raise ValueError(f"unknown aux-id rule {rule!r}")
+
+
+def draft_aux_ids(canonical: list[int], family: str, versions: list[str] | None = None) -> list[int]:
+    """The `eagle_aux_hidden_state_layer_ids` that make every named release capture `canonical`.
+
+    Prefers SGLang's output numbering (canonical - 1), which every release reads the same way when it
+    starts at 1; raises naming the releases that disagree when no single list works for all of them.
+    """
+    releases = [release(v) for v in (versions or list(supported()))]
+    candidates = [[i - 1 for i in canonical], list(canonical)]
+    for ids in candidates:
+        if all(captured_layers(r.aux_id_rules[family], ids) == list(canonical) for r in releases):
+            return ids
+    by_rule: dict[str, list[str]] = {}
+    for r in releases:
+        by_rule.setdefault(r.aux_id_rules[family], []).append(r.version)
+    groups = "; ".join(f"{rule}: " + ", ".join(vs) for rule, vs in by_rule.items())
+    raise ValueError(
+        f"aux layers {list(canonical)} (canonical) cannot be written in one draft config that SGLang "
+        f"releases {', '.join(r.version for r in releases)} all capture correctly for a {family} target "
+        f"({groups}); "
+        "start the list at canonical 2 (SGLang id 1) or name one release in gpu_host.sglang_version"
+    )
