@@ -193,11 +193,21 @@ class GpuHostConfig(_Strict):
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
     num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
+    sglang_version: str | None = Field(
+        None, description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
+        "ids are written for it; unset: ids right on every supported release that can express the aux layers")
 
     @model_validator(mode="after")
     def _target_for_ssh(self) -> "GpuHostConfig":
         if self.transport == "ssh" and not self.ssh_target:
             raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
+        if self.sglang_version is not None:
+            from eagle3_dagster.sglang.releases import UnsupportedRelease, release
+
+            try:
+                release(self.sglang_version)
+            except UnsupportedRelease as e:
+                raise ValueError(f"gpu_host.sglang_version: {e}") from None
         return self
 
 
@@ -294,6 +304,16 @@ class Profile(_Strict):
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
+        if self.hidden.aux_layers:
+            # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
+            from eagle3_dagster.sglang.releases import draft_aux_ids
+
+            version = self.gpu_host.sglang_version
+            try:
+                draft_aux_ids(list(self.hidden.aux_layers), "deepseek", [version] if version else None)
+            except ValueError as e:
+                raise ValueError(f"hidden.aux_layers: {e}" + (" (gpu_host.sglang_version)" if version else "")) \
+                    from None
         return self
 
     @property

@@ -33,10 +33,6 @@ def validate_aux_layers(layers: list[int], num_layers: int) -> list[int]:
     return list(layers)
 
 
-def canonical_to_sglang(layers: list[int]) -> list[int]:
-    return [i - 1 for i in layers]
-
-
 def sglang_to_canonical(layers: list[int]) -> list[int]:
     return [i + 1 for i in layers]
 
@@ -44,6 +40,3 @@ def sglang_to_canonical(layers: list[int]) -> list[int]:
 def canonical_to_vllm(layers: list[int]) -> list[int]:
     return list(layers)
 
-
-def vllm_to_canonical(layers: list[int]) -> list[int]:
-    return list(layers)

@@ -7,8 +7,12 @@ weights (a `layers.0.*` export starts fine and drafts garbage), so
 derived from config.json the way SGLang derives them.
 
 Aux layer ids are written three ways: `eagle_config.eagle_aux_hidden_state_layer_ids`
-in SGLang's output numbering, a top-level `eagle_aux_hidden_state_layer_ids` in
-vLLM's (= canonical) numbering, and `eagle3_dagster_aux_layers_canonical`.
+for SGLang, a top-level `eagle_aux_hidden_state_layer_ids` in vLLM's (= canonical)
+numbering, and `eagle3_dagster_aux_layers_canonical`. SGLang's ids are the ones that
+the serving releases' own `set_eagle3_layers_to_capture` turns into the canonical
+layers for the target's architecture (`eagle3_dagster.sglang.releases`: from 0.5.13
+DeepSeek adds 1 only when the first id is 1); `eagle3_dagster_sglang` records the
+target family and the releases they are right on, and `check_export` re-checks them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from eagle3_dagster import layers
+from eagle3_dagster.sglang import releases
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json
 
@@ -82,8 +87,12 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in SGLANG_EAGLE3_WEIGHTS.items()}
 
 
-def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, extra: dict | None = None) -> dict:
+def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, extra: dict | None = None, *,
+                  target_architecture: str = "DeepseekV3ForCausalLM",
+                  sglang_versions: list[str] | None = None) -> dict:
     canonical = list(cfg.aux_layers)
+    family = releases.arch_family(target_architecture)
+    sglang_ids, right_on = releases.draft_aux_ids(canonical, family, sglang_versions)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -105,9 +114,11 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": layers.canonical_to_sglang(canonical),
+            "eagle_aux_hidden_state_layer_ids": sglang_ids,
             "use_aux_hidden_state": True,
         },
+        "eagle3_dagster_sglang": {"target_architecture": target_architecture, "target_family": family,
+                                  "releases": right_on},
         "eagle_aux_hidden_state_layer_ids": layers.canonical_to_vllm(canonical),
         "eagle3_dagster_aux_layers_canonical": canonical,
         "eagle3_dagster_aux_numbering": layers.CANONICAL_NUMBERING,
@@ -121,6 +132,9 @@ def export_drafter(
     serving_context: int,
     dtype: torch.dtype = torch.bfloat16,
     extra_config: dict | None = None,
+    *,
+    target_architecture: str = "DeepseekV3ForCausalLM",
+    sglang_versions: list[str] | None = None,
 ) -> Path:
     """Write config.json + model.safetensors (atomically, weights first) and check the result."""
     if not model.cfg.aux_layers:
@@ -132,7 +146,8 @@ def export_drafter(
         v = v.detach().cpu()
         state[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
     atomic_write_bytes(out_dir / WEIGHTS_FILE, save_safetensors(state, metadata={"format": "pt"}))
-    cfg = export_config(model.cfg, serving_context, dtype, extra_config)
+    cfg = export_config(model.cfg, serving_context, dtype, extra_config, target_architecture=target_architecture,
+                        sglang_versions=sglang_versions)
     atomic_write_json(out_dir / "config.json", cfg)
     check_export(out_dir).raise_for_errors()
     return out_dir
@@ -163,10 +178,7 @@ def check_export(export_dir: Path) -> ExportCheck:
                       ("tie_word_embeddings", False)):
         if cfg.get(key) != want:
             result.config_errors.append(f"config.json {key}={cfg.get(key)!r}, SGLang needs {want!r}")
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
-    if canonical is not None and ids != layers.canonical_to_sglang(canonical):
-        result.config_errors.append(f"eagle_config layer ids {ids} are not canonical {canonical} in SGLang numbering")
+    result.config_errors += _aux_id_errors(cfg)
     want = expected_shapes(cfg)
     with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as h:
         got = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
@@ -174,6 +186,28 @@ def check_export(export_dir: Path) -> ExportCheck:
     result.unexpected = sorted(set(got) - set(want))
     result.misshaped = {k: (got[k], want[k]) for k in sorted(set(got) & set(want)) if got[k] != want[k]}
     return result
+
+
+def _aux_id_errors(cfg: dict) -> list[str]:
+    """Run each recorded release's capture rule on the written ids: they must give the canonical layers."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
+    sglang = cfg.get("eagle3_dagster_sglang")
+    if canonical is None:
+        return []
+    if not sglang or not sglang.get("releases"):
+        return [f"config.json records no SGLang release its aux ids {ids} were written for"]
+    errors = []
+    for version in sglang["releases"]:
+        try:
+            rule = releases.release(version).aux_id_rules[sglang["target_family"]]
+        except (releases.UnsupportedRelease, KeyError) as e:
+            errors.append(f"aux ids written for {version} / {sglang.get('target_family')}: {e}")
+            continue
+        got = releases.captured_layers(rule, list(ids or []))
+        if got != list(canonical):
+            errors.append(f"SGLang {version} captures {got} from eagle_config ids {ids}, not canonical {canonical}")
+    return errors
 
 
 def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:

@@ -58,6 +58,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: 
         drafter=profile.drafter,
         aux_layers=ctx.target.aux_layers,
         export_dtype="bfloat16" if profile.target.dtype == "bfloat16" else "float32",
+        sglang_versions=(profile.gpu_host.sglang_version,) if profile.gpu_host.sglang_version else None,
     )
     run_id = hashlib.sha256(job.to_json().encode()).hexdigest()[:12]
     out_dir = layout.drafter_dir / f"run-{run_id}"

@@ -33,6 +33,7 @@ class TrainJobConfig:
     aux_layers: tuple[int, ...] | None = None  # canonical; default: the dataset metadata's `aux_layers`
     dataset_class: str = DEFAULT_DATASET_CLASS  # "module:Class" constructed with hidden_version_dir
     export_dtype: str = "bfloat16"
+    sglang_versions: tuple[str, ...] | None = None  # the export's aux ids are written for these (None: all that can)
     eval_batches: int = 4
     metadata: dict = field(default_factory=dict)  # provenance copied into metrics.json and the export config
 
