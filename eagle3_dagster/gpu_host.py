@@ -25,6 +25,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,18 +79,51 @@ out["free_bytes"] = shutil.disk_usage(path).free
 print(json.dumps(out))
 """
 
-# Run by the host's interpreter: poll /health_generate until 200 or the timeout (exit 1).
+# Run by the host's interpreter: exit 0 when something accepts TCP connections on 127.0.0.1:PORT, else 1.
+PORT_ANSWERS = r"""
+import socket, sys
+with socket.socket() as s:
+    s.settimeout(5)
+    sys.exit(0 if s.connect_ex(("127.0.0.1", int(sys.argv[1]))) == 0 else 1)
+"""
+
+# Run by the host's interpreter: poll /health_generate until 200 (503 while SGLang loads), then check that
+# the server answering is the one launched with --served-model-name NAME. /model_info has the field
+# `served_model_name` from 0.5.18 on; /v1/models lists it as `data[].id` in every release 0.5.10-0.5.23.
+# Exit 0: ours and healthy; 1: not healthy in time; 2: another server answers on the port.
 WAIT_HEALTHY = r"""
-import sys, time, urllib.request
-url, deadline, last = sys.argv[1] + "/health_generate", time.monotonic() + float(sys.argv[2]), ""
+import json, sys, time, urllib.error, urllib.request
+url, deadline, name = sys.argv[1], time.monotonic() + float(sys.argv[2]), sys.argv[3]
+def get(path):
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        return json.loads(r.read() or b"null")
+def served_names():
+    try:
+        info = get("/model_info")
+        if isinstance(info, dict) and "served_model_name" in info:
+            return [info["served_model_name"]]
+    except (urllib.error.HTTPError, ValueError):
+        pass
+    try:
+        models = get("/v1/models")
+        return [m.get("id") for m in models.get("data", [])]
+    except (urllib.error.HTTPError, ValueError, AttributeError) as e:
+        return [f"<no model list: {e!r}>"]
+last = ""
 while time.monotonic() < deadline:
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            if r.status == 200:
-                sys.exit(0)
-            last = f"HTTP {r.status}"
+        with urllib.request.urlopen(url + "/health_generate", timeout=30) as r:
+            healthy = r.status == 200
+    except urllib.error.HTTPError as e:
+        healthy, last = False, f"HTTP {e.code}"
     except Exception as e:
-        last = repr(e)
+        healthy, last = False, repr(e)
+    if healthy:
+        names = served_names()
+        if name in names:
+            sys.exit(0)
+        print(f"the server answering at {url} serves {names}, not {name!r}, the name this run launched it with")
+        sys.exit(2)
     time.sleep(1)
 print(last)
 sys.exit(1)
@@ -145,6 +179,15 @@ class GpuHost:
         if check and proc.returncode != 0:
             raise RuntimeError(f"{self.where()}: {shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
         return proc
+
+    def write_file(self, path: str, data: bytes, timeout: float = 300.0) -> None:
+        """Write `data` to `path` (relative paths: under the workdir) on the host, atomically, through stdin."""
+        target = shlex.quote(path)
+        script = (f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && "
+                  f"mkdir -p \"$(dirname {target})\" && cat > {target}.tmp && mv {target}.tmp {target}")
+        proc = subprocess.run(self.wrap(script), input=data, capture_output=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.where()}: writing {path} failed: {proc.stderr.decode(errors='replace')[-2000:]}")
 
     def where(self) -> str:
         return "localhost" if self.spec.transport == "local" else str(self.spec.ssh_target)
@@ -261,17 +304,22 @@ class ServerSpec:
     tp_size: int = 1
     dump_dir: str | None = None  # set: extraction mode (SGLANG_HS_DUMP_DIR); None: serving
     dump_layers: tuple[int, ...] = ()  # canonical ids
+    context_length: int | None = None  # serving: --context-length (the profile's target.serving_context)
     extra_args: tuple[str, ...] = ()
-    launcher: tuple[str, ...] | None = None  # default: (python, -m, sglang.launch_server); tests use a fake server
+    launcher: tuple[str, ...] | None = None  # default: (python, -m, sglang.launch_server); tests use a stand-in
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
     trust_remote_code: bool = True
 
-    def argv(self, python: str) -> list[str]:
+    def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
         args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
                 "--tp-size", str(self.tp_size), "--host", "127.0.0.1", "--port", str(self.port)]
+        if served_model_name is not None:
+            args += ["--served-model-name", served_model_name]
         if self.trust_remote_code:
             args.append("--trust-remote-code")
+        if self.context_length is not None:
+            args += ["--context-length", str(self.context_length)]
         if self.dump_dir is not None:
             # Every token must be computed (no prefix cache), whole prompts per forward (no chunking; SGLang
             # < 0.5.11 has no request ids to stitch by) and outside CUDA graphs (a hook does not run on replay).
@@ -293,12 +341,26 @@ class ServerSpec:
 class RunningServer:
     base_url: str  # as seen from the host itself
     process: HostProcess
+    served_model_name: str  # the nonce it was launched with; the health wait checked that it answers with it
 
 
 @contextlib.contextmanager
 def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Iterator[RunningServer]:
-    """Start the server, stream its log to `on_log`, wait for /health_generate; always stop its process group."""
-    proc = host.spawn(spec.argv(host.spec.python), spec.environment(), f"sglang-{spec.port}")
+    """Start the server, stream its log to `on_log`, wait until it is healthy and is the one we started.
+
+    A server left by a dead worker of this project is stopped through its pid file; anything else
+    already answering on the port is refused before launching, and the server that turns healthy
+    must answer with the unique `--served-model-name` it was launched with. Its process group is
+    always stopped on leaving.
+    """
+    name = f"sglang-{spec.port}"
+    host.stop_stale(name)
+    if host.run([host.spec.python, "-c", PORT_ANSWERS, str(spec.port)], check=False).returncode == 0:
+        raise ServerError(f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
+                          f"server this project started (none is recorded in {host.spec.workdir}/{name}.pid); "
+                          f"stop it or set hidden.sglang_port to a free port")
+    served_model_name = f"eagle3-{uuid.uuid4().hex[:16]}"
+    proc = host.spawn(spec.argv(host.spec.python, served_model_name), spec.environment(), name)
     tail: deque[str] = deque(maxlen=40)
 
     def pump() -> None:
@@ -310,24 +372,29 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     reader.start()
     url = f"http://127.0.0.1:{spec.port}"
     try:
-        _wait_healthy(host, proc, url, spec.health_timeout_s, tail)
-        yield RunningServer(base_url=url, process=proc)
+        _wait_healthy(host, proc, url, spec.health_timeout_s, tail, served_model_name)
+        yield RunningServer(base_url=url, process=proc, served_model_name=served_model_name)
     finally:
         proc.stop()
         reader.join(timeout=5)
 
 
-def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str]) -> None:
-    waiter = subprocess.Popen(host.command([host.spec.python, "-c", WAIT_HEALTHY, url, str(timeout_s)]),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str],
+                  served_model_name: str) -> None:
+    waiter = subprocess.Popen(
+        host.command([host.spec.python, "-c", WAIT_HEALTHY, url, str(timeout_s), served_model_name]),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         while waiter.poll() is None:
             if proc.poll() is not None:
                 raise ServerError(f"SGLang server exited with {proc.poll()} before it was healthy:\n" + "\n".join(tail))
             time.sleep(0.2)
+        said = waiter.stdout.read().strip()[-300:]
+        if waiter.returncode == 2:
+            raise ServerError(f"{host.where()}: refusing a server that is not ours: {said}")
         if waiter.returncode != 0:
             raise ServerError(f"SGLang server not healthy at {url}/health_generate within {timeout_s:.0f}s "
-                              f"({waiter.stdout.read().strip()[-300:]}); last log lines:\n" + "\n".join(tail))
+                              f"({said}); last log lines:\n" + "\n".join(tail))
     finally:
         if waiter.poll() is None:
             with contextlib.suppress(ProcessLookupError):

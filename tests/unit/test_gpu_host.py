@@ -49,6 +49,8 @@ class H(BaseHTTPRequestHandler):
         b = json.dumps(obj).encode()
         self.send_response(code); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
     def do_GET(self):
+        if self.path == "/v1/models":  # how SGLang <= 0.5.17 names the model it serves
+            return self._send(200, {"data": [{"id": args[args.index("--served-model-name") + 1]}]})
         self._send(200 if time.monotonic() > ready_at else 503, {})
     def do_POST(self):
         self._send(200, {"meta_info": {}, "argv": args, "dump_dir": os.environ.get("SGLANG_HS_DUMP_DIR"),
@@ -148,12 +150,12 @@ def test_preflight_fails_fast_on_interpreter_without_sglang(tmp_path):
 
 @pytest.mark.parametrize("transport", ["local", "ssh"])
 def test_preflight_reports_sglang_version_patch_state_gpus_and_disk(tmp_path, sshd, transport):
-    python = sglang_wheels.make_site("0.5.9", tmp_path, extra_paths=(Path(__file__).resolve().parents[2],))
+    python = sglang_wheels.make_site("0.5.14", tmp_path, extra_paths=(Path(__file__).resolve().parents[2],))
     host = _hosts(tmp_path, sshd)[transport]
     host = GpuHost(HostSpec(host.spec.transport, str(python), host.spec.workdir, host.spec.ssh_target,
                             host.spec.ssh_options))
     report = host.preflight(str(tmp_path / "not" / "yet"))
-    assert report["sglang_version"] == "0.5.9" and report["patch_state"] == "unpatched"
+    assert report["sglang_version"] == "0.5.14" and report["patch_state"] == "unpatched"
     assert report["free_bytes"] > 0 and report["disk_path"] == str(tmp_path)
     if transport == "ssh":
         return  # the checks below are transport-independent

@@ -1,151 +1,192 @@
-"""The served-benchmark client against a loopback server speaking SGLang's native HTTP protocol."""
+"""The served benchmark against a stand-in SGLang server process speaking the releases' HTTP protocol.
+
+The client runs where the server is reachable: on the GPU host, started through `GpuHost` (local
+transport here), reading its prompts from a file written on the host. The stand-in
+(tests/sglang_standin.py) answers 503 while loading, names itself the way each release does and
+sends the per-request and server-wide acceptance figures SGLang sends.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import json
+import math
+import socket
 import subprocess
 import sys
-import textwrap
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import pytest
 
-from eagle3_dagster.bench.served import ServedBenchmarkError, run_served_benchmark
+from eagle3_dagster.bench.served import ServedBenchmarkError, prompt_token_limit, run_on_host, run_served_sets
+from eagle3_dagster.gpu_host import GpuHost, HostSpec, ServerError, ServerSpec
 
-# A stand-in SGLang server in its own process: /health, /server_info (0.5.23 shape: internal_states),
-# /generate with meta_info.{completion_tokens, spec_verify_ct, e2e_latency}. With --accept A each
-# verify step commits A tokens; --fail-after N makes request N+1 either kill the process or hang up.
-_SERVER = textwrap.dedent('''
-    import argparse, json, math, os, threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--accept", type=int, default=0)
-    ap.add_argument("--fail-after", type=int, default=-1)
-    ap.add_argument("--failure", choices=["exit", "hangup"], default="exit")
-    args = ap.parse_args()
-    lock = threading.Lock()
-    state = {"requests": 0, "tokens": 0, "verify": 0}
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _json(self, obj, code=200):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                return self._json({})
-            if self.path == "/server_info":
-                avg = state["tokens"] / state["verify"] if state["verify"] else None
-                return self._json({"internal_states": [{"avg_spec_accept_length": avg}]})
-            self._json({"detail": "Not Found"}, 404)
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                state["requests"] += 1
-                failing = 0 <= args.fail_after < state["requests"]
-            if failing and args.failure == "exit":
-                os._exit(1)
-            if failing:
-                self.close_connection = True
-                self.connection.shutdown(2)
-                return
-            ids, n = body["input_ids"], body["sampling_params"]["max_new_tokens"]
-            meta = {"id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
-                    "completion_tokens": n, "cached_tokens": 0, "e2e_latency": 0.01}
-            if args.accept:
-                meta["spec_verify_ct"] = math.ceil(n / args.accept)
-                with lock:
-                    state["tokens"] += n
-                    state["verify"] += meta["spec_verify_ct"]
-            self._json({"text": "x" * n, "output_ids": [sum(ids) % 7] * n, "meta_info": meta})
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    print(srv.server_address[1], flush=True)
-    srv.serve_forever()
-''')
-
+STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
+SPEC_ARGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", "4")
 PROMPTS = {
     "mtbench": [(f"m{i}", list(range(3, 10 + i))) for i in range(6)],
     "gsm8k": [(f"g{i}", list(range(20, 25 + i))) for i in range(4)],
 }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _expected(ids, max_new, accept):
+    """What the stand-in generates for a prompt: completion tokens and verify steps."""
+    n = min(max_new, 4 + sum(ids) % 9)
+    return n, math.ceil(n / accept)
+
+
 @pytest.fixture
-def launcher(tmp_path: Path):
-    script = tmp_path / "fake_sglang.py"
-    script.write_text(_SERVER)
-    procs: list[subprocess.Popen] = []
+def direct_server():
+    """A stand-in started directly (no loading phase); yields (base_url, served name)."""
+    procs = []
 
-    def make(*args: str):
-        @contextlib.contextmanager
-        def launch() -> Iterator[str]:
-            proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            try:
-                yield f"http://127.0.0.1:{int(proc.stdout.readline())}"
-            finally:
-                proc.terminate()
-                proc.wait(timeout=10)
+    def start(*args: str, env: dict | None = None) -> str:
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", "/models/t", "--port", str(port),
+                                 "--served-model-name", "ours", *args], stdout=subprocess.PIPE, text=True,
+                                env={"PATH": "/usr/bin:/bin", "STANDIN_LOAD_S": "0", **(env or {})})
+        procs.append(proc)
+        assert "serving" in proc.stdout.readline()  # printed once the port is bound
+        return f"http://127.0.0.1:{port}"
 
-        return launch
-
-    yield make, procs
+    yield start
     for p in procs:
-        if p.poll() is None:
-            p.kill()
+        p.kill()
+        p.wait(timeout=10)
 
 
-def test_speculative_server_rows_report_sglang_acceptance_length(launcher):
-    make, _ = launcher
-    rows = run_served_benchmark(make("--accept", "3"), PROMPTS, method="eagle3", spec="3,1,4",
-                                max_new_tokens=12, concurrency=3)
+def _host(tmp_path) -> GpuHost:
+    return GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+
+
+def _server(port: int, *extra: str, context: int | None = 4096, **env: str) -> ServerSpec:
+    return ServerSpec(model_path="/models/tiny", port=port, context_length=context, extra_args=extra,
+                      launcher=(sys.executable, str(STANDIN)), health_timeout_s=60, env=env)
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_client_reports_its_acceptance_length_next_to_sglangs_own(direct_server):
+    url = direct_server(*SPEC_ARGS)
+    rows = run_served_sets(url, PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=3,
+                           served_model_name="ours")
     assert [r["set"] for r in rows] == ["mtbench", "gsm8k"]
-    for r, n in zip(rows, (6, 4)):
-        assert r["num_prompts"] == n
-        assert r["completion_tokens"] == 12 * n
-        assert r["verify_ct"] == 4 * n
-        assert r["acceptance_length"] == 3.0
-        assert r["server_avg_accept_length"] == 3.0
-        assert r["tokens_per_s"] > 0 and r["latency_p90_s"] >= r["latency_p50_s"] > 0
-        assert r["server_e2e_latency_mean_s"] == pytest.approx(0.01)
+    total_n = total_v = 0
+    for row, (name, prompts) in zip(rows, PROMPTS.items()):
+        done = [_expected(ids, 12, 3) for _, ids in prompts]
+        n, v = sum(d[0] for d in done), sum(d[1] for d in done)
+        total_n, total_v = total_n + n, total_v + v
+        assert row["num_prompts"] == len(prompts) and row["completion_tokens"] == n and row["verify_ct"] == v
+        assert row["acceptance_length"] == pytest.approx(n / v)  # the client's: sum over sum
+        assert row["sglang_request_accept_length_mean"] == pytest.approx(sum(a / b for a, b in done) / len(done))
+        assert row["num_requests_with_accept_length"] == len(prompts)
+        assert row["server_avg_accept_length"] == pytest.approx(total_n / total_v)  # cumulative since launch
+        assert row["tokens_per_s"] > 0 and row["latency_p90_s"] >= row["latency_p50_s"] > 0
+        assert row["server_e2e_latency_mean_s"] == pytest.approx(0.01)
+    assert rows[0]["sglang_request_accept_length_mean"] != pytest.approx(rows[0]["acceptance_length"])
     assert rows[0]["prompt_tokens"] == sum(len(ids) for _, ids in PROMPTS["mtbench"])
 
 
-def test_plain_server_rows_have_no_acceptance_length(launcher):
-    make, _ = launcher
-    rows = run_served_benchmark(make(), PROMPTS, method="no_spec", spec=None, max_new_tokens=5)
+def test_plain_server_rows_have_no_acceptance_figures(direct_server):
+    rows = run_served_sets(direct_server(), PROMPTS, method="no_spec", spec=None, max_new_tokens=5)
     assert all(r["acceptance_length"] is None and r["verify_ct"] == 0 for r in rows)
+    assert all(r["sglang_request_accept_length_mean"] is None and r["server_avg_accept_length"] is None for r in rows)
 
 
-def test_server_without_speculation_is_refused_when_speculation_was_requested(launcher):
-    make, procs = launcher
+def test_server_without_speculation_is_refused_when_speculation_was_requested(direct_server):
     with pytest.raises(ServedBenchmarkError, match="no spec_verify_ct.*--speculative-algorithm"):
-        run_served_benchmark(make(), PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=5)
-    assert procs[0].poll() is not None
+        run_served_sets(direct_server(), PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=5)
+
+
+@pytest.mark.parametrize("release", ["0.5.14", "0.5.23"])
+def test_client_refuses_a_server_answering_under_another_name(direct_server, release):
+    url = direct_server(env={"STANDIN_RELEASE": release})
+    with pytest.raises(ServedBenchmarkError, match=r"serves \['ours'\], not 'theirs'"):
+        run_served_sets(url, PROMPTS, method="no_spec", spec=None, max_new_tokens=5, served_model_name="theirs")
+
+
+@pytest.mark.parametrize("release", ["0.5.14", "0.5.23"])  # name from /v1/models only; from /model_info too
+def test_benchmark_client_runs_on_the_gpu_host_beside_the_server(tmp_path, release):
+    host, port, logs = _host(tmp_path), _free_port(), []
+    rows = run_on_host(host, _server(port, *SPEC_ARGS, STANDIN_RELEASE=release, STANDIN_LOAD_S="1"), PROMPTS,
+                       method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=2, log=logs.append)
+    assert [(r["set"], r["method"], r["spec"]) for r in rows] == [("mtbench", "eagle3", "3,1,4"),
+                                                                   ("gsm8k", "eagle3", "3,1,4")]
+    n, v = map(sum, zip(*[_expected(ids, 12, 3) for _, ids in PROMPTS["mtbench"]]))
+    assert rows[0]["acceptance_length"] == pytest.approx(n / v)
+    launched = next(line for line in logs if line.startswith("[sglang] stand-in sglang"))
+    nonce = launched.split(" serving ")[1].split(" on ")[0]
+    assert nonce.startswith("eagle3-") and len(nonce) > 20  # a fresh --served-model-name per launch
+    written = (tmp_path / "work" / "bench" / f"prompts-{nonce}.jsonl").read_text().splitlines()
+    assert [json.loads(line)["input_ids"] for line in written] == [ids for s in PROMPTS.values() for _, ids in s]
+    assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()  # the server was stopped
+
+
+def test_a_foreign_server_on_the_port_is_refused_before_launching(tmp_path, direct_server):
+    url = direct_server(env={"STANDIN_NAME": "someone-elses-model"})
+    port, logs = int(url.rsplit(":", 1)[1]), []
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=rf"already answers on 127.0.0.1:{port}"):
+        run_on_host(_host(tmp_path), _server(port), PROMPTS, method="no_spec", spec=None, max_new_tokens=5,
+                    log=logs.append)
+    assert not any(line.startswith("[sglang]") for line in logs), "a server was launched anyway"
+    assert time.monotonic() - start < 30
+
+
+def test_a_healthy_server_answering_under_another_name_is_not_taken_as_ours(tmp_path):
+    port = _free_port()
+    with pytest.raises(ServerError, match=r"not ours.*\['impostor'\]"):
+        run_on_host(_host(tmp_path), _server(port, STANDIN_NAME="impostor"), PROMPTS, method="no_spec", spec=None,
+                    max_new_tokens=5)
+    assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()
 
 
 @pytest.mark.parametrize("failure", ["exit", "hangup"])
-def test_server_dying_mid_run_names_server_and_prompt_and_is_stopped(launcher, failure):
-    make, procs = launcher
+def test_server_dying_mid_run_names_server_and_prompt_and_is_stopped(tmp_path, failure):
+    port, logs = _free_port(), []
     with pytest.raises(ServedBenchmarkError) as err:
-        run_served_benchmark(make("--accept", "2", "--fail-after", "3", "--failure", failure), PROMPTS,
-                             method="eagle3", spec="3,1,4", max_new_tokens=8, concurrency=1)
+        run_on_host(_host(tmp_path), _server(port, *SPEC_ARGS, STANDIN_FAIL_AFTER="3", STANDIN_FAILURE=failure),
+                    PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=8, concurrency=1, log=logs.append)
     message = str(err.value)
-    assert "SGLang server http://127.0.0.1:" in message
+    assert f"SGLang server http://127.0.0.1:{port}" in message
     assert "prompt mtbench/m3" in message  # sequential requests: the fourth one is the first to fail
-    expected = "no longer answers /health" if failure == "exit" else "still answers /health"
-    assert expected in message
-    assert procs[0].poll() is not None  # the launch context stopped (or reaped) the server process
+    assert ("no longer answers /health" if failure == "exit" else "still answers /health") in message
+    assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()
+
+
+def test_prompts_are_capped_at_the_serving_context(tmp_path):
+    assert prompt_token_limit(2048, 256) == 1792
+    assert prompt_token_limit(2048, 256, max_prompt_tokens=1000) == 1000
+    with pytest.raises(ValueError, match=r"bench.max_new_tokens \(2048\).*target.serving_context \(2048\)"):
+        prompt_token_limit(2048, 2048)
+    port, logs = _free_port(), []
+    too_long = {"mtbench": [("ok", [1] * 8), ("long", [1] * 20)]}
+    with pytest.raises(ValueError, match=r"prompt mtbench/long: 20 tokens \+ max_new_tokens 8 exceed .* 24"):
+        run_on_host(_host(tmp_path), _server(port, context=24), too_long, method="no_spec", spec=None,
+                    max_new_tokens=8, log=logs.append)
+    assert not logs  # refused before any server was started
+    fitting = {"mtbench": [("ok", [1] * 8), ("edge", [1] * 16)]}
+    rows = run_on_host(_host(tmp_path), _server(port, context=24), fitting, method="no_spec", spec=None,
+                       max_new_tokens=8)
+    assert rows[0]["num_prompts"] == 2
 
 
 def test_prompt_sets_load_from_local_files_with_size_and_source(tmp_path):
