@@ -62,50 +62,48 @@ def headline(rows: list[dict]) -> dict:
 
 
 def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progress) -> dict:
-    """SGLang with the exported drafter at each configuration, and without it, on the GPU host."""
-    from contextlib import contextmanager
+    """SGLang with the exported drafter at each configuration, and without it, on the GPU host.
 
+    The client runs on the host beside each server (`run_on_host`), so the code location may be
+    another machine; prompts are capped so that prompt + max_new_tokens fits the serving context.
+    """
     from transformers import AutoTokenizer
 
     from eagle3_dagster.bench.prompts import load_prompt_set, render_prompts
     from eagle3_dagster.bench.report import attach_speedups, results_document
-    from eagle3_dagster.bench.served import run_served_benchmark
+    from eagle3_dagster.bench.served import prompt_token_limit, run_on_host
     from eagle3_dagster.bench.specdec import SpecConfig
-    from eagle3_dagster.gpu_host import ServerSpec, sglang_server
+    from eagle3_dagster.gpu_host import ServerSpec
 
+    if host is None:
+        raise ValueError("benchmark_report: the served benchmark (hidden.backend 'sglang') needs the gpu_host resource")
     target = target_facts(profile, layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path, trust_remote_code=True)
+    context, bench = profile.target.serving_context, profile.bench
+    limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
     sets, described = {}, {}
-    for name in profile.bench.sets:
-        prompt_set = load_prompt_set(name, profile.bench.num_prompts, profile.bench.set_paths.get(name))
-        sets[name] = render_prompts(tokenizer, prompt_set, profile.bench.max_prompt_tokens)
-        described[name] = prompt_set.describe() | {"num_prompts": len(sets[name])}
+    for name in bench.sets:
+        prompt_set = load_prompt_set(name, bench.num_prompts, bench.set_paths.get(name))
+        sets[name] = render_prompts(tokenizer, prompt_set, limit)
+        described[name] = prompt_set.describe() | {
+            "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
+            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
     export = current_export(layout)
 
-    def launcher(spec: SpecConfig | None):
+    def server(spec: SpecConfig | None) -> ServerSpec:
         extra: tuple[str, ...] = ()
         if spec is not None:
             extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
                      "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                      "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
-        server = ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port,
-                            tp_size=profile.hidden.tp_size, extra_args=extra)
+        return ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
+                          context_length=context, extra_args=extra)
 
-        @contextmanager
-        def launch():
-            with sglang_server(host, server, on_log=lambda line: progress(f"[sglang] {line}")) as running:
-                yield running.base_url
-
-        return launch
-
-    rows = run_served_benchmark(launcher(None), sets, method="no_spec", spec=None,
-                                max_new_tokens=profile.bench.max_new_tokens, concurrency=profile.bench.concurrency,
-                                log=progress)
-    for config in profile.bench.spec_configs:
-        spec = SpecConfig.parse(tuple(config))
-        rows += run_served_benchmark(launcher(spec), sets, method="eagle3", spec=spec.label,
-                                     max_new_tokens=profile.bench.max_new_tokens,
-                                     concurrency=profile.bench.concurrency, log=progress)
+    configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
+    rows = []
+    for spec, method in configs:
+        rows += run_on_host(host, server(spec), sets, method=method, spec=spec.label if spec else None,
+                            max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
     return results_document(attach_speedups(rows), "served", described, meta={"target_identity": target.identity})
 
 
