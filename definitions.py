@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, target_model
+from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, target_model
 from assets import tokenized_dataset
 from eagle3_dagster.config import Profile, load_profile
 from resources.chat_api import ChatApiResource
@@ -29,8 +29,8 @@ def build_definitions(profile: Profile) -> dg.Definitions:
     return dg.Definitions(
         assets=assets,
         jobs=[*jobs.values(), *op_jobs],
-        schedules=[automation.build_schedule(profile, jobs["extract_job"])],
-        sensors=[automation.build_sensor(profile)],
+        sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
+                 settings.build_sensor(profile)],
         resources={
             "chat_api": ChatApiResource(api_key=api_key),
             "gpu_host": GpuHostResource.from_profile(profile),

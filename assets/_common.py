@@ -1,4 +1,4 @@
-"""What every asset module shares: the profile tag, progress forwarding, picture metadata.
+"""What every asset module shares: run tags, progress forwarding, metadata (tables, pictures, rounding).
 
 Assets stay thin: they read config and partitions, call one engine function and
 turn its report into Dagster metadata. The helpers here are the glue that would
@@ -7,7 +7,6 @@ otherwise be repeated in each module.
 
 
 import base64
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,40 +18,43 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.stages import StageReport
 
 PROFILE_TAG = "eagle3/profile"
+MAX_RUNTIME_TAG = "dagster/max_runtime"
 GPU_POOL = "gpu_host"
-CODE_VERSION = "1"
 
 
-def code_version(profile: Profile, *sections: str) -> str:
-    """The code version plus a fingerprint of the config sections the asset reads: editing one of them
-    marks the asset (and, through data versions, everything downstream) stale in the UI."""
-    return f"{CODE_VERSION}-{profile.fingerprint(*sections)}"
+def run_tags(profile: Profile, asset: str | None = None) -> dict[str, str]:
+    """The run tags an asset needs whichever way its run is launched (job, automation, UI, backfill)."""
+    tags = {PROFILE_TAG: profile.profile}
+    if asset == "hidden_states":
+        tags[MAX_RUNTIME_TAG] = str(profile.hidden.max_runtime_s)
+    return tags
 
 
-def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: Profile) -> None:
-    """Put the profile on the run itself, so that runs launched from the UI carry it too."""
+def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: Profile,
+            asset: str | None = None) -> None:
+    """Put the asset's run tags on the run itself at its first step.
+
+    Jobs and the automation sensor tag their runs when they are created; a run launched from an asset
+    page or a backfill is the implicit `__ASSET_JOB`, which Dagster 1.13 gives no run tags, so the
+    asset adds them here. Run monitoring re-reads `dagster/max_runtime` from the run record every
+    poll, so the limit holds from the run's start. A tag the run already carries is kept.
+    """
+    missing = {k: v for k, v in run_tags(profile, asset).items() if k not in context.run.tags}
+    if not missing:
+        return
     try:
-        if context.run.tags.get(PROFILE_TAG) != profile.profile:
-            context.instance.add_run_tags(context.run_id, {PROFILE_TAG: profile.profile})
+        context.instance.add_run_tags(context.run_id, missing)
     except Exception as e:  # an ephemeral test instance may not support tags on an in-memory run
-        context.log.debug(f"could not tag run with the profile: {e}")
+        context.log.debug(f"could not tag the run with {sorted(missing)}: {e}")
 
 
 def layout(profile: Profile) -> ArtifactLayout:
     return ArtifactLayout.from_profile(profile)
 
 
-def progress_logger(context, every_s: float = 5.0) -> Callable[[str], None]:
-    """Engine progress lines → the run log, at most one every `every_s` seconds (the last one always)."""
-    last = [0.0]
-
-    def log(line: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - last[0] >= every_s:
-            last[0] = now
-            context.log.info(line)
-
-    return log
+def progress_logger(context) -> Callable[[str], None]:
+    """Engine progress lines → the run log. Throttling is the engine's (`ProgressMeter`), not the sink's."""
+    return context.log.info
 
 
 def png_markdown(png: bytes | Path, alt: str) -> str:
@@ -61,20 +63,41 @@ def png_markdown(png: bytes | Path, alt: str) -> str:
     return f"![{alt}](data:image/png;base64,{base64.b64encode(data).decode()})"
 
 
-def md_table(rows: list[Mapping[str, Any]]) -> str:
-    if not rows:
-        return "_(none)_"
-    cols = list(rows[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-    return "\n".join(out)
+def table(rows: list[Mapping[str, Any]], descriptions: Mapping[str, str] | None = None) -> dg.MetadataValue:
+    """Rows → a Dagster table with a schema (numbers stay numbers, rounded), which the UI renders as a grid."""
+    descriptions = descriptions or {}
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    schema = dg.TableSchema(columns=[
+        dg.TableColumn(c, _column_type([r.get(c) for r in rows]), description=descriptions.get(c)) for c in columns
+    ])
+    records = [dg.TableRecord({c: _cell(r.get(c)) for c in columns if r.get(c) is not None}) for r in rows]
+    return dg.MetadataValue.table(records, schema=schema)
 
 
-def _fmt(v: Any) -> str:
+def _column_type(values: list[Any]) -> str:
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return "bool"
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return "int"
+    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return "float"
+    return "string"
+
+
+def _cell(v: Any) -> Any:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return round_value(v)
+    if isinstance(v, (str, int, bool)):
+        return v
     return str(v)
+
+
+def round_value(v: float) -> float:
+    """Four significant digits below 1000 (a loss 4.3199), one decimal above (12345.7 tokens/s)."""
+    if v != v or v in (float("inf"), float("-inf")):
+        return v
+    return round(v, 1) if abs(v) >= 1000 else float(f"{v:.4g}")
 
 
 def path_meta(path: Path) -> dg.MetadataValue:
@@ -86,10 +109,14 @@ def report_metadata(report: StageReport) -> dict[str, Any]:
     for k, v in report.metadata.items():
         if isinstance(v, Path):
             meta[k] = dg.MetadataValue.path(str(v))
+        elif isinstance(v, list) and v and all(isinstance(r, Mapping) for r in v):
+            meta[k] = table(v)
         elif isinstance(v, (dict, list, tuple)):
             meta[k] = dg.MetadataValue.json(v)
         elif v is None:
             meta[k] = dg.MetadataValue.null()
+        elif isinstance(v, float):
+            meta[k] = dg.MetadataValue.float(round_value(v))
         else:
             meta[k] = v
     for k, text in report.markdown.items():
@@ -100,6 +127,23 @@ def report_metadata(report: StageReport) -> dict[str, Any]:
     return meta
 
 
-def materialize_result(report: StageReport, **kwargs: Any) -> dg.MaterializeResult:
-    version = dg.DataVersion(report.data_version) if report.data_version else None
-    return dg.MaterializeResult(metadata=report_metadata(report), data_version=version, **kwargs)
+def materialize_result(report: StageReport, profile: Profile, asset: str, *, data_version: str | None = None,
+                       **kwargs: Any) -> dg.MaterializeResult:
+    """The stage's report as metadata, the settings it was built with, and a data version from its content."""
+    from assets.settings import settings_metadata
+
+    version = data_version or report.data_version
+    if version is None:
+        raise ValueError(f"{asset}: the stage reported no content version; every asset's data version must come "
+                         "from its content")
+    return dg.MaterializeResult(
+        metadata={**report_metadata(report), **settings_metadata(profile, asset)},
+        data_version=dg.DataVersion(version), **kwargs,
+    )
+
+
+def file_version(path: Path) -> str:
+    """A file's content version: its sha256 (the data version Dagster records and compares)."""
+    from eagle3_dagster.io import sha256_file
+
+    return sha256_file(path)

@@ -1,35 +1,81 @@
-"""Jobs, the shard backfill schedule and the shard-registering sensor.
+"""Jobs, the shard automation and the shard-registering sensor.
 
 A 70-hour extraction is hundreds of shard partitions. The sensor keeps the
-partition set equal to the shards of the latest merged_train; the schedule asks
-for the shards that are missing (never materialized since that merged_train, or
-failed) and not already queued or running, a bounded batch per tick, so a host
-that died is simply picked up at the next tick.
+partition set equal to the shards of the latest merged_train. What to extract
+next is declarative automation on `hidden_states` (Dagster's own bookkeeping,
+no event-log scan): a shard is requested when it is missing, its last run
+failed, or merged_train / the target changed since it was built; never while a
+run of any job (extract_job, the asset page, a backfill) targets it; only once
+extraction_plan's blocking disk check passed; at most `hidden.backfill_batch`
+per tick of `hidden.backfill_cron`, so a host that died is picked up at the next one.
 """
 
 
-import dagster as dg
+from collections.abc import Sequence
 
-from assets._common import PROFILE_TAG
+import dagster as dg
+from dagster._core.definitions.declarative_automation.automation_condition import AutomationResult
+from dagster._core.definitions.declarative_automation.automation_context import AutomationContext
+
+from assets._common import run_tags
 from assets.partitions import HIDDEN_STATE_SHARDS
 from eagle3_dagster.config import Profile
 
 SHARD_KEY_FORMAT = "shard-{:05d}"
-IN_FLIGHT = [
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-]
+AUTOMATION_SENSOR = "hidden_states_automation"
 
 
 def shard_keys(num_shards: int) -> list[str]:
     return [SHARD_KEY_FORMAT.format(i) for i in range(num_shards)]
 
 
+class FirstPartitions(dg.AutomationCondition):
+    """The first `limit` partitions (in key order) of those its operand selects.
+
+    Dagster 1.13 has no built-in bound on how many partitions one evaluation requests; without one,
+    every missing shard of a new merged_train would be queued at once, hundreds of runs waiting on
+    the one-slot gpu_host pool. Not serializable, so its sensor evaluates it in the code server.
+    """
+
+    def __init__(self, operand: dg.AutomationCondition, limit: int) -> None:
+        self.operand, self.limit = operand, limit
+
+    @property
+    def name(self) -> str:
+        return f"first_{self.limit}_partitions"
+
+    @property
+    def description(self) -> str:
+        return f"At most {self.limit} partitions, in key order"
+
+    @property
+    def children(self) -> Sequence[dg.AutomationCondition]:
+        return [self.operand]
+
+    async def evaluate(self, context: AutomationContext) -> AutomationResult:
+        child = await context.for_child_condition(
+            child_condition=self.operand, child_indices=[0], candidate_subset=context.candidate_subset
+        ).evaluate_async()
+        true_subset = child.true_subset
+        if context.partitions_def is not None and true_subset.size > self.limit:
+            keys = sorted(true_subset.expensively_compute_partition_keys())[: self.limit]
+            true_subset = context.asset_graph_view.get_subset_from_partition_keys(
+                context.key, context.partitions_def, set(keys)
+            )
+        return AutomationResult(context, true_subset, child_results=[child])
+
+
+def shard_automation_condition(limit: int, cron: str) -> dg.AutomationCondition:
+    AC = dg.AutomationCondition
+    changed_upstream = AC.any_deps_updated().since(AC.newly_requested() | AC.newly_updated())
+    wanted = (AC.missing() | AC.execution_failed() | changed_upstream).with_label("missing, failed or outdated")
+    ready = ~AC.any_deps_missing() & ~AC.any_deps_in_progress() & AC.all_deps_blocking_checks_passed()
+    due = AC.cron_tick_passed(cron).with_label(f"tick of {cron}")
+    return FirstPartitions(due & wanted & ready & ~AC.in_progress(), limit)
+
+
 def build_jobs(profile: Profile) -> dict:
-    tags = {PROFILE_TAG: profile.profile}
-    gpu_tags = tags | {"dagster/max_runtime": str(profile.hidden.max_runtime_s)}
+    tags = run_tags(profile)
     jobs = {
         "data_job": dg.define_asset_job(
             "data_job", selection=["raw_responses", "tokenized_dataset"], tags=tags,
@@ -40,7 +86,7 @@ def build_jobs(profile: Profile) -> dict:
             description="Merge and shuffle, build the draft vocabulary, plan the extraction.",
         ),
         "extract_job": dg.define_asset_job(
-            "extract_job", selection=["hidden_states"], tags=gpu_tags,
+            "extract_job", selection=["hidden_states"], tags=run_tags(profile, "hidden_states"),
             description="Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host).",
         ),
         "train_job": dg.define_asset_job(
@@ -53,52 +99,17 @@ def build_jobs(profile: Profile) -> dict:
     return jobs
 
 
-def missing_shards(instance: dg.DagsterInstance) -> list[str]:
-    """Shard partitions with no materialization since the latest merged_train and no run in flight."""
-    keys = instance.get_dynamic_partitions(HIDDEN_STATE_SHARDS.name)
-    if not keys:
-        return []
-    merged = instance.get_latest_materialization_event(dg.AssetKey("merged_train"))
-    after = merged.timestamp if merged else None
-    done: set[str] = set()
-    cursor = None
-    while True:
-        page = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("hidden_states"), after_timestamp=after),
-            limit=1000, cursor=cursor,
-        )
-        done.update(r.partition_key for r in page.records if r.partition_key)
-        if not page.has_more:
-            break
-        cursor = page.cursor
-    in_flight = {
-        run.tags.get("dagster/partition")
-        for run in instance.get_runs(dg.RunsFilter(job_name="extract_job", statuses=IN_FLIGHT))
-    }
-    return [k for k in keys if k not in done and k not in in_flight]
-
-
-def build_schedule(profile: Profile, extract_job) -> dg.ScheduleDefinition:
-    batch = profile.hidden.backfill_batch
-
-    @dg.schedule(
-        name="hidden_states_backfill",
-        job=extract_job,
-        cron_schedule=profile.hidden.backfill_cron,
-        default_status=dg.DefaultScheduleStatus.RUNNING,
-        description=f"Every tick, request up to {batch} hidden_states shards that are missing or failed.",
+def build_automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefinition:
+    return dg.AutomationConditionSensorDefinition(
+        AUTOMATION_SENSOR,
+        target=dg.AssetSelection.assets("hidden_states"),
+        run_tags=run_tags(profile, "hidden_states"),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        use_user_code_server=True,  # FirstPartitions is evaluated in the code location
+        emit_backfills=False,  # one run per shard: a failed shard fails alone and is retried alone
+        description=f"At each tick of {profile.hidden.backfill_cron}, requests up to {profile.hidden.backfill_batch} "
+        "hidden_states shards that are missing, failed or outdated, none already queued or running.",
     )
-    def hidden_states_backfill(context: dg.ScheduleEvaluationContext):
-        todo = missing_shards(context.instance)
-        if not todo:
-            return dg.SkipReason("every hidden_states shard is materialized or in flight")
-        tick = int(context.scheduled_execution_time.timestamp()) if context.scheduled_execution_time else 0
-        return [
-            dg.RunRequest(run_key=f"{key}@{tick}", partition_key=key, tags={PROFILE_TAG: profile.profile})
-            for key in todo[:batch]
-        ]
-
-    return hidden_states_backfill
 
 
 def build_sensor(profile: Profile) -> dg.SensorDefinition:

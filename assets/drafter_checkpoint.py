@@ -3,13 +3,20 @@
 Training runs as `torchrun` under Dagster Pipes through the GPU-host resource
 (locally in the demo), in its own process group, so per-step metrics stream into
 the run and a cancelled run leaves no worker behind; a retry resumes from the
-last checkpoint. The report compares itself with the previous materialization.
+last checkpoint. The drafter's materialization carries everything needed to
+audit it without the disk: target identity, merged_train sha256, hidden-state
+version and shards with their checksums, git SHA, package versions and config;
+its data version is the sha256 of the exported weights. The report compares
+itself with the previous materialization.
 """
 
 
 import dagster as dg
 
-from assets._common import GPU_POOL, code_version, layout, materialize_result, progress_logger, report_metadata, tag_run
+from assets._common import (
+    GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, table, tag_run,
+)
+from assets.settings import code_version, settings_metadata
 from eagle3_dagster.config import Profile
 
 GROUP = "drafter"
@@ -21,7 +28,7 @@ def build(profile: Profile) -> list:
         name="drafter_checkpoint",
         group_name=GROUP,
         deps=["hidden_states", "vocab_mapping", "target_model"],
-        code_version=code_version(profile, "train", "drafter", "target"),
+        code_version=code_version(profile, "drafter_checkpoint"),
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
@@ -46,15 +53,18 @@ def build(profile: Profile) -> list:
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
         report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
-        meta = {**child_meta, **report_metadata(report)}
+        meta = {**child_meta, **report_metadata(report), **provenance_metadata(profile, context),
+                **settings_metadata(profile, "drafter_checkpoint")}
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
-        return dg.MaterializeResult(metadata=meta, check_results=[check])
+        weights = report.metadata["export_dir"] / "model.safetensors"
+        return dg.MaterializeResult(metadata=meta, check_results=[check],
+                                    data_version=dg.DataVersion(file_version(weights)))
 
     @dg.asset(
         name="benchmark_report",
         group_name=GROUP,
         deps=["drafter_checkpoint", "target_model"],
-        code_version=code_version(profile, "bench"),
+        code_version=code_version(profile, "benchmark_report"),
         pool=GPU_POOL,
         kinds={"markdown"},
         required_resource_keys={"gpu_host"},
@@ -70,9 +80,34 @@ def build(profile: Profile) -> list:
             profile, layout(profile), previous_results=previous, run_id=context.run_id,
             gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context),
         )
-        return materialize_result(report)
+        return materialize_result(report, profile, "benchmark_report",
+                                  data_version=file_version(report.metadata["results_json"]))
 
     return [drafter_checkpoint, benchmark_report]
+
+
+def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> dict:
+    """What produced this drafter, named so that each link can be followed in the instance:
+    merged_train's and each shard's data versions, target_model's identity, the code and packages."""
+    from eagle3_dagster.hidden.shards import load_manifest
+    from eagle3_dagster.io import sha256_file
+    from eagle3_dagster.provenance import git_sha, package_versions
+    from eagle3_dagster.stages.hidden import hidden_context
+
+    ctx = hidden_context(profile, layout(profile))
+    manifest = load_manifest(ctx.version_dir)
+    shards = [{"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
+              for key, e in sorted(manifest.items())]
+    return {
+        "target_identity": ctx.target.identity,
+        "merged_train_sha256": sha256_file(ctx.merged_train),
+        "hidden_version": ctx.version,
+        "num_shards": len(shards),
+        "shards": table(shards, {"sha256": "the shard's data version (hidden_states partition)"}),
+        "git_sha": git_sha(),
+        "code_version": context.assets_def.code_versions_by_key[context.asset_key],
+        "packages": dg.MetadataValue.json(package_versions()),
+    }
 
 
 def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:

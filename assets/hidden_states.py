@@ -2,16 +2,22 @@
 
 The plan predicts the exact bytes and the hours, and its blocking check stops
 extraction that would not fit on the disk. Each shard is one partition, so a
-70-hour extraction is a series of partition runs that the backfill schedule
-keeps feeding; the engine's manifest makes a retried run resume, and a check
-compares the bytes written with the plan's prediction.
+70-hour extraction is a series of partition runs that declarative automation
+keeps requesting (assets/automation.py); the engine's manifest makes a retried
+run resume. Per shard, two blocking checks (bytes as planned, checksums as in
+the manifest) keep a bad shard from reaching training, and the shard's data
+version is its manifest checksum.
 """
 
+import hashlib
+import json
 
 import dagster as dg
 
-from assets._common import GPU_POOL, code_version, layout, materialize_result, progress_logger, tag_run
+from assets._common import GPU_POOL, layout, materialize_result, progress_logger, run_tags, tag_run
+from assets.automation import shard_automation_condition
 from assets.partitions import HIDDEN_STATE_SHARDS
+from assets.settings import code_version
 from eagle3_dagster.config import Profile
 
 GROUP = "hidden_states"
@@ -25,10 +31,11 @@ def build(profile: Profile) -> list:
         name="extraction_plan",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=code_version(profile, "hidden"),
+        code_version=code_version(profile, "extraction_plan"),
         required_resource_keys={"gpu_host"},
         check_specs=[dg.AssetCheckSpec(FITS_CHECK, asset="extraction_plan", blocking=True,
-                                       description="the shards fit in the free space where they go")],
+                                       description="the shards of this hidden-state version fit in the free "
+                                       "space under hidden.root")],
         description="Exact bytes and estimated hours of extraction for the current merged_train, free space "
         "where the shards go, and every superseded hidden-state version with its size.",
     )
@@ -36,49 +43,71 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.hidden import plan_stage
 
         tag_run(context, profile)
-        free = context.resources.gpu_host.free_bytes(str(layout(profile).hidden_root))
+        root = layout(profile).hidden_root
+        free = context.resources.gpu_host.free_bytes(str(root))
         report, fits, message = plan_stage(profile, layout(profile), free_bytes=free)
+        meta = report.metadata
         check = dg.AssetCheckResult(
             check_name=FITS_CHECK,
             passed=fits,
             severity=dg.AssetCheckSeverity.ERROR,
             description=message,
-            metadata={"message": message},
+            # version and root say which extraction this verdict is about: a shard run checks them
+            metadata={"version": meta["version"], "hidden_root": str(root), "free_bytes": meta["free_bytes"],
+                      "remaining_bytes": meta["remaining_bytes"], "total_bytes": meta["total_bytes"]},
         )
-        return materialize_result(report, check_results=[check])
+        # The plan's content: what would be written where; free space is a reading, not content.
+        content = {k: meta[k] for k in ("version", "num_shards", "num_samples", "num_tokens", "total_bytes")}
+        content["hidden_root"] = str(root)
+        version = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+        return materialize_result(report, profile, "extraction_plan", data_version=version, check_results=[check])
+
+    shard_checks = [
+        dg.AssetCheckSpec(BYTES_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
+                          description="bytes written equal the plan's prediction for this shard"),
+        dg.AssetCheckSpec(MANIFEST_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
+                          description="the shard's bytes match its manifest checksum"),
+    ]
 
     @dg.asset(
         name="hidden_states",
         group_name=GROUP,
         partitions_def=HIDDEN_STATE_SHARDS,
         deps=["merged_train", "extraction_plan", "target_model"],
-        code_version=code_version(profile, "hidden", "gpu_host"),
+        code_version=code_version(profile, "hidden_states"),
         pool=GPU_POOL,
         kinds={"safetensors"},
         required_resource_keys={"gpu_host"},
-        check_specs=[
-            dg.AssetCheckSpec(BYTES_CHECK, asset="hidden_states",
-                              description="bytes written equal the plan's prediction for these shards"),
-            dg.AssetCheckSpec(MANIFEST_CHECK, asset="hidden_states",
-                              description="every written shard matches its manifest checksum"),
-        ],
+        check_specs=shard_checks,
+        automation_condition=shard_automation_condition(profile.hidden.backfill_batch, profile.hidden.backfill_cron),
+        metadata={"run_tags": dg.MetadataValue.json(run_tags(profile, "hidden_states"))},
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
-        f"({profile.hidden.backend} backend). Resumes from the manifest when retried.",
+        f"({profile.hidden.backend} backend). Resumes from the manifest when retried. Requested by automation "
+        f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}.",
     )
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        from eagle3_dagster.stages.hidden import extract_stage
+        from eagle3_dagster.hidden.shards import load_manifest
+        from eagle3_dagster.stages.hidden import extract_stage, hidden_context
 
-        tag_run(context, profile)
-        _require_plan_fits(context)
+        tag_run(context, profile, "hidden_states")
+        require_plan_fits(context.instance, hidden_context(profile, layout(profile)).version,
+                          str(layout(profile).hidden_root))
         keys = list(context.partition_keys)
         report, checks = extract_stage(
             profile, layout(profile), keys, gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context)
         )
         results = [
-            dg.AssetCheckResult(check_name=name, passed=passed, metadata={"detail": detail})
+            dg.AssetCheckResult(check_name=name, passed=passed, severity=dg.AssetCheckSeverity.ERROR,
+                                description=detail, metadata=_check_numbers(name, detail, report.metadata))
             for name, (passed, detail) in checks.items()
         ]
-        return materialize_result(report, check_results=results)
+        manifest = load_manifest(report.metadata["version_dir"])
+        sums = {k: manifest[k]["sha256"] for k in keys if k in manifest}
+        report.metadata["shard_sha256"] = sums
+        # One partition per run (no backfill policy): the data version is that shard's checksum.
+        version = sums[keys[0]] if len(keys) == 1 and keys[0] in sums else \
+            hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+        return materialize_result(report, profile, "hidden_states", data_version=version, check_results=results)
 
     @dg.op(
         name="cleanup_superseded_hidden_states",
@@ -94,7 +123,7 @@ def build(profile: Profile) -> list:
             dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
         )
 
-    @dg.job(name="cleanup_hidden_states", tags={"eagle3/profile": profile.profile})
+    @dg.job(name="cleanup_hidden_states", tags=run_tags(profile))
     def cleanup_job():
         cleanup_op()
 
@@ -105,16 +134,37 @@ class CleanupConfig(dg.Config):
     dry_run: bool = True
 
 
-def _require_plan_fits(context: dg.AssetExecutionContext) -> None:
-    """Partition runs are separate from the plan's run, so the blocking check is re-read here."""
-    record = context.instance.get_latest_asset_check_evaluation_record(
+def _check_numbers(name: str, detail: str, meta: dict) -> dict:
+    out: dict = {"shards": ", ".join(meta.get("shards", []))}
+    if name == BYTES_CHECK:
+        out["bytes_written"] = meta.get("bytes_written")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def require_plan_fits(instance: dg.DagsterInstance, version: str, hidden_root: str) -> None:
+    """Refuse to extract unless extraction_plan's disk check passed for this very version and root.
+
+    Kept by hand beside the automation condition (`all_deps_blocking_checks_passed`): a condition gates
+    only the runs automation requests, while a shard launched from the UI or a job runs regardless,
+    and the check's latest verdict may be about another version or another disk.
+    """
+    record = instance.get_latest_asset_check_evaluation_record(
         dg.AssetCheckKey(dg.AssetKey("extraction_plan"), FITS_CHECK)
     )
-    if record is None or record.status.value != "FAILED":
-        return
-    evaluation = record.event.asset_check_evaluation if record.event else None
-    detail = (evaluation.description if evaluation else None) or ""
-    raise dg.Failure(
-        description=f"extraction_plan's {FITS_CHECK} check failed: {detail} "
-        "Free space (job cleanup_hidden_states) and materialize extraction_plan again."
-    )
+    evaluation = record.event.asset_check_evaluation if record and record.event else None
+    if evaluation is None:
+        raise dg.Failure(description=f"extraction_plan's {FITS_CHECK} check has never run: materialize "
+                         "extraction_plan before extracting shards.")
+    meta = {k: getattr(v, "value", v) for k, v in evaluation.metadata.items()}
+    planned = (meta.get("version"), meta.get("hidden_root"))
+    if planned != (version, hidden_root):
+        raise dg.Failure(
+            description=f"plan mismatch: extraction_plan's {FITS_CHECK} was evaluated for hidden-state version "
+            f"{planned[0]} under {planned[1]}, but this run writes version {version} under {hidden_root}. "
+            "Materialize extraction_plan again so the disk check covers what this run writes."
+        )
+    if not evaluation.passed:
+        raise dg.Failure(
+            description=f"extraction_plan's {FITS_CHECK} check failed: {evaluation.description or ''} "
+            "Free space (job cleanup_hidden_states) and materialize extraction_plan again."
+        )

@@ -8,7 +8,8 @@ registered from its metadata by a sensor.
 
 import dagster as dg
 
-from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
+from assets._common import file_version, layout, materialize_result, progress_logger, tag_run
+from assets.settings import code_version
 from eagle3_dagster.config import Profile
 
 GROUP = "data"
@@ -19,7 +20,7 @@ def build(profile: Profile) -> list:
         name="merged_train",
         group_name=GROUP,
         deps=["tokenized_dataset"],
-        code_version=code_version(profile, "data", "datasets", "hidden"),
+        code_version=code_version(profile, "merged_train"),
         kinds={"json"},
         description="merged_train.jsonl: chosen datasets merged, truncated to max_seq_len with loss masks "
         "recomputed, shuffled with the configured seed (same inputs and seed, same bytes).",
@@ -28,13 +29,14 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.data import merge_partitions
 
         tag_run(context, profile)
-        return materialize_result(merge_partitions(profile, layout(profile), progress=progress_logger(context)))
+        report = merge_partitions(profile, layout(profile), progress=progress_logger(context))
+        return materialize_result(report, profile, "merged_train")
 
     @dg.asset(
         name="vocab_mapping",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=code_version(profile, "data"),
+        code_version=code_version(profile, "vocab_mapping"),
         kinds={"pytorch"},
         description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), "
         "safetensors.",
@@ -43,6 +45,7 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.data import build_vocab
 
         tag_run(context, profile)
-        return materialize_result(build_vocab(profile, layout(profile)))
+        report = build_vocab(profile, layout(profile))
+        return materialize_result(report, profile, "vocab_mapping", data_version=file_version(layout(profile).vocab_mapping))
 
     return [merged_train, vocab_mapping]

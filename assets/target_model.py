@@ -11,7 +11,8 @@ import json
 
 import dagster as dg
 
-from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
+from assets._common import layout, materialize_result, progress_logger, tag_run
+from assets.settings import code_version
 from eagle3_dagster.config import Profile
 
 GROUP = "target"
@@ -27,7 +28,7 @@ def _tiny_target_asset(profile: Profile):
     @dg.asset(
         name="target_model",
         group_name=GROUP,
-        code_version=code_version(profile, "target"),
+        code_version=code_version(profile, "target_model"),
         kinds={"pytorch"},
         description="The tiny DeepSeek-V3 target (MLA, MoE, first layer dense) pre-trained on ShareGPT, "
         "with a byte-level BPE carrying Kimi's special tokens and chat template.",
@@ -36,7 +37,8 @@ def _tiny_target_asset(profile: Profile):
         from eagle3_dagster.stages.target import build_target
 
         tag_run(context, profile)
-        return materialize_result(build_target(profile, layout(profile), progress=progress_logger(context)))
+        report = build_target(profile, layout(profile), progress=progress_logger(context))
+        return materialize_result(report, profile, "target_model")
 
     return target_model
 

@@ -8,8 +8,9 @@ share passes `data.bad_fraction_threshold`.
 
 import dagster as dg
 
-from assets._common import code_version, layout, materialize_result, progress_logger, tag_run
+from assets._common import file_version, layout, materialize_result, progress_logger, tag_run
 from assets.partitions import dataset_partitions
+from assets.settings import code_version
 from eagle3_dagster.config import Profile
 
 GROUP = "data"
@@ -21,7 +22,7 @@ def build(profile: Profile) -> list:
         group_name=GROUP,
         partitions_def=dataset_partitions(profile),
         deps=["raw_responses", "target_model"],
-        code_version=code_version(profile, "data", "datasets"),
+        code_version=code_version(profile, "tokenized_dataset"),
         kinds={"json"},
         description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
         "rendered with the target's chat template; quarantine.jsonl beside it.",
@@ -31,6 +32,7 @@ def build(profile: Profile) -> list:
 
         tag_run(context, profile)
         report = tokenize_partition(profile, context.partition_key, layout(profile), progress=progress_logger(context))
-        return materialize_result(report)
+        return materialize_result(report, profile, "tokenized_dataset",
+                                  data_version=file_version(layout(profile).tokenized(context.partition_key)))
 
     return [tokenized_dataset]

@@ -5,6 +5,9 @@ extraction plan, clean up superseded hidden-state versions (dry run unless
 `--delete`), export shards to SpecForge/speculators layouts, and print a model
 directory's identity (what the production `target_model` observation runs on the
 host). Everything here is engine code: no Dagster.
+
+User errors (a bad profile, a missing input) print one line naming the problem
+and exit 2; a check that fails exits 1; a traceback means a bug.
 """
 
 from __future__ import annotations
@@ -14,27 +17,58 @@ import json
 import sys
 from pathlib import Path
 
+EXIT_FAILED_CHECK = 1
+EXIT_USER_ERROR = 2
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default=None, help="profile name or YAML path (default: $EAGLE3_PROFILE or demo)")
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("patch", help="apply, verify or revert the SGLang hidden-state dump patch")
+class UserError(Exception):
+    """A problem the user fixes (profile, paths, missing inputs): a message, never a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # --profile is accepted before or after the subcommand: each subparser knows it too, and the
+    # subparser's copy defaults to SUPPRESS so it never overwrites a value given before the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--profile", default=argparse.SUPPRESS,
+                        help="profile name or YAML path (default: $EAGLE3_PROFILE or demo)")
+    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     parents=[common])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=f"{summary}. {details}".strip(), parents=[common])
+
+    p = add("patch", "Apply, verify or revert the SGLang hidden-state dump patch",
+            "Works on the SGLang installed in the given interpreter; refuses releases it does not know.")
     p.add_argument("action", choices=["apply", "verify", "revert"])
     p.add_argument("--python", required=True, help="the interpreter whose SGLang is patched")
-
-    sub.add_parser("preflight", help="check the GPU host: interpreter, SGLang and patch, GPUs, free disk")
-    sub.add_parser("plan", help="print the extraction plan: bytes, hours, free space, superseded versions")
-    c = sub.add_parser("cleanup", help="delete superseded hidden-state versions (dry run by default)")
+    add("preflight", "Check the GPU host: interpreter, SGLang and patch, GPUs, free disk",
+        "Prints a pass/fail table; exits 1 if any check the profile needs fails.")
+    add("plan", "Print the extraction plan: bytes, hours, free space, superseded versions",
+        "Exits 1 when the shards would not fit.")
+    c = add("cleanup", "Delete superseded hidden-state versions", "A dry run unless --delete is given.")
     c.add_argument("--delete", action="store_true", help="really delete (default: only list what would go)")
-    e = sub.add_parser("export-shards", help="export the current hidden-state shards to another tool's layout")
+    e = add("export-shards", "Export the current hidden-state shards to another tool's layout")
     e.add_argument("--format", choices=["specforge", "speculators"], required=True)
-    e.add_argument("--out", type=Path, required=True)
-    t = sub.add_parser("target-info", help="print a model directory's identity and summary as JSON")
+    e.add_argument("--out", type=Path, required=True, help="output folder")
+    t = add("target-info", "Print a model directory's identity and summary as JSON")
     t.add_argument("model_dir", type=Path)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except UserError as e:
+        print(f"eagle3 {args.command}: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    from eagle3_dagster.config import ProfileError
+
     if args.command == "patch":
         from eagle3_dagster.sglang.patch import main as patch_main
 
@@ -42,32 +76,63 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "target-info":
         from eagle3_dagster.target import target_identity, target_summary
 
+        if not (args.model_dir / "config.json").exists():
+            raise UserError(f"{args.model_dir}: not a model directory (no config.json)")
         print(json.dumps({"identity": target_identity(args.model_dir), **target_summary(args.model_dir)}))
         return 0
 
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
 
-    profile = load_profile(args.profile)
+    try:
+        profile = load_profile(getattr(args, "profile", None))
+    except ProfileError as e:
+        raise UserError(str(e)) from None
     layout = ArtifactLayout.from_profile(profile)
-    if args.command == "preflight":
-        return _preflight(profile, layout)
-    if args.command == "plan":
-        from eagle3_dagster.stages.hidden import plan_stage
+    try:
+        if args.command == "preflight":
+            return _preflight(profile, layout)
+        if args.command == "plan":
+            from eagle3_dagster.stages.hidden import plan_stage
 
-        report, fits, message = plan_stage(profile, layout, free_bytes=None)
-        _print_metadata(report.metadata)
-        print(message)
-        return 0 if fits else 1
-    if args.command == "cleanup":
-        from eagle3_dagster.stages.hidden import cleanup_stage
+            report, fits, message = plan_stage(profile, layout, free_bytes=None)
+            _print_metadata(report.metadata)
+            print(message)
+            return 0 if fits else EXIT_FAILED_CHECK
+        if args.command == "cleanup":
+            from eagle3_dagster.stages.hidden import cleanup_stage
 
-        report = cleanup_stage(profile, layout, dry_run=not args.delete, log=print)
-        _print_metadata(report.metadata)
-        return 0
-    if args.command == "export-shards":
-        return _export(profile, layout, args.format, args.out)
-    return 2
+            report = cleanup_stage(profile, layout, dry_run=not args.delete, log=print)
+            _print_metadata(report.metadata)
+            return 0
+        if args.command == "export-shards":
+            return _export(profile, layout, args.format, args.out)
+    except FileNotFoundError as e:  # a stage whose input was never built names it
+        raise UserError(str(e).strip("'\"")) from None
+    return EXIT_USER_ERROR
+
+
+def preflight_checks(profile, report: dict) -> list[tuple[str, str, str]]:
+    """(check, PASS|FAIL|SKIP, detail) for everything the profile needs of its GPU host."""
+    needs_sglang = profile.hidden.backend == "sglang"
+    min_gpus = max(profile.gpu_host.num_gpus, profile.hidden.tp_size if needs_sglang else 0)
+
+    def row(name: str, needed: bool, ok: bool, detail: str) -> tuple[str, str, str]:
+        return name, ("PASS" if ok else "FAIL") if needed else "SKIP", detail + ("" if needed else " (not needed)")
+
+    sglang = report.get("sglang_version") or report.get("sglang_error") or "not installed"
+    return [
+        ("interpreter", "PASS", f"{report.get('python')} (Python {report.get('python_version')})"),
+        row("sglang", needs_sglang, not report.get("sglang_error"), str(sglang)),
+        row("patch", needs_sglang, report.get("patch_state") == "patched", str(report.get("patch_state", "n/a"))),
+        row("eagle3_dagster", needs_sglang, bool(report.get("eagle3_dagster")),
+            "importable" if report.get("eagle3_dagster") else "not importable on the host"),
+        row("gpus", min_gpus > 0, report.get("gpu_count", 0) >= min_gpus,
+            f"{report.get('gpu_count', 0)} visible, {min_gpus} needed"
+            + (f" ({report['gpu_error']})" if report.get("gpu_error") else "")),
+        row("free_disk", True, report.get("free_bytes", 0) > 0,
+            f"{report.get('free_bytes', 0) / 2**30:.1f} GiB free at {profile.hidden.root}"),
+    ]
 
 
 def _preflight(profile, layout) -> int:
@@ -75,14 +140,19 @@ def _preflight(profile, layout) -> int:
 
     g = profile.gpu_host
     host = GpuHost(HostSpec(g.transport, g.python, g.workdir, g.ssh_target, tuple(g.ssh_options)))
-    needs_sglang = profile.hidden.backend == "sglang"
-    try:
-        report = host.preflight(str(layout.hidden_root), min_gpus=g.num_gpus, require_sglang=needs_sglang,
-                                require_patch=needs_sglang)
+    try:  # the probe only: each requirement is judged below, all of them, not just the first that fails
+        report = host.preflight(str(layout.hidden_root), require_sglang=False)
     except PreflightError as e:
-        print(f"preflight failed: {e}", file=sys.stderr)
-        return 1
-    _print_metadata(report)
+        print(f"{'interpreter':<15} FAIL  {e}")
+        return EXIT_FAILED_CHECK
+    rows = preflight_checks(profile, report)
+    print(f"host {report.get('host')}")
+    for name, status, detail in rows:
+        print(f"{name:<15} {status:<5} {detail}")
+    failed = [name for name, status, _ in rows if status == "FAIL"]
+    if failed:
+        print(f"preflight failed: {', '.join(failed)}", file=sys.stderr)
+        return EXIT_FAILED_CHECK
     return 0
 
 
@@ -93,6 +163,8 @@ def _export(profile, layout, fmt: str, out: Path) -> int:
     from eagle3_dagster.stages.hidden import hidden_context
 
     ctx = hidden_context(profile, layout)
+    if not ctx.version_dir.exists():
+        raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
     with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
         if fmt == "specforge":
             export_specforge(ctx.version_dir, out)

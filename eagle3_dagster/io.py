@@ -8,6 +8,7 @@ POSIX within one file system).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
@@ -25,6 +26,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the mode open() would give it
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -34,6 +36,13 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@functools.cache
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; set it straight back
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

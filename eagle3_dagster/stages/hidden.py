@@ -17,7 +17,7 @@ from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_ex
 from eagle3_dagster.hidden.sharding import ShardSpec, hidden_version, plan_shards
 from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
 from eagle3_dagster.io import sha256_file
-from eagle3_dagster.stages import Progress, StageReport, no_progress
+from eagle3_dagster.stages import Progress, ProgressMeter, StageReport, no_progress
 from eagle3_dagster.stages.target import TargetFacts, target_facts
 
 if TYPE_CHECKING:
@@ -133,13 +133,16 @@ def _extract_hf(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], pr
 
     model = load_target_hf(ctx.target.path, profile.hidden.dtype)
     results = []
-    for i, spec in enumerate(specs, 1):
+    for spec in specs:
+        # extract_shard_hf counts tokens as progress(done, total): a meter turns that into the contract's line
+        meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
         results.append(extract_shard_hf(
             ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
             dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
-            target_identity=ctx.target.identity, progress=progress, model=model,
+            target_identity=ctx.target.identity, progress=meter, model=model,
         ))
-        progress(f"shard {spec.key} done ({i}/{len(specs)})")
+        if getattr(results[-1], "skipped", False):
+            progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
     return results
 
 

@@ -26,6 +26,7 @@ from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 from eagle3_dagster.io import atomic_open, atomic_write_json
+from eagle3_dagster.stages import ProgressMeter
 from eagle3_dagster.train import TrainJobConfig
 from eagle3_dagster.train.checkpoint import Checkpointer
 from eagle3_dagster.train.data import BucketedSampler
@@ -106,18 +107,21 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
 
         progress = tqdm(total=total, desc="train", file=sys.stderr)
 
+    meter = ProgressMeter(reporter.log, "train", "steps", total) if reporter is not None else None
+
     def on_step(step: int, m: dict[str, float]) -> None:
         if rank != 0:
             return
-        line = f"step {step}/{total} loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}"
-        if reporter is not None:
-            reporter.log(line)
+        if meter is not None:
+            meter.update(step, note=f"loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}")
         else:
             progress.update(1)
             progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
 
     trainer = Trainer(objective, drafter, dataset, sampler, loop_cfg, checkpointer, device, on_step)
     resumed = trainer.resume_if_possible()
+    if meter is not None:
+        meter.initial = meter.done = trainer.step
     if resumed and progress is not None:
         progress.update(trainer.step)
     initial = trainer.evaluate() if not resumed else None

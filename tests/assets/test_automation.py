@@ -1,10 +1,13 @@
 """The shard automation, evaluated in-process against a real (temporary) Dagster instance.
 
 The sensor keeps the `hidden_states` partitions equal to the shards of the
-latest `merged_train`; the backfill schedule asks only for the shards that are
-missing since that `merged_train`, never for one with a run in flight, and at
-most `hidden.backfill_batch` of them per tick. Materializations are reported as
-runless events, exactly what the daemon would read from the event log.
+latest `merged_train`. Declarative automation on `hidden_states` asks, at each
+tick of `hidden.backfill_cron`, for shards that are missing, failed or older
+than merged_train, never for one that any run (extract_job, the asset page's
+`__ASSET_JOB`, a backfill) targets, never before extraction_plan's blocking
+disk check passed, and at most `hidden.backfill_batch` of them. Upstream events
+are reported as runless events and runs are created in the instance, exactly
+what the daemon would read.
 """
 
 from __future__ import annotations
@@ -15,21 +18,20 @@ import dagster as dg
 import pytest
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
-from assets.automation import missing_shards
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
 
 SHARDS = "hidden_state_shards"
 SENSOR = "register_shard_partitions"
-SCHEDULE = "hidden_states_backfill"
-TICK = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
+HIDDEN = dg.AssetKey("hidden_states")
 BATCH = 2
 
 
 @pytest.fixture(scope="module")
 def defs() -> dg.Definitions:
-    # A batch smaller than the partial sets below, so the bound is visible.
-    return build_definitions(load_profile("micro", overrides={"hidden": {"backfill_batch": BATCH}}))
+    # A batch smaller than the sets below, so the bound is visible.
+    return build_definitions(load_profile("micro", overrides={"hidden": {"backfill_batch": BATCH,
+                                                                          "backfill_cron": "*/10 * * * *"}}))
 
 
 @pytest.fixture
@@ -52,14 +54,51 @@ def report_extracted(instance: dg.DagsterInstance, *keys: str) -> None:
         instance.report_runless_asset_event(dg.AssetMaterialization("hidden_states", partition=key))
 
 
-def add_extract_run(instance: dg.DagsterInstance, key: str, status: dg.DagsterRunStatus, job: str = "extract_job"):
-    """A run record as the queued run coordinator stores it (a queued run must name where its job lives)."""
+def report_upstream(instance: dg.DagsterInstance, num_shards: int, fits: bool = True) -> None:
+    """merged_train with its shards registered, the target, and a plan whose disk check passed (or not)."""
+    instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(num_shards)])
+    report_merged_train(instance, num_shards)
+    for asset in ["target_model", "extraction_plan"]:
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset))
+    instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey("extraction_plan"), check_name="fits_on_disk", passed=fits,
+        severity=dg.AssetCheckSeverity.ERROR,
+    ))
+
+
+def add_run(defs: dg.Definitions, instance: dg.DagsterInstance, key: str, job: str,
+            status: dg.DagsterRunStatus = dg.DagsterRunStatus.QUEUED) -> dg.DagsterRun:
+    """A run of `job` targeting shard `key`, created as the webserver or a sensor creates it (its planned
+    materialization recorded); a queued run must name where its job lives."""
+    job_def = defs.resolve_implicit_global_asset_job_def() if job == "__ASSET_JOB" else defs.resolve_job_def(job)
     origin = RemoteJobOrigin(
         repository_origin=RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("eagle3_dagster"), "__repository__"),
         job_name=job,
     )
-    instance.add_run(dg.DagsterRun(job_name=job, status=status, tags={"dagster/partition": key},
-                                   remote_job_origin=origin))
+    run = instance.create_run_for_job(
+        job_def=job_def, asset_selection=frozenset({HIDDEN}), tags={"dagster/partition": key},
+        status=dg.DagsterRunStatus.QUEUED if status == dg.DagsterRunStatus.QUEUED else dg.DagsterRunStatus.NOT_STARTED,
+        remote_job_origin=origin,
+    )
+    if status == dg.DagsterRunStatus.FAILURE:
+        instance.report_run_failed(run)
+    return run
+
+
+class Ticks:
+    """Successive automation evaluations; the first only starts the clock (a cron tick must pass)."""
+
+    def __init__(self, defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
+        self.defs, self.instance = defs, instance
+        self.now = dt.datetime.now(dt.timezone.utc)
+        self.cursor = dg.evaluate_automation_conditions(defs, instance, evaluation_time=self.now).cursor
+
+    def next(self) -> list[str]:
+        self.now += dt.timedelta(minutes=10)
+        result = dg.evaluate_automation_conditions(self.defs, self.instance, evaluation_time=self.now,
+                                                   cursor=self.cursor)
+        self.cursor = result.cursor
+        return sorted(result.get_requested_partitions(HIDDEN))
 
 
 def sensor_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None):
@@ -75,17 +114,6 @@ def sensor_tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str 
             for key in req.partition_keys:
                 instance.delete_dynamic_partition(req.partitions_def_name, key)
     return result
-
-
-def schedule_tick(defs: dg.Definitions, instance: dg.DagsterInstance, when: dt.datetime = TICK):
-    repo = defs.get_repository_def()
-    schedule = repo.get_schedule_def(SCHEDULE)
-    ctx = dg.build_schedule_context(instance=instance, scheduled_execution_time=when, repository_def=repo)
-    return schedule.evaluate_tick(ctx)
-
-
-def requested(result) -> list[str]:
-    return [r.partition_key for r in result.run_requests]
 
 
 def test_sensor_registers_one_partition_per_shard_of_merged_train(defs, instance):
@@ -130,57 +158,44 @@ def test_sensor_does_nothing_until_merged_train_materializes_again(defs, instanc
     assert again.run_requests == []
 
 
-def test_schedule_requests_only_missing_shards_not_in_flight(defs, instance):
-    # shard 0 was extracted for a previous merged_train: stale, so missing again.
-    instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(7)])
+def test_automation_requests_missing_shards_in_key_order_at_most_a_batch_per_tick(defs, instance):
+    report_upstream(instance, 5)
+    ticks = Ticks(defs, instance)
+    assert ticks.next() == [shard(0), shard(1)]
+
+
+def test_a_shard_targeted_by_any_run_in_flight_is_not_requested(defs, instance):
+    report_upstream(instance, 5)
+    add_run(defs, instance, shard(0), "__ASSET_JOB")  # launched from the asset page
+    add_run(defs, instance, shard(1), "extract_job")
+    ticks = Ticks(defs, instance)
+    assert ticks.next() == [shard(2), shard(3)]
+
+
+def test_a_failed_shard_is_requested_again_and_an_extracted_one_is_not(defs, instance):
+    report_upstream(instance, 3)
     report_extracted(instance, shard(0))
-    report_merged_train(instance, 7)
-    report_extracted(instance, shard(1), shard(5))
-    add_extract_run(instance, shard(2), dg.DagsterRunStatus.QUEUED)
-    add_extract_run(instance, shard(3), dg.DagsterRunStatus.STARTED)
-    add_extract_run(instance, shard(4), dg.DagsterRunStatus.FAILURE)  # failed: missing again
-    add_extract_run(instance, shard(6), dg.DagsterRunStatus.QUEUED, job="train_job")  # not an extraction
-
-    assert missing_shards(instance) == [shard(0), shard(4), shard(6)]
-    # The tick asks for the first `backfill_batch` of them, in shard order.
-    assert requested(schedule_tick(defs, instance)) == [shard(0), shard(4)]
+    add_run(defs, instance, shard(1), "extract_job", dg.DagsterRunStatus.FAILURE)
+    report_extracted(instance, shard(2))
+    ticks = Ticks(defs, instance)
+    assert ticks.next() == [shard(1)]
 
 
-def test_schedule_tick_is_bounded_by_backfill_batch_and_tags_the_profile(defs, instance):
-    report_merged_train(instance, 5)
-    instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(5)])
-    result = schedule_tick(defs, instance)
-    assert requested(result) == [shard(0), shard(1)]
-    assert all(r.tags["eagle3/profile"] == "micro" for r in result.run_requests)
-    later = schedule_tick(defs, instance, TICK + dt.timedelta(minutes=10))
-    # No run was launched between the ticks, so the same shards come back, under new run keys
-    # (a run key repeated across ticks would be deduplicated by the daemon and never rerun).
-    assert requested(later) == requested(result)
-    assert {r.run_key for r in later.run_requests}.isdisjoint(r.run_key for r in result.run_requests)
+def test_nothing_is_requested_while_the_plan_says_it_does_not_fit(defs, instance):
+    report_upstream(instance, 3, fits=False)
+    ticks = Ticks(defs, instance)
+    assert ticks.next() == []
 
 
-def test_schedule_skips_when_every_shard_is_extracted_or_in_flight(defs, instance):
-    instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(3)])
-    report_merged_train(instance, 3)
-    report_extracted(instance, shard(0), shard(2))
-    add_extract_run(instance, shard(1), dg.DagsterRunStatus.STARTING)
-    result = schedule_tick(defs, instance)
-    assert result.run_requests == []
-    assert "in flight" in result.skip_message
+def test_a_new_merged_train_makes_extracted_shards_due_again(defs, instance):
+    report_upstream(instance, 2)
+    report_extracted(instance, shard(0), shard(1))
+    ticks = Ticks(defs, instance)
+    assert ticks.next() == []
+    report_merged_train(instance, 2)  # a re-merge: every shard was built from the old corpus
+    assert ticks.next() == [shard(0), shard(1)]
 
 
-def test_schedule_skips_before_any_shard_is_registered(defs, instance):
-    result = schedule_tick(defs, instance)
-    assert result.run_requests == []
-    assert result.skip_message
-
-
-def test_sensor_then_schedule_take_a_new_merged_train_from_scratch(defs, instance):
-    report_merged_train(instance, 3)
-    first = sensor_tick(defs, instance)
-    report_extracted(instance, shard(0), shard(1), shard(2))
-    assert schedule_tick(defs, instance).run_requests == []
-    # A re-merge invalidates every shard; the sensor resizes, the schedule asks again.
-    report_merged_train(instance, 4)
-    sensor_tick(defs, instance, cursor=first.cursor)
-    assert requested(schedule_tick(defs, instance)) == [shard(0), shard(1)]
+def test_automation_runs_carry_the_profile_and_the_runtime_limit(defs):
+    sensor = defs.resolve_sensor_def("hidden_states_automation")
+    assert sensor.run_tags == {"eagle3/profile": "micro", "dagster/max_runtime": "21600"}

@@ -39,8 +39,8 @@ def test_definitions_load_for_every_profile(name: str) -> None:
         assert parents == deps, asset
     for job in ["data_job", "corpus_job", "extract_job", "train_job", "cleanup_hidden_states"]:
         defs.resolve_job_def(job)
-    assert defs.resolve_schedule_def("hidden_states_backfill")
-    assert defs.resolve_sensor_def("register_shard_partitions")
+    for sensor in ["register_shard_partitions", "hidden_states_automation", "changed_settings"]:
+        assert defs.resolve_sensor_def(sensor)
 
 
 def test_production_target_is_observed_and_demo_target_is_built() -> None:
@@ -77,13 +77,25 @@ def test_dagster_cli_validates_the_workspace() -> None:
     assert "Validation successful" in out.stdout + out.stderr
 
 
-def test_a_changed_config_section_changes_the_code_version_of_the_assets_that_read_it() -> None:
-    def versions(**overrides) -> dict[str, str]:
-        graph = build_definitions(load_profile("micro", overrides=overrides)).resolve_asset_graph()
-        return {name: graph.get(dg.AssetKey(name)).code_version for name in GRAPH}
+def code_versions(**overrides) -> dict[str, str]:
+    graph = build_definitions(load_profile("micro", overrides=overrides)).resolve_asset_graph()
+    return {name: graph.get(dg.AssetKey(name)).code_version for name in GRAPH}
 
-    base = versions()
-    changed = versions(data={"max_seq_len": 256})
-    differs = {name for name in GRAPH if base[name] != changed[name]}
-    assert differs == {"tokenized_dataset", "merged_train", "vocab_mapping"}
-    assert versions(train={"lr": 0.01})["drafter_checkpoint"] != base["drafter_checkpoint"]
+
+def invalidated(**overrides) -> set[str]:
+    base, changed = code_versions(), code_versions(**overrides)
+    return {name for name in GRAPH if base[name] != changed[name]}
+
+
+def test_an_edit_invalidates_every_asset_built_from_what_it_changes_and_only_those() -> None:
+    # Dagster does not pass staleness from a stale parent to its children, so each code version carries
+    # the settings of everything upstream whose content the asset reads.
+    everything_but_the_target = set(GRAPH) - {"target_model"}
+    assert invalidated(data={"max_seq_len": 256}) == everything_but_the_target
+    assert invalidated(data={"draft_vocab_size": 128}) == {"vocab_mapping", "drafter_checkpoint", "benchmark_report"}
+    assert invalidated(hidden={"batch_tokens": 2048}) == {"extraction_plan", "hidden_states", "drafter_checkpoint",
+                                                          "benchmark_report"}
+    # The plan's estimate is not in the shards: only the plan is invalidated.
+    assert invalidated(hidden={"throughput_tokens_per_s": 1.0}) == {"extraction_plan"}
+    assert invalidated(train={"lr": 0.01}) == {"drafter_checkpoint", "benchmark_report"}
+    assert invalidated(hidden={"backfill_cron": "*/5 * * * *", "max_runtime_s": 600}) == set()

@@ -9,7 +9,9 @@ passed and the figures within their bounds.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,5 +137,104 @@ def test_torchrun_streams_per_step_metrics_into_the_run_log_through_pipes(pipeli
         (run,) = [r for r in instance.get_runs() if r.job_name == "train_job"]
         messages = [e.user_message for e in instance.all_logs(run.run_id)]
     assert any("opened dagster pipes" in m for m in messages)
-    steps = [m for m in messages if m.startswith("step ")]
-    assert steps and "loss" in steps[-1] and "acc_0" in steps[-1]
+    steps = [m for m in messages if m.startswith("train: ")]
+    assert steps and PROGRESS.match(steps[-1]) and "loss" in steps[-1] and "acc_0" in steps[-1]
+
+
+# The progress contract (eagle3_dagster.stages.ProgressMeter): label: done/total unit (pct), rate unit/s, ETA
+PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+) \4/s, ETA \d+:\d\d:\d\d")
+
+
+def test_extraction_and_training_log_progress_by_the_contract(pipeline_run) -> None:
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        for job, unit in [("extract_job", "tokens"), ("train_job", "steps")]:
+            runs = [r for r in instance.get_runs() if r.job_name == job]
+            assert runs, job
+            for run in runs:
+                messages = [e.user_message for e in instance.all_logs(run.run_id) if e.user_message]
+                lines = [m for m in messages if PROGRESS.match(m) and PROGRESS.match(m).group(4) == unit]
+                assert lines, f"{job}: no progress line in {messages[:20]}"
+                done, total = (int(PROGRESS.match(lines[-1]).group(i).replace(",", "")) for i in (2, 3))
+                assert done == total, lines[-1]
+                assert not [m for m in messages if re.fullmatch(r"[\d\s]+", m)], f"{job}: bare numbers in the log"
+
+
+def test_a_drafter_is_audited_from_its_materialization_alone(pipeline_run) -> None:
+    """From drafter_checkpoint's materialization, follow each link to the event that produced it."""
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+
+        def latest(asset: str, partition: str | None = None):
+            records = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None),
+                limit=1,
+            ).records
+            return records[0].asset_materialization
+
+        drafter = latest("drafter_checkpoint")
+        meta = {k: getattr(v, "value", v) for k, v in drafter.metadata.items()}
+        assert meta["target_identity"] == latest("target_model").tags["dagster/data_version"]
+        assert meta["merged_train_sha256"] == latest("merged_train").tags["dagster/data_version"]
+        shards = {r.data["shard"]: r.data["sha256"] for r in drafter.metadata["shards"].records}
+        assert set(shards) == instance.get_materialized_partitions(dg.AssetKey("hidden_states"))
+        assert len(set(shards.values())) == len(shards), "every shard has its own data version"
+        for key, sha in shards.items():
+            shard = latest("hidden_states", key)
+            assert shard.tags["dagster/data_version"] == sha
+            assert shard.metadata["version"].value == meta["hidden_version"]
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert meta["git_sha"] == head
+        assert meta["packages"]["dagster"] == dg.__version__ and "torch" in meta["packages"]
+        assert meta["code_version"] == drafter.tags["dagster/code_version"]
+        assert meta["settings"]["train.lr"] == 0.003 and "drafter.hidden_size" in meta["settings"]
+        weights = Path(meta["export_dir"]) / "model.safetensors"
+        assert drafter.tags["dagster/data_version"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def test_a_shard_run_is_refused_when_the_plan_was_evaluated_for_another_root(pipeline_run, tmp_path) -> None:
+    """The disk check belongs to the plan it guards: after hidden.root moves (to a small disk, say),
+    the latest fits_on_disk verdict is about the old root and must not let a shard run write the new one."""
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from definitions import build_definitions
+    from eagle3_dagster.config import load_profile_file
+
+    moved = load_profile_file(home.parent / "micro.yaml", overrides={"hidden": {"root": str(tmp_path / "small")}})
+    defs = build_definitions(moved)
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = defs.resolve_job_def("extract_job").execute_in_process(
+            instance=instance, partition_key="shard-00000", raise_on_error=False)
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    message = failure.step_failure_data.error.message + str(failure.step_failure_data.user_failure_data)
+    assert "plan mismatch" in message and str(tmp_path / "small") in message
+    assert not (tmp_path / "small").exists() or not any((tmp_path / "small").rglob("*.safetensors"))
+
+
+def test_a_shard_failing_its_checksum_never_passes_as_extracted(pipeline_run) -> None:
+    """A flipped byte (same size) in a finished shard: the shard run either re-extracts it or fails on the
+    blocking manifest check; it never succeeds with bytes that do not match the manifest."""
+    home, proc = pipeline_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from definitions import build_definitions
+    from eagle3_dagster.config import load_profile_file
+    from eagle3_dagster.hidden.shards import load_manifest, verify_shard
+
+    profile = load_profile_file(home.parent / "micro.yaml")
+    version_dir = next(Path(profile.hidden.root).glob("hs-*"))
+    path = version_dir / "shard-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        result = build_definitions(profile).resolve_job_def("extract_job").execute_in_process(
+            instance=instance, partition_key="shard-00001", raise_on_error=False)
+    checks = {c.check_name: c.passed for c in result.get_asset_check_evaluations()}
+    if result.success:
+        verify_shard(path, load_manifest(version_dir)["shard-00001"])
+        assert checks["manifest_checksums"]
+    else:
+        assert checks["manifest_checksums"] is False
