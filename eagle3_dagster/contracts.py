@@ -14,6 +14,13 @@ from typing import TypedDict
 
 FORMAT_VERSION = 1
 
+# Shard-format code versions, one per extraction backend. Each is written into every shard header and is part
+# of the hidden-state version, so the plan's byte prediction and the shards agree; the SGLang driver is handed
+# the plan's value on its command line rather than naming its own.
+HF_BACKEND_CODE_VERSION = "hf-1"
+SGLANG_BACKEND_CODE_VERSION = "sglang-1"
+BACKEND_CODE_VERSIONS = {"hf": HF_BACKEND_CODE_VERSION, "sglang": SGLANG_BACKEND_CODE_VERSION}
+
 
 class TokenizedRecord(TypedDict, total=False):
     """One line of tokenized_data.jsonl and merged_train.jsonl."""

@@ -297,6 +297,15 @@ class HostProcess:
                 self.proc.stdin.close()
 
 
+# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture.
+EXTRACTION_REFUSED_OPTIONS = {
+    "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
+    "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
+    "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
+    "--enable-dp-attention": "rows are scattered across ranks",
+}
+
+
 @dataclass(frozen=True)
 class ServerSpec:
     model_path: str
@@ -310,6 +319,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
     trust_remote_code: bool = True
+    sglang_version: str | None = None  # extraction: the release's own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
         args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
@@ -321,11 +331,20 @@ class ServerSpec:
         if self.context_length is not None:
             args += ["--context-length", str(self.context_length)]
         if self.dump_dir is not None:
-            # Every token must be computed (no prefix cache), whole prompts per forward (no chunking; SGLang
-            # < 0.5.11 has no request ids to stitch by) and outside CUDA graphs (a hook does not run on replay).
-            args += ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
-                     "--skip-server-warmup"]
+            args += self._extraction_args()
         return [*args, *self.extra_args]
+
+    def _extraction_args(self) -> list[str]:
+        """Every token computed (no prefix cache), whole prompts per forward, the hook run on every forward
+        (no CUDA graphs, piecewise prefill graphs included) and on all-reduced states (no fused all-reduce)."""
+        bad = [a for a in self.extra_args if a.split("=")[0] in EXTRACTION_REFUSED_OPTIONS]
+        if bad:
+            raise ValueError(f"hidden-state extraction cannot run with {bad}: "
+                             f"{EXTRACTION_REFUSED_OPTIONS[bad[0].split('=')[0]]}; remove it from the server options")
+        if self.sglang_version is None:
+            return ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
+                    "--skip-server-warmup"]
+        return list(sglang_patch.release_for(self.sglang_version).extraction_args)
 
     def environment(self) -> dict[str, str]:
         env = dict(self.env)
@@ -335,6 +354,34 @@ class ServerSpec:
             env["SGLANG_HS_DUMP_DIR"] = self.dump_dir
             env["SGLANG_HS_DUMP_LAYERS"] = ",".join(map(str, self.dump_layers))
         return env
+
+
+class LogTail:
+    """A process's log: every line appended to a file, the last `keep` kept for an error message."""
+
+    def __init__(self, path, keep: int = 200, echo: LogFn | None = None) -> None:
+        from pathlib import Path
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self.lines: deque[str] = deque(maxlen=keep)
+        self._echo = echo
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            self._file.write(line + "\n")
+        if self._echo is not None:
+            self._echo(line)
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclass(frozen=True)

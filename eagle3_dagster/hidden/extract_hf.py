@@ -3,9 +3,10 @@
 Owns: loading the target's decoder (no lm_head: logits over a 163k vocab are
 never needed here), capturing exactly the configured aux layers with forward
 hooks (so the other L-2 hidden states are never kept), length-bucketed padded
-batches, and overlapping the forward of batch k+1 with writing batch k on a
-background thread. The shard format and commit protocol are `shards`'; which
-samples form a shard is `sharding`'s.
+batches, and overlapping the forward of batch k+1 with writing batch k (the
+forwards run on a background thread). It is a backend of `extract.extract_shard`,
+which owns resume, the shard format and the commit; which samples form a shard is
+`sharding`'s.
 
 Numbering: canonical aux index i is the residual stream *entering* decoder
 layer i (a forward pre-hook on `layers[i]`), which equals HF
@@ -17,38 +18,16 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, plan_shards, read_shard_records
-from eagle3_dagster.hidden.shards import (
-    ShardFormat,
-    ShardWriter,
-    is_shard_complete,
-    load_shard_manifest,
-    shard_path,
-)
+from eagle3_dagster.contracts import HF_BACKEND_CODE_VERSION
+from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
+from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, plan_shards
+from eagle3_dagster.hidden.shards import ShardFormat, is_shard_complete
 from eagle3_dagster.layers import validate_aux_layers
-
-HF_BACKEND_CODE_VERSION = "hf-1"
-
-Progress = Callable[[int, int], None]  # (tokens done, tokens in the shard)
-
-
-@dataclass(frozen=True)
-class ShardResult:
-    key: str
-    path: Path
-    num_samples: int
-    num_tokens: int
-    num_bytes: int
-    sha256: str
-    seconds: float
-    skipped: bool  # already complete per its manifest; nothing was computed
 
 
 def load_target_hf(model_dir: Path, dtype: str, device: str | None = None) -> torch.nn.Module:
@@ -106,50 +85,6 @@ def length_buckets(records: list[SampleRecord], batch_tokens: int) -> Iterator[l
         yield batch
 
 
-class _BackgroundWriter:
-    """Moves finished batches to the CPU and into the shard while the next batch computes."""
-
-    def __init__(self, writer: ShardWriter, progress: Progress | None, total: int) -> None:
-        self.writer, self.progress, self.total, self.done = writer, progress, total, 0
-        self.q: queue.Queue = queue.Queue(maxsize=2)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"shard-writer-{writer.key}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (item := self.q.get()) is not None:
-            if self.error is not None:
-                continue  # drain so the producer never blocks
-            try:
-                batch, aux, last = item
-                aux, last = aux.cpu(), last.cpu()
-                for b, r in enumerate(batch):
-                    n = len(r.input_ids)
-                    self.writer.write_sample(
-                        r.id,
-                        input_ids=torch.tensor(r.input_ids, dtype=torch.int64),
-                        loss_mask=torch.tensor(r.loss_mask, dtype=torch.uint8),
-                        aux_hidden=aux[b, :n],
-                        last_hidden=last[b, :n],
-                    )
-                    self.done += n
-                if self.progress is not None:
-                    self.progress(self.done, self.total)
-            except BaseException as e:  # surfaced in put()/finish()
-                self.error = e
-
-    def put(self, item) -> None:
-        if self.error is not None:
-            raise self.error
-        self.q.put(item)
-
-    def finish(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 def pad_batch(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded input ids and attention mask for a length-sorted batch (longest first)."""
     longest = len(batch[0].input_ids)
@@ -161,13 +96,48 @@ def pad_batch(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@torch.inference_mode()
-def _run_batches(model, capture: _AuxCapture, records, batch_tokens: int, sink: _BackgroundWriter) -> None:
-    device = next(model.parameters()).device
-    for batch in length_buckets(records, batch_tokens):
-        ids, mask = pad_batch(batch)
-        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-        sink.put((batch, capture.take(), out.last_hidden_state))
+def hf_rows(model: torch.nn.Module, aux_layers: list[int], batch_tokens: int) -> Callable[[list[SampleRecord]], Rows]:
+    """The hf backend: (sample, aux, last) rows, the next batch's forward running while this one is written."""
+
+    def rows(records: list[SampleRecord]) -> Rows:
+        capture = _AuxCapture(model, list(aux_layers))
+        results: queue.Queue = queue.Queue(maxsize=2)
+        stop = threading.Event()
+
+        @torch.inference_mode()
+        def forwards() -> None:
+            try:
+                device = next(model.parameters()).device
+                for batch in length_buckets(records, batch_tokens):
+                    if stop.is_set():
+                        return
+                    ids, mask = pad_batch(batch)
+                    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+                    results.put((batch, capture.take().cpu(), out.last_hidden_state.cpu()))
+                results.put(None)
+            except BaseException as e:  # re-raised in the consumer
+                results.put(e)
+
+        worker = threading.Thread(target=forwards, name="hf-forwards", daemon=True)
+        worker.start()
+        try:
+            while (item := results.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                batch, aux, last = item
+                for b, r in enumerate(batch):
+                    n = len(r.input_ids)
+                    yield r, aux[b, :n], last[b, :n]
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    results.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            capture.remove()
+
+    return rows
 
 
 def extract_shard_hf(
@@ -183,40 +153,25 @@ def extract_shard_hf(
     progress: Progress | None = None,
     model: torch.nn.Module | None = None,
     device: str | None = None,
+    code_version: str = HF_BACKEND_CODE_VERSION,
+    log=lambda _line: None,
 ) -> ShardResult:
-    """Extract one shard unless its manifest already says it is complete (resume trusts the manifest)."""
-    start = time.perf_counter()
-    version_dir = Path(version_dir)
-    if is_shard_complete(version_dir, spec.key, spec.sample_ids):
-        entry = load_shard_manifest(version_dir, spec.key)
-        return _result(spec, version_dir, entry, 0.0, skipped=True)
-    model = model if model is not None else load_target_hf(model_dir, dtype, device)
-    records = read_shard_records(merged_train, spec, vocab_size=model.config.vocab_size)
+    """One shard through the hf backend (resume, format and commit are `extract_shard`'s); the model is
+    loaded only if the shard has to be computed."""
+    from eagle3_dagster.target import target_summary
+
+    summary = target_summary(Path(model_dir))
     fmt = ShardFormat(
-        hidden_size=model.config.hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
-        target_identity=target_identity, code_version=HF_BACKEND_CODE_VERSION,
+        hidden_size=summary["hidden_size"], dtype=dtype, aux_layers=tuple(aux_layers),
+        target_identity=target_identity, code_version=code_version,
     )
-    capture = _AuxCapture(model, list(aux_layers))
-    try:
-        with ShardWriter(
-            version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record
-        ) as writer:
-            sink = _BackgroundWriter(writer, progress, spec.num_tokens)
-            try:
-                _run_batches(model, capture, records, batch_tokens, sink)
-            finally:
-                sink.finish()
-    finally:
-        capture.remove()
-    return _result(spec, version_dir, writer.entry, time.perf_counter() - start, skipped=False)
 
+    def rows(records: list[SampleRecord]) -> Rows:
+        loaded = model if model is not None else load_target_hf(model_dir, dtype, device)
+        yield from hf_rows(loaded, aux_layers, batch_tokens)(records)
 
-def _result(spec: ShardSpec, version_dir: Path, entry: dict, seconds: float, *, skipped: bool) -> ShardResult:
-    return ShardResult(
-        key=spec.key, path=shard_path(version_dir, spec.key), num_samples=entry["num_samples"],
-        num_tokens=entry["num_tokens"], num_bytes=entry["bytes"], sha256=entry["sha256"], seconds=seconds,
-        skipped=skipped,
-    )
+    return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=summary["vocab_size"],
+                         progress=progress, log=log)
 
 
 def extract_all_hf(

@@ -195,11 +195,14 @@ def hidden_version(
     backend_code_version: str,
     *,
     samples_per_shard: int,
+    batch_tokens: int | None = None,
 ) -> str:
     """A short stable id for everything that changes shard bytes; a new id means a new version folder.
 
     samples_per_shard is part of it because it changes which samples a shard key
     holds: mixing shards cut two ways under one folder would corrupt the set.
+    batch_tokens (hf backend) changes the padded batch shapes, hence the kernels and
+    the floating-point bytes of the states.
     """
     payload = orjson.dumps(
         {
@@ -209,6 +212,7 @@ def hidden_version(
             "merged_train_sha256": merged_train_sha,
             "samples_per_shard": int(samples_per_shard),
             "target_identity": target_identity,
+            **({"batch_tokens": int(batch_tokens)} if batch_tokens is not None else {}),
         },
         option=orjson.OPT_SORT_KEYS,
     )

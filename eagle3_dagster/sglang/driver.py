@@ -31,14 +31,11 @@ import torch
 from safetensors import safe_open
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from eagle3_dagster.hidden.extract_hf import ShardResult
-from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, read_shard_records
-from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter, is_shard_complete, load_shard_manifest, shard_path
+from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
+from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
+from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec
+from eagle3_dagster.hidden.shards import ShardFormat
 from eagle3_dagster.sglang.dump_hook import content_key
-
-SGLANG_BACKEND_CODE_VERSION = "sglang-1"
-
-Progress = Callable[[int, int], None]  # (tokens done, tokens in the shard)
 
 
 @dataclass(frozen=True)
@@ -143,6 +140,35 @@ def assemble_sample(
     return aux, full["last_hidden"]
 
 
+def sglang_rows(settings: DriverSettings, aux_layers: list[int], hidden_size: int) -> Callable[[list[SampleRecord]], Rows]:
+    """The SGLang backend: prefill requests in flight, each sample's dump stitched and checked as it returns."""
+
+    def rows(records: list[SampleRecord]) -> Rows:
+        used: list[Path] = []
+        limits = httpx.Limits(max_connections=settings.concurrency)
+        with (
+            httpx.Client(base_url=settings.base_url, timeout=settings.request_timeout_s, limits=limits) as client,
+            ThreadPoolExecutor(settings.concurrency, thread_name_prefix="prefill") as pool,
+        ):
+            futures = {pool.submit(prefill, client, r): r for r in records}
+            try:
+                for fut in as_completed(futures):
+                    sample = futures[fut]
+                    fut.result()
+                    chunks = find_sample_chunks(settings.dump_dir, sample, settings.dump_wait_s)
+                    aux, last = assemble_sample(chunks, sample, list(aux_layers), hidden_size)
+                    used.extend(p for _, p in chunks)
+                    yield sample, aux, last
+            finally:
+                for f in futures:
+                    f.cancel()
+        if not settings.keep_dumps:  # only once every sample was handed over; the shard commits next
+            for p in used:
+                p.unlink(missing_ok=True)
+
+    return rows
+
+
 def extract_shard_sglang(
     settings: DriverSettings,
     merged_train: Path,
@@ -153,55 +179,15 @@ def extract_shard_sglang(
     hidden_size: int,
     dtype: str,
     target_identity: str,
+    code_version: str = SGLANG_BACKEND_CODE_VERSION,
     progress: Progress | None = None,
+    log: Callable[[str], None] = lambda _line: None,
 ) -> ShardResult:
-    """Extract one shard through the server unless its manifest already says it is complete."""
-    begin = time.perf_counter()
-    version_dir = Path(version_dir)
-    if is_shard_complete(version_dir, spec.key, spec.sample_ids):
-        entry = load_shard_manifest(version_dir, spec.key)
-        return _result(spec, version_dir, entry, 0.0, skipped=True)
-    records = read_shard_records(merged_train, spec)
+    """One shard through the server (resume, format and commit are `extract_shard`'s)."""
     fmt = ShardFormat(hidden_size=hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
-                      target_identity=target_identity, code_version=SGLANG_BACKEND_CODE_VERSION)
-    used: list[Path] = []
-    done = 0
-    limits = httpx.Limits(max_connections=settings.concurrency)
-    with (
-        httpx.Client(base_url=settings.base_url, timeout=settings.request_timeout_s, limits=limits) as client,
-        ThreadPoolExecutor(settings.concurrency, thread_name_prefix="prefill") as pool,
-        ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w,
-    ):
-        futures = {pool.submit(prefill, client, r): r for r in records}
-        try:
-            for fut in as_completed(futures):
-                sample = futures[fut]
-                fut.result()
-                chunks = find_sample_chunks(settings.dump_dir, sample, settings.dump_wait_s)
-                aux, last = assemble_sample(chunks, sample, list(aux_layers), hidden_size)
-                w.write_sample(sample.id, input_ids=torch.tensor(sample.input_ids, dtype=torch.int64),
-                               loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
-                               aux_hidden=aux, last_hidden=last)
-                used.extend(p for _, p in chunks)
-                done += len(sample.input_ids)
-                if progress is not None:
-                    progress(done, spec.num_tokens)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-    if not settings.keep_dumps:
-        for p in used:
-            p.unlink(missing_ok=True)
-    return _result(spec, version_dir, w.entry, time.perf_counter() - begin, skipped=False)
-
-
-def _result(spec: ShardSpec, version_dir: Path, entry: dict, seconds: float, *, skipped: bool) -> ShardResult:
-    return ShardResult(
-        key=spec.key, path=shard_path(version_dir, spec.key), num_samples=entry["num_samples"],
-        num_tokens=entry["num_tokens"], num_bytes=entry["bytes"], sha256=entry["sha256"], seconds=seconds,
-        skipped=skipped,
-    )
+                      target_identity=target_identity, code_version=code_version)
+    return extract_shard(spec, merged_train, version_dir, fmt, sglang_rows(settings, aux_layers, hidden_size),
+                         progress=progress, log=log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,9 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", required=True, type=int)
     p.add_argument("--dtype", required=True)
     p.add_argument("--target-identity", required=True)
+    p.add_argument("--code-version", default=SGLANG_BACKEND_CODE_VERSION, help="the plan's shard-format code version")
+    p.add_argument("--max-seq-len", type=int, default=None, help="the plan's max_seq_len (shard boundaries)")
     p.add_argument("--concurrency", type=int, default=8)
     a = p.parse_args(argv)
-    specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard)}
+    specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard, max_seq_len=a.max_seq_len)}
     if a.shard not in specs:
         raise SystemExit(f"{a.merged_train}: no shard {a.shard!r} at {a.samples_per_shard} samples per shard")
 
@@ -235,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     result = extract_shard_sglang(
         DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
         a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
-        dtype=a.dtype, target_identity=a.target_identity, progress=progress,
+        dtype=a.dtype, target_identity=a.target_identity, code_version=a.code_version, progress=progress,
+        log=lambda line: print(line, flush=True),
     )
     print(orjson.dumps({
         "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
         "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
+        "reextracted_corrupt": result.reextracted_corrupt,
     }).decode(), flush=True)
     return 0
 

@@ -90,24 +90,29 @@ def captured_layers(rule: str, ids: list[int]) -> list[int]:
     raise ValueError(f"unknown aux-id rule {rule!r}")
 
 
-def draft_aux_ids(canonical: list[int], family: str, versions: list[str] | None = None) -> list[int]:
-    """The `eagle_aux_hidden_state_layer_ids` that make every named release capture `canonical`.
+def draft_aux_ids(canonical: list[int], family: str, versions: list[str] | None = None) -> tuple[list[int], list[str]]:
+    """(`eagle_aux_hidden_state_layer_ids`, the releases that capture `canonical` from them).
 
-    Prefers SGLang's output numbering (canonical - 1), which every release reads the same way when it
-    starts at 1; raises naming the releases that disagree when no single list works for all of them.
+    With `versions` named, the ids must be right on every one of them. Otherwise the ids are the
+    ones right on the most supported releases, preferring SGLang's output numbering (canonical - 1),
+    which every release reads the same way when it starts at 1. Raises, naming why, when no
+    release can capture `canonical` from any draft config.
     """
-    releases = [release(v) for v in (versions or list(supported()))]
-    candidates = [[i - 1 for i in canonical], list(canonical)]
-    for ids in candidates:
-        if all(captured_layers(r.aux_id_rules[family], ids) == list(canonical) for r in releases):
-            return ids
-    by_rule: dict[str, list[str]] = {}
-    for r in releases:
-        by_rule.setdefault(r.aux_id_rules[family], []).append(r.version)
-    groups = "; ".join(f"{rule}: " + ", ".join(vs) for rule, vs in by_rule.items())
-    raise ValueError(
-        f"aux layers {list(canonical)} (canonical) cannot be written in one draft config that SGLang "
-        f"releases {', '.join(r.version for r in releases)} all capture correctly for a {family} target "
-        f"({groups}); "
-        "start the list at canonical 2 (SGLang id 1) or name one release in gpu_host.sglang_version"
-    )
+    pool = [release(v) for v in (versions or list(supported()))]
+    best: tuple[list[int], list[str]] = ([], [])
+    for ids in ([i - 1 for i in canonical], list(canonical)):
+        ok = [r.version for r in pool if captured_layers(r.aux_id_rules[family], ids) == list(canonical)]
+        if len(ok) > len(best[1]):
+            best = (ids, ok)
+    if versions and len(best[1]) != len(pool):
+        wrong = [r.version for r in pool if r.version not in best[1]]
+        raise ValueError(
+            f"aux layers {list(canonical)} (canonical): no draft config makes SGLang {', '.join(wrong)} capture "
+            f"them for a {family} target ({pool[0].aux_id_rules[family]}); choose aux layers starting at 2"
+        )
+    if not best[1]:
+        raise ValueError(
+            f"aux layers {list(canonical)} (canonical): no supported SGLang release can capture them for a "
+            f"{family} target from a draft config; choose aux layers starting at 2"
+        )
+    return best

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from eagle3_dagster.config import Profile
-from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.contracts import BACKEND_CODE_VERSIONS, ArtifactLayout
 from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_extraction, shard_bytes, shard_manifest_bytes
 from eagle3_dagster.hidden.sharding import ShardSpec, hidden_version, plan_shards
 from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
@@ -22,9 +22,6 @@ from eagle3_dagster.stages.target import TargetFacts, target_facts
 
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
-
-CODE_VERSION = "eagle3-dagster-hidden-1"
-
 
 @dataclass(frozen=True)
 class HiddenContext:
@@ -37,18 +34,17 @@ class HiddenContext:
 
 
 def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
-    from eagle3_dagster.hidden.extract_hf import HF_BACKEND_CODE_VERSION
-
     target = target_facts(profile, layout)
     merged = layout.merged_train
     if not merged.exists():
         raise FileNotFoundError(f"merged_train: {merged} not found; materialize merged_train first")
     shards = plan_shards(merged, profile.hidden.samples_per_shard,
                          max_seq_len=profile.data.max_seq_len, vocab_size=target.vocab_size)
-    backend_version = HF_BACKEND_CODE_VERSION if profile.hidden.backend == "hf" else f"sglang-{CODE_VERSION}"
+    backend_version = BACKEND_CODE_VERSIONS[profile.hidden.backend]
     version = hidden_version(
         target.identity, sha256_file(merged), list(target.aux_layers), profile.hidden.dtype, backend_version,
         samples_per_shard=profile.hidden.samples_per_shard,
+        batch_tokens=profile.hidden.batch_tokens if profile.hidden.backend == "hf" else None,
     )
     fmt = ShardFormat(
         hidden_size=target.hidden_size, dtype=profile.hidden.dtype, aux_layers=target.aux_layers,
@@ -93,10 +89,13 @@ def extract_stage(profile: Profile, layout: ArtifactLayout, keys: list[str], *, 
         raise KeyError(f"hidden_states: partitions {unknown} are not shards of the current merged_train "
                        f"({len(ctx.shards)} shards); the sensor re-registers partitions when merged_train changes")
     specs = [by_key[k] for k in keys]
+    extra: dict = {}
     if profile.hidden.backend == "hf":
-        results = _extract_hf(profile, ctx, specs, progress)
+        results = [{"skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt}
+                   for r in _extract_hf(profile, ctx, specs, progress)]
     else:
-        results = _extract_sglang(profile, ctx, specs, gpu_host, progress)
+        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, progress)
+        extra["sglang_log"] = str(log_path)
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
         "version": ctx.version,
@@ -105,7 +104,9 @@ def extract_stage(profile: Profile, layout: ArtifactLayout, keys: list[str], *, 
         "num_samples": sum(s.num_records for s in specs),
         "num_tokens": sum(s.num_tokens for s in specs),
         "bytes_written": actual_bytes(ctx.version_dir, keys),
-        "resumed_shards": sum(1 for r in results if getattr(r, "skipped", False)),
+        "resumed_shards": sum(1 for r in results if r.get("skipped")),
+        "reextracted_corrupt_shards": sum(1 for r in results if r.get("reextracted_corrupt")),
+        **extra,
         "backend": profile.hidden.backend,
     })
     return report, checks
@@ -138,7 +139,8 @@ def _extract_hf(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], pr
         meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
         results.append(extract_shard_hf(
             ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
-            dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
+            dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens, code_version=ctx.fmt.code_version,
+            log=progress,
             target_identity=ctx.target.identity, progress=meter, model=model,
         ))
         if getattr(results[-1], "skipped", False):
@@ -148,34 +150,72 @@ def _extract_hf(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], pr
 
 def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
                     progress: Progress) -> list:
-    """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder."""
-    from eagle3_dagster.gpu_host import ServerSpec, sglang_server
+    """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder.
+
+    The server's log goes to a file under the hidden-states root (its path is in the metadata) and the
+    run log; on failure the error carries its last 200 lines and the driver's own output (traceback
+    included), so nothing that explains it passes through a throttle."""
+    import time
+    from collections import deque
+
+    from eagle3_dagster.gpu_host import LogTail, ServerSpec, sglang_server
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
-    host.preflight(str(ctx.version_dir.parent), min_gpus=profile.hidden.tp_size, require_sglang=True,
-                   require_patch=True)
+    report = host.preflight(str(ctx.version_dir.parent), min_gpus=profile.hidden.tp_size, require_sglang=True,
+                            require_patch=True)
     dump_dir = ctx.version_dir.parent / ".dumps" / ctx.version
+    log_path = ctx.version_dir.parent / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                      dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers)
-    with sglang_server(host, spec, on_log=lambda line: progress(f"[sglang] {line}")) as server:
-        for i, shard in enumerate(specs, 1):
-            argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--base-url", server.base_url,
-                    "--dump-dir", str(dump_dir), "--merged-train", str(ctx.merged_train),
-                    "--version-dir", str(ctx.version_dir), "--shard", shard.key,
-                    "--samples-per-shard", str(profile.hidden.samples_per_shard),
-                    "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),
-                    "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
-                    "--target-identity", ctx.target.identity, "--concurrency", str(profile.hidden.sglang_concurrency)]
-            proc = host.spawn(argv, {}, f"driver-{shard.key}")
-            for line in proc.proc.stdout:
-                progress(line.rstrip("\n"))
-            returncode = proc.proc.wait()
-            proc.release()
-            if returncode != 0:
-                raise RuntimeError(f"hidden_states[{shard.key}]: the SGLang driver failed on {host.where()}")
-            progress(f"shard {shard.key} done ({i}/{len(specs)})", )
-    return []
+                      dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers,
+                      sglang_version=report["sglang_version"])
+    results = []
+    try:
+        with sglang_server(host, spec, on_log=server_log) as server:
+            for i, shard in enumerate(specs, 1):
+                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--base-url", server.base_url,
+                        "--dump-dir", str(dump_dir), "--merged-train", str(ctx.merged_train),
+                        "--version-dir", str(ctx.version_dir), "--shard", shard.key,
+                        "--samples-per-shard", str(profile.hidden.samples_per_shard),
+                        "--max-seq-len", str(profile.data.max_seq_len),
+                        "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),
+                        "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
+                        "--target-identity", ctx.target.identity, "--code-version", ctx.fmt.code_version,
+                        "--concurrency", str(profile.hidden.sglang_concurrency)]
+                proc = host.spawn(argv, {}, f"driver-{shard.key}")
+                driver_out: deque[str] = deque(maxlen=200)
+                for line in proc.proc.stdout:
+                    driver_out.append(line.rstrip("\n"))
+                    progress(line.rstrip("\n"))
+                returncode = proc.proc.wait()
+                proc.release()
+                if returncode != 0:
+                    raise RuntimeError(
+                        f"hidden_states[{shard.key}]: the SGLang driver exited {returncode} on {host.where()}.\n"
+                        f"--- driver output (last {len(driver_out)} lines) ---\n" + "\n".join(driver_out) +
+                        f"\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n" + server_log.text()
+                    )
+                results.append(_driver_result(driver_out))
+                progress(f"shard {shard.key} done ({i}/{len(specs)})")
+    except RuntimeError as e:
+        if str(log_path) in str(e):
+            raise
+        raise RuntimeError(f"{e}\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n"
+                           + server_log.text()) from e
+    finally:
+        server_log.close()
+    return results, log_path
+
+
+def _driver_result(lines) -> dict:
+    """The driver's last stdout line is its JSON summary (skipped, re-extracted, bytes, ...)."""
+    import json
+
+    for line in reversed(lines):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {}
 
 
 def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = True,

@@ -166,8 +166,12 @@ def _write_outputs(job, trainer: Trainer, drafter: Eagle3Drafter, final: dict, t
     }
     atomic_write_json(out / "metrics.json", metrics)
     plot_curves(metrics["curves"], out / "curves.png", k)
+    from eagle3_dagster.target import target_summary
+
     export_drafter(drafter, out / "export", job.serving_context, getattr(torch, job.export_dtype),
-                   extra_config={"eagle3_dagster_train": {"steps": trainer.step, **job.metadata}})
+                   extra_config={"eagle3_dagster_train": {"steps": trainer.step, **job.metadata}},
+                   target_architecture=target_summary(Path(job.target_dir))["text_architecture"],
+                   sglang_versions=list(job.sglang_versions) if job.sglang_versions else None)
     return metrics
 
 
