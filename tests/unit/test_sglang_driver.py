@@ -141,3 +141,15 @@ def test_cli_extracts_the_named_shard(tmp_path, merged_train):
     assert rc == 0
     assert list(load_manifest(tmp_path / "v1")) == ["shard-00001"]
     assert len(server.requests) == 2
+
+
+def test_shard_failing_its_checksum_is_extracted_again_not_trusted(tmp_path, merged_train):
+    """One flipped byte keeps the size the manifest records: resume must check the sha256, not the size."""
+    _, first, _ = _run(tmp_path, merged_train)
+    data = bytearray(first.path.read_bytes())
+    data[-3] ^= 0xFF
+    first.path.write_bytes(bytes(data))
+    server, again, _ = _run(tmp_path, merged_train)
+    assert not again.skipped and again.reextracted_corrupt
+    assert len(server.requests) == 5  # every sample prefilled again
+    assert again.sha256 == first.sha256 and first.path.read_bytes() != bytes(data)
