@@ -32,7 +32,7 @@ def _status_kib(field: str) -> int:
 def measure(length: int, steps: int) -> dict:
     import torch
 
-    from eagle3_dagster.drafter.loss import build_teacher, step_loss, teacher_for_step
+    from eagle3_dagster.drafter.loss import build_teacher, ttt_loss
     from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
     from eagle3_dagster.drafter.ttt import ttt_unroll
 
@@ -49,9 +49,7 @@ def measure(length: int, steps: int) -> dict:
     teacher = build_teacher(last, torch.ones(1, length, dtype=torch.long), torch.randn(vocab, h), t2d)
     before = _status_kib("VmRSS")
     t0 = time.perf_counter()
-    total = 0.0
-    for j, logits in enumerate(ttt_unroll(model, ids, aux, steps)):
-        total = total + 0.8**j * step_loss(logits, teacher_for_step(teacher, j)).loss
+    total, _ = ttt_loss(list(ttt_unroll(model, ids, aux, steps)), model.lm_head.weight, teacher)
     total.backward()
     return {"tokens": length, "steps": steps, "peak_delta_mib": (_status_kib("VmHWM") - before) / 1024,
             "seconds": time.perf_counter() - t0}

@@ -1,4 +1,4 @@
-"""The teacher distribution, the TTT loss and its metrics.
+"""The teacher distribution, the TTT loss and its metrics, fused with the drafter's lm_head.
 
 Teacher: the target's own next-token distribution, `lm_head_target(last_hidden)`
 (shards store the post-norm last hidden, so lm_head applies directly),
@@ -12,6 +12,17 @@ teacher row i = t+1+j. A row counts when the token it predicts is supervised
 (`loss_mask[i+1] == 1`: the target generated it) — the tokens the drafter
 will be asked to draft at serve time. (EAGLE/SpecForge use `loss_mask[t+j]`,
 two positions earlier; only turn boundaries differ.)
+
+Memory. Nothing of size [tokens, draft_vocab] lives across a training step:
+`build_teacher` keeps only the per-row argmax and validity (one chunked pass
+over the full target vocab), and `ttt_loss` walks teacher rows in chunks; per
+chunk it recomputes the teacher's draft-vocab log-probs from the stored last
+hidden once and serves every TTT step from them (row i teaches position i-1-j
+of step j), running lm_head → log-softmax → KL → correctness for each step.
+The gradient of forward KL w.r.t. the drafter logits is `q - p`, so the
+backward's matmuls (into the normed hidden and into lm_head) are done in the
+same pass, as Liger's fused linear cross-entropy does; autograd's backward
+then only scales them. The chunk is sized by `CHUNK_ELEMENTS`.
 
 Acceptance length. SGLang's `accept_length` = completion_tokens /
 verify_count counts the bonus token the target always contributes, so the
@@ -28,15 +39,33 @@ import torch
 import torch.nn.functional as F
 
 STEP_WEIGHT_DECAY = 0.8  # EAGLE main.py `ploss_weight = [0.8 ** i ...]`
+# Elements of one [rows, vocab] fp32 temporary (16 MiB): rows per chunk = this // vocab.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_rows_for(vocab: int, num_rows: int, budget: int = CHUNK_ELEMENTS) -> int:
+    return max(16, min(num_rows, budget // max(vocab, 1)))
 
 
 @dataclass
 class Teacher:
-    """Per teacher row i: log-probs over the draft vocab and whether the row is a valid target."""
+    """What the loss needs of the target per row i (all O(tokens)); draft-vocab log-probs are recomputed."""
 
-    logp_BTV: torch.Tensor  # fp32 [B, T, V_draft]
-    argmax_BT: torch.Tensor  # draft id of the teacher's argmax
+    last_hidden_BTH: torch.Tensor  # the target's post-norm last hidden
+    draft_head_VdH: torch.Tensor  # the target lm_head's rows of the draft vocab (t2d order)
+    argmax_BT: torch.Tensor  # draft id of the teacher's draft-vocab argmax
     valid_BT: torch.Tensor  # bool: supervised next token AND full-vocab argmax inside the draft vocab
+
+    def logp(self, start: int, end: int) -> torch.Tensor:
+        """Draft-vocab log-probs [B, end-start, V_draft] (fp32) of teacher rows start..end-1."""
+        rows = self.last_hidden_BTH[:, start:end]
+        w = self.draft_head_VdH
+        return F.log_softmax((rows.to(w.dtype) @ w.T).float(), dim=-1)
+
+
+def draft_rows(lm_head_weight_VH: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """The target lm_head restricted to the draft vocab: the teacher's logits are these columns."""
+    return lm_head_weight_VH[t2d.to(lm_head_weight_VH.device)].contiguous()
 
 
 @torch.no_grad()
@@ -45,60 +74,94 @@ def build_teacher(
     loss_mask_BT: torch.Tensor,
     lm_head_weight_VH: torch.Tensor,
     t2d: torch.Tensor,
-    chunk_rows: int = 1024,
+    draft_head_VdH: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
 ) -> Teacher:
-    """Teacher rows from the target's last hidden, in row chunks so the full-vocab logits stay small."""
+    """Per-row argmax and validity from one chunked pass over the full target vocab."""
     b, t, h = last_hidden_BTH.shape
     flat = last_hidden_BTH.reshape(b * t, h)
     draft_cols = t2d.nonzero().squeeze(-1)
     w = lm_head_weight_VH.to(flat.device)
-    logps, argmaxes, inside = [], [], []
-    for s in range(0, flat.shape[0], chunk_rows):
-        logits = (flat[s : s + chunk_rows].to(w.dtype) @ w.T).float()
+    chunk = chunk_rows or chunk_rows_for(w.shape[0], flat.shape[0])
+    argmaxes, inside = [], []
+    for s in range(0, flat.shape[0], chunk):
+        logits = (flat[s : s + chunk].to(w.dtype) @ w.T).float()
         inside.append(t2d[logits.argmax(-1)])
-        draft_logits = logits[:, draft_cols]
-        logps.append(F.log_softmax(draft_logits, dim=-1))
-        argmaxes.append(draft_logits.argmax(-1))
-    logp = torch.cat(logps).view(b, t, -1)
+        argmaxes.append(logits[:, draft_cols].argmax(-1))
+        del logits
     supervised_next = torch.cat([loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1)
     valid = torch.cat(inside).view(b, t) & supervised_next
-    return Teacher(logp_BTV=logp, argmax_BT=torch.cat(argmaxes).view(b, t), valid_BT=valid)
+    head = draft_head_VdH if draft_head_VdH is not None else draft_rows(w, t2d)
+    return Teacher(last_hidden_BTH, head, torch.cat(argmaxes).view(b, t), valid)
 
 
-def teacher_for_step(teacher: Teacher, step: int) -> Teacher:
-    """Teacher rows aligned with drafter positions at TTT step `step` (row t+1+step at position t)."""
-    n = 1 + step
-    t = teacher.valid_BT.shape[1]
-    if n >= t:
-        z = teacher.valid_BT.new_zeros(teacher.valid_BT.shape)
-        return Teacher(teacher.logp_BTV, teacher.argmax_BT, z)
+class _FusedHeadKL(torch.autograd.Function):
+    """Σ_j w_j · mean over valid rows of KL(teacher ‖ softmax(lm_head(normed_j))); see the module docstring."""
 
-    def sh(x: torch.Tensor, fill) -> torch.Tensor:
-        pad = torch.full_like(x[:, :n], fill)
-        return torch.cat([x[:, n:], pad], dim=1)
+    @staticmethod
+    def forward(ctx, weight_VH, teacher: Teacher, step_weights: list[float], chunk: int, need_grad: bool, *normed):
+        k = len(normed)
+        b, t, _ = normed[0].shape
+        valid = teacher.valid_BT
+        num_valid = [int(valid[:, 1 + j :].sum()) for j in range(k)]  # step j reads rows 1+j..T-1
+        scales = [w / max(n, 1) for w, n in zip(step_weights, num_valid)]
+        device = normed[0].device
+        kl_sums = torch.zeros(k, dtype=torch.float64, device=device)
+        correct = torch.zeros(k, dtype=torch.int64, device=device)
+        grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_grad else None
+        grad_x = [torch.zeros_like(x, dtype=torch.float32) for x in normed] if need_grad else []
+        for s in range(1, t, chunk):  # row 0 teaches no position
+            e = min(s + chunk, t)
+            logp = teacher.logp(s, e)
+            p = logp.exp()
+            neg_entropy = torch.xlogy(p, p).sum(-1)  # xlogy: 0·log 0 = 0
+            for j, x_all in enumerate(normed):
+                lo = max(s, 1 + j)
+                if lo >= e:
+                    continue
+                v = valid[:, lo:e]
+                x = x_all[:, lo - 1 - j : e - 1 - j]
+                logits = (x @ weight_VH.T).float()
+                logq = F.log_softmax(logits, dim=-1)
+                p_j = p[:, lo - s :]
+                kl = neg_entropy[:, lo - s :] - (p_j * logq).sum(-1)
+                kl_sums[j] += torch.where(v, kl, torch.zeros_like(kl)).sum()
+                correct[j] += ((logits.argmax(-1) == teacher.argmax_BT[:, lo:e]) & v).sum()
+                if need_grad:
+                    g = (logq.exp_() - p_j) * (v * scales[j]).unsqueeze(-1)  # dKL/dlogits = q - p
+                    g = g.to(weight_VH.dtype)
+                    grad_x[j][:, lo - 1 - j : e - 1 - j] += g @ weight_VH
+                    grad_w += g.flatten(0, 1).T @ x.flatten(0, 1).to(g.dtype)
+                del logits, logq
+        stats = torch.stack([kl_sums.cpu(), torch.tensor(num_valid, dtype=torch.float64), correct.cpu().double()], 1)
+        loss = sum(sc * kl for sc, kl in zip(scales, stats[:, 0].tolist()))
+        ctx.save_for_backward(*([grad_w, *grad_x] if need_grad else []))
+        ctx.dtypes = [x.dtype for x in normed]
+        ctx.mark_non_differentiable(stats)
+        return torch.tensor(loss, dtype=torch.float32, device=device), stats
 
-    return Teacher(sh(teacher.logp_BTV, 0.0), sh(teacher.argmax_BT, 0), sh(teacher.valid_BT, False))
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        grad_w, *grad_x = ctx.saved_tensors
+        return (grad_w * grad_loss, None, None, None, None,
+                *[(g * grad_loss).to(dt) for g, dt in zip(grad_x, ctx.dtypes)])
 
 
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # differentiable mean forward KL over valid positions
-    num_valid: int
-    num_correct: int
-    kl_sum: float  # detached sum over valid positions (for exact cross-rank means)
-
-
-def step_loss(draft_logits_BTV: torch.Tensor, teacher: Teacher) -> StepResult:
-    """Forward KL(teacher || drafter) summed over the draft vocab, averaged over valid positions."""
-    logq = F.log_softmax(draft_logits_BTV.float(), dim=-1)
-    p = teacher.logp_BTV.exp()
-    kl = (torch.xlogy(p, p) - p * logq).sum(-1)  # xlogy: 0·log 0 = 0
-    valid = teacher.valid_BT
-    n = int(valid.sum())
-    masked = torch.where(valid, kl, torch.zeros_like(kl))
-    loss = masked.sum() / max(n, 1)
-    correct = int(((draft_logits_BTV.argmax(-1) == teacher.argmax_BT) & valid).sum())
-    return StepResult(loss=loss, num_valid=n, num_correct=correct, kl_sum=float(masked.detach().sum()))
+def ttt_loss(
+    normed_hiddens: list[torch.Tensor],
+    lm_head_weight_VdH: torch.Tensor,
+    teacher: Teacher,
+    weights: list[float] | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted TTT loss over the steps' normed drafter outputs [B,T,H] and per-step (kl_sum, num_valid, num_correct)."""
+    weights = weights if weights is not None else step_weights(len(normed_hiddens))
+    t = normed_hiddens[0].shape[1]
+    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, t))
+    need_grad = torch.is_grad_enabled() and (
+        lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
+    )
+    return _FusedHeadKL.apply(lm_head_weight_VdH, teacher, list(weights), chunk, need_grad, *normed_hiddens)
 
 
 def step_weights(num_steps: int, decay: float = STEP_WEIGHT_DECAY) -> list[float]:

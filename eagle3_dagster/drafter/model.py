@@ -161,9 +161,15 @@ class MidLayer(nn.Module):
 
     def finish(self, attn_BNTD: torch.Tensor, residual_BTH: torch.Tensor) -> torch.Tensor:
         """o_proj + residual from the (un-normed) hidden stream, then the MLP block; returns pre-`norm` output."""
+        return self.mlp_block(self.attn_residual(attn_BNTD, residual_BTH))
+
+    def attn_residual(self, attn_BNTD: torch.Tensor, residual_BTH: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn_BNTD.shape
-        h = residual_BTH + self.self_attn.o_proj(attn_BNTD.transpose(1, 2).reshape(b, t, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return residual_BTH + self.self_attn.o_proj(attn_BNTD.transpose(1, 2).reshape(b, t, -1))
+
+    def mlp_block(self, h_BTH: torch.Tensor) -> torch.Tensor:
+        """The post-attention half (norm, MLP, residual); training recomputes it in backward on long sequences."""
+        return h_BTH + self.mlp(self.post_attention_layernorm(h_BTH))
 
 
 class DraftKVCache:

@@ -5,13 +5,20 @@ step j-1; the query at position t attends causally to the step-0 keys 0..t plus
 the same-position key of every later step 1..j — exactly the keys it would see
 at serve time after j draft steps from position t.
 
-The attention never materialises an L×(L+k) mask or score matrix: the causal
-part is computed in query blocks under activation checkpointing (each block
-returns its output and logsumexp; backward recomputes one block at a time), the
-same-position keys are elementwise (diagonal) scores, and the two are joined
-through their logsumexp. Memory per step is linear in sequence length for a
-fixed block size; SpecForge's sdpa path and EAGLE's reference instead hold
-(B, heads, L, L+k) fp32 weights for every step (AngelSlim #288).
+The attention never materialises an L×(L+k) mask or score matrix. The causal
+part runs in the platform's fused kernel that also returns the per-query
+logsumexp (`_scaled_dot_product_flash_attention_for_cpu` on CPU, the
+memory-efficient kernel on CUDA); the same-position keys are elementwise
+(diagonal) scores; the two partial softmaxes are merged through their
+logsumexp. Backward calls the fused kernel's own backward with the *merged*
+output and logsumexp: with those, the kernel's `P = exp(S - lse)` and
+`D = rowsum(dO * out)` are the merged softmax's, so it returns exactly the
+causal keys' share of the merged gradient (the identity ring attention rests
+on); the diagonal keys' share is elementwise. Where no fused kernel exists the
+causal part is computed in query blocks under activation checkpointing. Either
+way memory per step is linear in sequence length; SpecForge's sdpa path and
+EAGLE's reference instead hold (B, heads, L, L+k) fp32 weights for every step
+(AngelSlim #288).
 """
 
 from __future__ import annotations
@@ -26,11 +33,91 @@ from torch.utils.checkpoint import checkpoint
 from eagle3_dagster.drafter.model import Eagle3Drafter, repeat_kv
 
 DEFAULT_BLOCK = 512
+RECOMPUTE_MLP_FROM_TOKENS = 4096
+_CUDA_LSE_ALIGN = 32  # the memory-efficient kernel pads its logsumexp to a multiple of 32 queries
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     """Scores and softmax in at least fp32 (bf16 logsumexp loses the diagonal keys' weight)."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def has_fused_causal(q: torch.Tensor) -> bool:
+    """Whether this device has a fused causal kernel that returns its logsumexp (and its backward)."""
+    if q.device.type == "cpu":
+        return q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return q.device.type == "cuda" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_forward(q, k, v) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(out, lse [B,N,T] fp32, what the backward needs besides out/lse) from the platform kernel."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return out, lse, ()
+    out, lse_padded, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+    return out, lse_padded[..., : q.shape[2]], (lse_padded, seed, offset)
+
+
+def _fused_backward(grad_out, q, k, v, out, lse, extra) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, True)
+    lse_padded, seed, offset = extra
+    lse_padded = lse_padded.clone()
+    lse_padded[..., : q.shape[2]] = lse
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out.contiguous(), q, k, v, None, out, lse_padded, seed, offset, 0.0, [True, True, True, False], True)
+    return dq, dk, dv
+
+
+def _merge(q, out0, lse0, extra_k, extra_v):
+    """Join the causal part (out0, lse0) with the diagonal keys; returns (out, lse, diag probs) in >= fp32."""
+    acc = _acc_dtype(q)
+    q32 = q.to(acc)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    diag = torch.stack([(q32 * k.to(acc)).sum(-1) * scale for k in extra_k], dim=-1)  # [B,N,T,j]
+    lse = torch.logsumexp(torch.cat([lse0.to(acc)[..., None], diag], dim=-1), dim=-1)
+    out = torch.exp(lse0.to(acc) - lse)[..., None] * out0.to(acc)
+    probs = torch.exp(diag - lse[..., None])
+    for i, v in enumerate(extra_v):
+        out = out + probs[..., i : i + 1] * v.to(acc)
+    return out, lse, probs
+
+
+class _FusedTTTAttention(torch.autograd.Function):
+    """Causal keys through the fused kernel + diagonal keys, merged by logsumexp; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, num_extra: int, *extra):
+        extra_k, extra_v = extra[:num_extra], extra[num_extra:]
+        out0, lse0, kernel_state = _fused_forward(q, k0, v0)
+        out, lse, _ = _merge(q, out0, lse0, extra_k, extra_v)
+        out = out.to(q.dtype)
+        ctx.num_extra, ctx.kernel_state = num_extra, kernel_state
+        ctx.save_for_backward(q, k0, v0, out, lse, *extra)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k0, v0, out, lse, *extra = ctx.saved_tensors
+        n = ctx.num_extra
+        extra_k, extra_v = extra[:n], extra[n:]
+        grad_out = grad_out.contiguous()
+        dq, dk0, dv0 = _fused_backward(grad_out, q, k0, v0, out, lse, ctx.kernel_state)
+        acc = _acc_dtype(q)
+        q32, g32 = q.to(acc), grad_out.to(acc)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        delta = (g32 * out.to(acc)).sum(-1)  # D = rowsum(dO * out), as the kernel computes it
+        dq = dq.to(acc)
+        grads_k, grads_v = [], []
+        for k, v in zip(extra_k, extra_v):
+            k32 = k.to(acc)
+            p = torch.exp((q32 * k32).sum(-1) * scale - lse)  # merged softmax weight of this diagonal key
+            ds = p * ((g32 * v.to(acc)).sum(-1) - delta)
+            dq = dq + (ds * scale)[..., None] * k32
+            grads_k.append(((ds * scale)[..., None] * q32).to(k.dtype))
+            grads_v.append((p[..., None] * g32).to(v.dtype))
+        return (dq.to(q.dtype), dk0, dv0, None, *grads_k, *grads_v)
 
 
 def _causal_block(q_b: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +135,10 @@ def _causal_block(q_b: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 def causal_attention_with_lse(
     q_BNTD: torch.Tensor, k_BNTD: torch.Tensor, v_BNTD: torch.Tensor, block: int = DEFAULT_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention that also returns the per-query logsumexp, blockwise and recomputed in backward."""
+    """Causal attention that also returns the per-query logsumexp, blockwise and recomputed in backward.
+
+    The fallback for devices without a fused kernel that returns its logsumexp.
+    """
     outs, lses = [], []
     t = q_BNTD.shape[2]
     for start in range(0, t, block):
@@ -70,23 +160,21 @@ def ttt_attention(
     extra_k: list[torch.Tensor],
     extra_v: list[torch.Tensor],
     block: int = DEFAULT_BLOCK,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Attention of step j = len(extra_k): causal over step-0 keys, plus each later step's same-position key.
 
-    All inputs have the query's head count (GQA already expanded). Output in q's dtype.
+    All inputs have the query's head count (GQA already expanded). Output in q's dtype. `fused`
+    None picks the fused kernel where the device has one; False forces the blockwise path.
     """
     if not extra_k:
         return F.scaled_dot_product_attention(q_BNTD, k0_BNTD, v0_BNTD, is_causal=True)
+    if fused is None:
+        fused = has_fused_causal(q_BNTD)
+    if fused:
+        return _FusedTTTAttention.apply(q_BNTD, k0_BNTD, v0_BNTD, len(extra_k), *extra_k, *extra_v)
     out0, lse0 = causal_attention_with_lse(q_BNTD, k0_BNTD, v0_BNTD, block)
-    acc = _acc_dtype(q_BNTD)
-    q32 = q_BNTD.to(acc)
-    scale = 1.0 / math.sqrt(q_BNTD.shape[-1])
-    diag = torch.stack([(q32 * k.to(acc)).sum(-1) * scale for k in extra_k], dim=-1)  # [B,N,T,j]
-    lse = torch.logsumexp(torch.cat([lse0[..., None], diag], dim=-1), dim=-1, keepdim=True)
-    out = torch.exp(lse0[..., None] - lse) * out0
-    weights = torch.exp(diag - lse)
-    for i, v in enumerate(extra_v):
-        out = out + weights[..., i : i + 1] * v.to(acc)
+    out, _, _ = _merge(q_BNTD, out0, lse0, extra_k, extra_v)
     return out.to(q_BNTD.dtype)
 
 
@@ -105,22 +193,40 @@ def ttt_unroll(
     num_steps: int,
     position_ids_BT: torch.Tensor | None = None,
     block: int = DEFAULT_BLOCK,
+    fused: bool | None = None,
+    recompute_mlp: bool | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield the draft logits [B,T,V_draft] of steps 0..num_steps-1.
+    """Yield the drafter's normed output [B,T,H] (what lm_head reads) of steps 0..num_steps-1.
 
     `input_ids_BT` are the sample's own token ids: position t of step j gets
     token t+1+j (EAGLE's `padding(input_ids, left=False)` applied j+1 times),
-    with RoPE position t+j, as at serve time. Callers consume one step's logits
-    (loss) before asking for the next, so logits of earlier steps are not kept.
+    with RoPE position t+j, as at serve time. `model.lm_head(x)` gives a step's
+    draft logits; training instead hands the outputs to `loss.ttt_loss`, which
+    applies lm_head chunk by chunk.
+
+    `recompute_mlp` (default: from `RECOMPUTE_MLP_FROM_TOKENS` tokens on) keeps
+    only the input of each step's post-attention half (norm, MLP, final norm)
+    and recomputes it in backward: ~100 of the ~180 bytes per token·hidden unit
+    a step keeps, for ~10% more compute at draft vocab 2k (less at larger
+    vocabularies, where lm_head dominates). Short sequences, where compute
+    rather than memory bounds the step, skip it.
     """
     b, t = input_ids_BT.shape
     if position_ids_BT is None:
         position_ids_BT = torch.arange(t, device=input_ids_BT.device).expand(b, t)
+    if recompute_mlp is None:
+        recompute_mlp = b * t >= RECOMPUTE_MLP_FROM_TOKENS
+    recompute_mlp = recompute_mlp and torch.is_grad_enabled()
     nq = model.cfg.num_attention_heads
     hidden = model.project_aux(aux_hidden_BT3H)
     k0 = v0 = None
     extra_k: list[torch.Tensor] = []
     extra_v: list[torch.Tensor] = []
+
+    def tail(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.midlayer.mlp_block(h)
+        return out, model.norm(out)
+
     for j in range(num_steps):
         ids = shift_left(input_ids_BT, 1 + j)
         embeds = model.embed_tokens(ids).to(hidden.dtype)
@@ -131,6 +237,7 @@ def ttt_unroll(
         else:
             extra_k.append(k)
             extra_v.append(v)
-        attn = ttt_attention(q, k0, v0, extra_k, extra_v, block)
-        hidden = model.midlayer.finish(attn, hidden)
-        yield model.logits(hidden)
+        attn = ttt_attention(q, k0, v0, extra_k, extra_v, block, fused)
+        h = model.midlayer.attn_residual(attn, hidden)
+        hidden, normed = checkpoint(tail, h, use_reentrant=False) if recompute_mlp else tail(h)
+        yield normed

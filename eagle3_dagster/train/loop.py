@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, step_loss, step_weights, teacher_for_step
+from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, draft_rows, step_weights, ttt_loss
 from eagle3_dagster.drafter.model import Eagle3Drafter
 from eagle3_dagster.drafter.ttt import ttt_unroll
 from eagle3_dagster.train.checkpoint import Checkpointer
@@ -32,18 +32,16 @@ class TTTObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_lm_head", target_lm_head_VH, persistent=False)
+        # the teacher's draft-vocab rows, sliced once instead of per batch
+        self.register_buffer("teacher_head", draft_rows(target_lm_head_VH, drafter.t2d), persistent=False)
         self.ttt_steps = ttt_steps
         self.weights = step_weights(ttt_steps)
 
     def forward(self, input_ids_BT, loss_mask_BT, aux_hidden_BT3H, last_hidden_BTH):
-        teacher = build_teacher(last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d)
-        total = aux_hidden_BT3H.new_zeros((), dtype=torch.float32)
-        stats = []
-        for j, logits in enumerate(ttt_unroll(self.drafter, input_ids_BT, aux_hidden_BT3H, self.ttt_steps)):
-            r = step_loss(logits, teacher_for_step(teacher, j))
-            total = total + self.weights[j] * r.loss
-            stats.append([r.kl_sum, r.num_valid, r.num_correct])
-        return total, torch.tensor(stats, dtype=torch.float64)
+        teacher = build_teacher(last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d,
+                                draft_head_VdH=self.teacher_head)
+        normed = list(ttt_unroll(self.drafter, input_ids_BT, aux_hidden_BT3H, self.ttt_steps))
+        return ttt_loss(normed, self.drafter.lm_head.weight, teacher, self.weights)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Teacher, forward-KL loss and metrics against hand-computed values."""
+"""Teacher, forward-KL loss and metrics: hand-computed values, and the fused chunked loss against a naive reference."""
 
 from __future__ import annotations
 
@@ -6,17 +6,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from eagle3_dagster.drafter.loss import (
-    acceptance_length,
-    build_teacher,
-    step_loss,
-    step_weights,
-    teacher_for_step,
-)
+from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, step_weights, ttt_loss
+from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_dagster.train.loop import TTTObjective
 
 
-def _teacher_setup():
+def _teacher_setup(draft_head=None):
     # target vocab 4, draft vocab = target ids {0, 2}; lm_head = identity so logits = last_hidden
     t2d = torch.tensor([True, False, True, False])
     lm_head = torch.eye(4)
@@ -25,12 +22,12 @@ def _teacher_setup():
                           [0.0, 0.0, 1.0, 0.0],    # argmax 2 (in draft vocab)
                           [1.0, 0.0, 0.0, 0.0]]])  # last row: no next token to supervise
     loss_mask = torch.tensor([[0, 1, 1, 1]])
-    return build_teacher(last, loss_mask, lm_head, t2d)
+    return build_teacher(last, loss_mask, lm_head, t2d, draft_head_VdH=draft_head)
 
 
 def test_teacher_restricts_logits_to_draft_vocab_before_softmax():
     teacher = _teacher_setup()
-    p0 = teacher.logp_BTV[0, 0].exp()
+    p0 = teacher.logp(0, 1)[0, 0].exp()
     want = torch.softmax(torch.tensor([2.0, 1.0]), -1)
     torch.testing.assert_close(p0, want)
     assert teacher.argmax_BT[0].tolist() == [0, 1, 1, 0]
@@ -38,34 +35,135 @@ def test_teacher_restricts_logits_to_draft_vocab_before_softmax():
     assert teacher.valid_BT[0].tolist() == [True, False, True, False]
 
 
-def test_step_loss_is_forward_kl_averaged_over_valid_positions():
+def test_loss_is_forward_kl_averaged_over_valid_positions_with_row_i_teaching_position_i_minus_one():
+    # one TTT step; draft lm_head = identity, so the drafter's logits at position t are normed[t]
+    # teacher rows 1..3 teach positions 0..2 (row 0 teaches nothing); valid rows are 0 and 2, so only
+    # position 1 (taught by row 2) counts
     teacher = _teacher_setup()
-    logits = torch.tensor([[[0.0, 0.5], [5.0, 0.0], [1.0, 3.0], [0.0, 0.0]]], requires_grad=True)
-    r = step_loss(logits, teacher)
-    # by hand: row 0: p = softmax([2,1]), q = softmax([0,.5]); row 2: p = softmax([0,1]), q = softmax([1,3])
+    normed = torch.tensor([[[5.0, 0.0], [1.0, 3.0], [0.0, 0.5], [9.0, 9.0]]], requires_grad=True)
+    head = torch.eye(2, requires_grad=True)
+    loss, stats = ttt_loss([normed], head, teacher, [1.0])
     e = math.e
-    p0 = [e / (e + 1), 1 / (e + 1)]
-    q2 = [e / (e + e**3), e**3 / (e + e**3)]
-    p2 = [1 / (1 + e), e / (1 + e)]
-    q0 = [1 / (1 + e**0.5), e**0.5 / (1 + e**0.5)]
-    kl0 = sum(p * math.log(p / q) for p, q in zip(p0, q0))
-    kl2 = sum(p * math.log(p / q) for p, q in zip(p2, q2))
-    assert r.loss.item() == pytest.approx((kl0 + kl2) / 2, rel=1e-5)
-    assert r.num_valid == 2
-    assert r.num_correct == 1  # row 0: student 1 vs teacher 0; row 2: both 1
-    r.loss.backward()
-    assert logits.grad[0, 1].abs().sum() == 0 and logits.grad[0, 3].abs().sum() == 0  # invalid rows get no gradient
-
-
-def test_teacher_for_step_shifts_rows_by_one_plus_step():
-    teacher = _teacher_setup()
-    s1 = teacher_for_step(teacher, 1)  # position t reads row t + 2
-    assert s1.valid_BT[0].tolist() == [True, False, False, False]
-    torch.testing.assert_close(s1.logp_BTV[0, 0], teacher.logp_BTV[0, 2])
-    assert not teacher_for_step(teacher, 5).valid_BT.any()
+    p2, q1 = [1 / (1 + e), e / (1 + e)], [e / (e + e**3), e**3 / (e + e**3)]
+    kl = sum(p * math.log(p / q) for p, q in zip(p2, q1))
+    assert loss.item() == pytest.approx(kl, rel=1e-5)
+    assert stats.tolist() == [[pytest.approx(kl, rel=1e-5), 1.0, 1.0]]  # kl_sum, num_valid, num_correct
+    loss.backward()
+    q = torch.softmax(torch.tensor([1.0, 3.0]), -1)
+    torch.testing.assert_close(normed.grad[0, 1], q - torch.tensor(p2))  # dKL/dlogits = q - p
+    assert normed.grad[0, [0, 2, 3]].abs().sum() == 0  # positions taught by invalid or no rows get no gradient
 
 
 def test_step_weights_and_simulated_acceptance_length():
     assert step_weights(3) == pytest.approx([1.0, 0.8, 0.64])
     assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
     assert acceptance_length([0.8, 0.5, 0.5], bonus=False) == pytest.approx(0.8 + 0.4 + 0.2)
+
+
+# ---- the implementation before issue 13, kept as the naive reference: whole-sequence teacher log-probs,
+# full [B, T, V_draft] logits per step, autograd through log_softmax.
+
+def naive_teacher(last_hidden, loss_mask, lm_head, t2d):
+    logits = (last_hidden @ lm_head.T).float()
+    draft = logits[..., t2d.nonzero().squeeze(-1)]
+    supervised_next = torch.cat([loss_mask[:, 1:].bool(), torch.zeros_like(loss_mask[:, :1], dtype=torch.bool)], 1)
+    return F.log_softmax(draft, -1), draft.argmax(-1), t2d[logits.argmax(-1)] & supervised_next
+
+
+def naive_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last):
+    from eagle3_dagster.drafter.ttt import ttt_unroll
+
+    logp, argmax, valid = naive_teacher(last, loss_mask, lm_head, drafter.t2d)
+    total, stats = 0.0, []
+    for j, normed in enumerate(ttt_unroll(drafter, ids, aux, num_steps, fused=False, recompute_mlp=False)):
+        logits = drafter.lm_head(normed)
+        n = 1 + j
+        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731
+        p_logp, p_arg, p_valid = sh(logp, 0.0), sh(argmax, 0), sh(valid, False)
+        logq = F.log_softmax(logits.float(), -1)
+        p = p_logp.exp()
+        kl = (torch.xlogy(p, p) - p * logq).sum(-1)
+        num = int(p_valid.sum())
+        masked = torch.where(p_valid, kl, torch.zeros_like(kl))
+        total = total + 0.8**j * masked.sum() / max(num, 1)
+        stats.append([float(masked.detach().sum()), num, int(((logits.argmax(-1) == p_arg) & p_valid).sum())])
+    return total, torch.tensor(stats, dtype=torch.float64)
+
+
+def _problem(seed=0, b=2, t=29, vocab=64, draft_vocab=24):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=4, vocab_size=vocab, draft_vocab_size=draft_vocab,
+                        aux_layers=(1, 2, 3))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab)[:draft_vocab]] = True
+    d2t = t2d.nonzero().squeeze(-1) - torch.arange(draft_vocab)
+    drafter = Eagle3Drafter(cfg, torch.randn(vocab, 16), d2t, t2d).double()
+    for p in drafter.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.3)
+    lm_head = torch.randn(vocab, 12, dtype=torch.float64) * 2
+    # the target mostly agrees with itself: make several argmaxes land in the draft vocab
+    lm_head[t2d] += 1.5
+    batch = (torch.randint(0, vocab, (b, t)), (torch.rand(b, t) > 0.3).long(),
+             torch.randn(b, t, 36, dtype=torch.float64), torch.randn(b, t, 12, dtype=torch.float64))
+    return drafter, lm_head, batch
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 7, 1000])
+@pytest.mark.parametrize("recompute_mlp", [False, True])
+def test_fused_chunked_loss_equals_naive_reference_in_loss_metrics_and_gradients(chunk_rows, recompute_mlp):
+    drafter, lm_head, (ids, mask, aux, last) = _problem()
+    num_steps = 4
+    drafter.zero_grad()
+    want_loss, want_stats = naive_objective(drafter, lm_head, num_steps, ids, mask, aux, last)
+    want_loss.backward()
+    want_grads = _grads(drafter)
+    assert want_stats[:, 1].min() > 0 and want_stats[:, 2].sum() > 0  # valid rows and correct drafts exist
+
+    from eagle3_dagster.drafter.ttt import ttt_unroll
+
+    drafter.zero_grad()
+    teacher = build_teacher(last, mask, lm_head, drafter.t2d, chunk_rows=chunk_rows)
+    normed = list(ttt_unroll(drafter, ids, aux, num_steps, recompute_mlp=recompute_mlp))
+    loss, stats = ttt_loss(normed, drafter.lm_head.weight, teacher, step_weights(num_steps), chunk_rows=chunk_rows)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), want_loss.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats, want_stats, rtol=1e-6, atol=1e-6)
+    got_grads = _grads(drafter)
+    assert got_grads.keys() == want_grads.keys() and "lm_head.weight" in got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_objective_keeps_nothing_of_size_tokens_times_draft_vocab_for_backward():
+    """What autograd saves during the objective's forward: no tensor as large as [tokens, draft_vocab]."""
+    b, t, draft_vocab = 1, 96, 48
+    drafter, lm_head, (ids, mask, aux, last) = _problem(b=b, t=t, draft_vocab=draft_vocab)
+    objective = TTTObjective(drafter, lm_head, ttt_steps=3)
+    largest = []
+
+    def pack(x):
+        largest.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, _ = objective(ids, mask, aux, last)
+    assert largest, "nothing was saved: the hook saw no graph"
+    # the drafter's own lm_head gradient [V_draft, H] is the largest allowed; H=16 < tokens
+    assert max(largest) < b * t * draft_vocab, f"a saved tensor has {max(largest)} elements"
+    loss.backward()
+
+
+def test_objective_without_grad_returns_the_same_metrics():
+    drafter, lm_head, (ids, mask, aux, last) = _problem()
+    objective = TTTObjective(drafter, lm_head, ttt_steps=3)
+    loss, stats = objective(ids, mask, aux, last)
+    with torch.no_grad():
+        loss_ng, stats_ng = objective(ids, mask, aux, last)
+    torch.testing.assert_close(loss_ng, loss.detach())
+    torch.testing.assert_close(stats_ng, stats)

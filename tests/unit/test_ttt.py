@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3_dagster.drafter.model import DraftKVCache, DrafterConfig, Eagle3Drafter
-from eagle3_dagster.drafter.ttt import causal_attention_with_lse, shift_left, ttt_attention, ttt_unroll
+from eagle3_dagster.drafter.ttt import (
+    causal_attention_with_lse,
+    has_fused_causal,
+    shift_left,
+    ttt_attention,
+    ttt_unroll,
+)
 
 
 def naive_ttt_attention(q, k0, v0, extra_k, extra_v):
@@ -27,10 +34,11 @@ def _inputs(steps: int, b=2, n=3, t=37, d=8, seed=0):
     return mk(), mk(), mk(), [mk() for _ in range(steps)], [mk() for _ in range(steps)]
 
 
-def test_ttt_attention_matches_dense_mask_reference_forward_and_gradient():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_kernel", "blockwise"])
+def test_ttt_attention_matches_dense_mask_reference_forward_and_gradient(fused):
     for steps in (0, 1, 3):
         q, k0, v0, ek, ev = _inputs(steps)
-        out = ttt_attention(q, k0, v0, ek, ev, block=8)  # several blocks, last one ragged
+        out = ttt_attention(q, k0, v0, ek, ev, block=8, fused=fused)  # blockwise: several blocks, last one ragged
         ref = naive_ttt_attention(q, k0, v0, ek, ev)
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         grad_out = torch.randn_like(out)
@@ -39,6 +47,26 @@ def test_ttt_attention_matches_dense_mask_reference_forward_and_gradient():
         want = torch.autograd.grad(ref, leaves, grad_out)
         for g_, w_ in zip(got, want):
             torch.testing.assert_close(g_, w_, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernel_path_matches_reference_in_training_dtypes(device, dtype):
+    """The platform kernel (CPU flash, CUDA memory-efficient) in fp32/bf16 against the fp64 reference."""
+    q, k0, v0, ek, ev = _inputs(3, t=70, d=16)
+    leaves64 = [q, k0, v0, *ek, *ev]
+    leaves = [x.detach().to(device, dtype).requires_grad_() for x in leaves64]
+    assert has_fused_causal(leaves[0])
+    out = ttt_attention(leaves[0], leaves[1], leaves[2], leaves[3:6], leaves[6:], fused=True)
+    ref = naive_ttt_attention(q, k0, v0, ek, ev)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double().cpu(), ref, **tol)
+    grad_out = torch.randn_like(ref)
+    got = torch.autograd.grad(out, leaves, grad_out.to(device, dtype))
+    want = torch.autograd.grad(ref, leaves64, grad_out)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_.double().cpu(), w_, **tol)
 
 
 def test_blockwise_causal_logsumexp_equals_dense_logsumexp():
@@ -70,7 +98,7 @@ def test_ttt_step_j_equals_serve_time_drafting_with_kv_cache():
     ids = torch.randint(0, 40, (1, t_len))
     aux = torch.randn(1, t_len, 36, dtype=torch.float64)
     with torch.no_grad():
-        ttt_logits = list(ttt_unroll(model, ids, aux, steps, block=4))
+        ttt_logits = [model.lm_head(x) for x in ttt_unroll(model, ids, aux, steps, block=4)]
         for t in (0, 4, 6):
             cache = DraftKVCache()
             pos = torch.arange(t + 1)[None]
@@ -83,6 +111,26 @@ def test_ttt_step_j_equals_serve_time_drafting_with_kv_cache():
             assert len(cache) == t + steps
             cache.crop(t + 1)
             assert len(cache) == t + 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_recomputing_the_mlp_in_backward_changes_nothing(fused):
+    model, _ = _drafter()
+    ids = torch.randint(0, 40, (2, 13))
+    aux = torch.randn(2, 13, 36, dtype=torch.float64)
+    results = []
+    for recompute in (False, True):
+        model.zero_grad()
+        outs = list(ttt_unroll(model, ids, aux, 3, fused=fused, recompute_mlp=recompute))
+        sum((o * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                     if p.grad is not None}))
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    for a, b in zip(outs_a, outs_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert grads_a.keys() == grads_b.keys() and "midlayer.mlp.down_proj.weight" in grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-12, atol=1e-12)
 
 
 def test_shift_left_pads_past_the_end():
