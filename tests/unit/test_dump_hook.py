@@ -282,3 +282,46 @@ def test_forward_inside_a_graph_capture_or_compile_trace_is_refused(model, tmp_p
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(RuntimeError, match="--disable-cuda-graph"):
         model(ids, pos, batch, dumper)
+
+
+def _sglang_aux_module(version: str):
+    """SGLang's own aux collectors (`srt/layers/aux_hidden_states.py`, plain Python) from the release wheel."""
+    import types
+
+    from tests import sglang_wheels
+
+    module = types.ModuleType(f"sglang_aux_{version}")
+    exec(compile(sglang_wheels.read_file(version, "sglang/srt/layers/aux_hidden_states.py"), module.__name__, "exec"),
+         module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("collector", ["AuxHiddenStatePacker", "AuxHiddenStateList"])
+def test_dump_equals_what_sglangs_own_eagle3_collector_hands_the_draft_model(model, tmp_path, collector):
+    """0.5.23's decoder layers call `capture(value, owned=...)` on the collector the patch passes; the dump's
+    collector tees into SGLang's real one, and both must hold the same states for the EAGLE-3 layers."""
+    aux = _sglang_aux_module("0.5.23")
+    eagle_layers = [1, 2, 4]
+    inner = aux.AuxHiddenStatePacker(len(eagle_layers)) if collector == "AuxHiddenStatePacker" \
+        else aux.AuxHiddenStateList()
+    dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
+    prompts = {"p": [3, 4, 5, 6], "q": [9, 8]}
+    ids, pos, batch = extend_batch([(rid, p, 0) for rid, p in prompts.items()])
+    hidden, residual = model.embed_tokens(ids, pos), None
+    with torch.no_grad():
+        for i in range(model.num_layers):
+            residual = hidden.clone() if residual is None else residual.add_(hidden)
+            c = dumper.layer_collector(i, batch, inner if i in eagle_layers else None)
+            if c is not None:
+                c.capture(residual, owned=False)  # borrowed: the residual is updated in place afterwards
+            hidden = torch.tanh(model._norm(residual) @ model.mlps[i])
+        dumper.capture_final(model._norm(hidden + residual), batch)
+    dumper.flush()
+    served = aux.pack_aux_hidden_states(inner.finalize() if collector == "AuxHiddenStatePacker" else inner)
+    offset = 0
+    for rid, prompt in prompts.items():
+        tensors, _ = read_chunk(tmp_path / chunk_filename(rid, 0))
+        rows = slice(offset, offset + len(prompt))
+        offset += len(prompt)
+        dumped = torch.cat([tensors[f"hidden.{i}"] for i in eagle_layers], dim=-1)
+        torch.testing.assert_close(dumped, served[rows])
