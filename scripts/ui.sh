@@ -10,4 +10,5 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The queue daemon reads a pool's limit only once it is set; a fresh instance would let the
 # first gpu_host runs start together (default_limit applies too late), so set it up front.
 .venv/bin/dagster instance concurrency set gpu_host 1 >/dev/null
+.venv/bin/dagster instance concurrency set raw_responses 1 >/dev/null  # one regeneration per log at a time
 exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${PORT:-3000}"

@@ -9,14 +9,15 @@ append-only log a killed run resumes from.
 from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult, OpenAIChatBackend
 from eagle3_dagster.generate.regenerate import (
     GenerationSettings,
+    RegenerationFailedError,
     RegenerationStats,
     regenerate_dataset,
     regenerate_dataset_sync,
     request_id,
 )
-from eagle3_dagster.generate.store import ResponseStore, iter_turns
+from eagle3_dagster.generate.store import ResponseStore, StoreLockedError, iter_turns
 
 __all__ = [
     "ChatBackend", "ChatRequestError", "ChatResult", "GenerationSettings", "OpenAIChatBackend",
-    "RegenerationStats", "ResponseStore", "iter_turns", "regenerate_dataset", "regenerate_dataset_sync", "request_id",
+    "RegenerationFailedError", "RegenerationStats", "ResponseStore", "StoreLockedError", "iter_turns", "regenerate_dataset", "regenerate_dataset_sync", "request_id",
 ]

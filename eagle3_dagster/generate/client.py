@@ -5,9 +5,12 @@ shape sent to OpenRouter / SGLang / vLLM `/v1/chat/completions`, parsing their
 responses (reasoning, tool calls, usage, cost, provider), and retries with
 backoff. What to ask and what to record is `regenerate.py`'s job.
 
-Retry policy: 429 (honouring `Retry-After`), 5xx, timeouts, connection errors and
-malformed bodies are retried with exponential jitter; other 4xx are not (they
-will fail the same way again). Every failed attempt is counted by kind on the
+Retry policy: 429 (honouring `Retry-After`), 5xx, timeouts and connection errors
+are retried with exponential jitter; other 4xx are not (they will fail the same
+way again). An HTTP 200 whose body is truncated, not JSON or has no choices is
+an `unusable_reply`: the provider was paid for it, so it is not retried here but
+raised with `paid=True` (and the cost the body reported, if any) for the
+regenerator to book as spent. Every failed attempt is counted by kind on the
 result or on the final `ChatRequestError`.
 
 The API key is a constructor value. It is only ever placed in the Authorization
@@ -29,7 +32,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER_CAP_S = 600.0  # a server asking for longer than this is treated as down
-RETRYABLE_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connection", "malformed"})
+RETRYABLE_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connection"})
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class ChatResult:
     tool_calls: list[dict]  # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments": str}}
     finish_reason: str | None
     usage: dict  # prompt_tokens, completion_tokens, reasoning_tokens (when reported)
-    cost: float  # USD; 0.0 when the backend does not report it
+    cost: float | None  # USD as the backend reported it (`usage.cost`); None when it did not
     provider: str | None
     model: str | None
     attempt_failures: dict[str, int] = field(default_factory=dict)
@@ -63,11 +66,15 @@ class ChatRequestError(Exception):
     """A request that failed for good; `kind` is the failure class, `attempt_failures` every failed try."""
 
     def __init__(self, kind: str, message: str, attempt_failures: dict[str, int] | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, *, paid: bool = False, cost: float | None = None,
+                 usage: dict | None = None) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.attempt_failures = dict(attempt_failures or {})
         self.retry_after_s = retry_after_s
+        self.paid = paid  # the server answered (HTTP 200) and charged for it, but the answer is unusable
+        self.cost = cost  # what that answer cost, when the body said so
+        self.usage = dict(usage or {})
 
 
 class ChatBackend(Protocol):
@@ -118,10 +125,10 @@ def parse_chat_response(body: Any) -> ChatResult:
     details = usage_in.get("completion_tokens_details") or {}
     if isinstance(details, dict) and details.get("reasoning_tokens") is not None:
         usage["reasoning_tokens"] = details["reasoning_tokens"]
-    cost = usage_in.get("cost") or 0.0
+    cost = usage_in.get("cost")
     return ChatResult(
         reasoning=reasoning, content=content, tool_calls=tool_calls,
-        finish_reason=choice.get("finish_reason"), usage=usage, cost=float(cost),
+        finish_reason=choice.get("finish_reason"), usage=usage, cost=float(cost) if cost is not None else None,
         provider=body.get("provider"), model=body.get("model"),
     )
 
@@ -198,11 +205,18 @@ class OpenAIChatBackend:
         try:
             body = response.json()
         except ValueError:
-            raise ChatRequestError("malformed", f"body is not JSON: {self._scrub(response.text[:80])!r}") from None
+            raise ChatRequestError("unusable_reply", f"HTTP {status} body is not JSON (truncated?): "
+                                   f"{self._scrub(response.text[:80])!r}", paid=True) from None
         try:
             return parse_chat_response(body)
         except ChatRequestError as e:
-            raise ChatRequestError(e.kind, self._scrub(str(e).split(": ", 1)[-1])) from None
+            detail = self._scrub(str(e).split(": ", 1)[-1])
+            if e.kind != "malformed":
+                raise ChatRequestError(e.kind, detail) from None
+            usage = body.get("usage") if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
+            cost = usage.get("cost") if isinstance(usage.get("cost"), (int, float)) else None
+            raise ChatRequestError("unusable_reply", f"HTTP {status} answer unusable: {detail}", paid=True,
+                                   cost=cost, usage=usage) from None
 
     async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
                        temperature: float, reasoning: bool) -> ChatResult:
@@ -224,7 +238,8 @@ class OpenAIChatBackend:
                         log.info("request %s attempt %d failed: %s", request_id, attempt.retry_state.attempt_number, e)
                         raise
         except ChatRequestError as e:
-            raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures)) from None
+            raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures), paid=e.paid, cost=e.cost,
+                                   usage=e.usage) from None
         return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures)})
 
     async def aclose(self) -> None:

@@ -4,14 +4,20 @@ Owns: walking each conversation (system and user turns kept, every assistant
 turn replaced by the target's answer to the history *with its own earlier
 answers*), the deterministic request ids, bounded concurrency (conversations in
 parallel, turns of one conversation in order), the USD budget, and the stats of
-a `raw_responses` partition. HTTP lives in `client.py`, the log in `store.py`.
+a `raw_responses` partition. HTTP lives in `client.py`, the log in `store.py`,
+the reservations against the budget in `budget.py`.
 
 Never paying twice: a request id is recorded as `sent` before it leaves and as a
 `turn` when its answer is back. On restart a recorded turn is reused, and a sent
 but unanswered one (the process died while it was in flight) is *not* re-sent
 for a paid backend: its conversation is counted as `interrupted` and left
 incomplete, unless `resend_interrupted` says a repeat is acceptable (the free
-in-process backend always re-sends).
+in-process backend always re-sends). A paid but unusable reply is booked as
+spent (a `failed` line with its cost) before anything is sent again.
+
+A run in which more than `max_failure_fraction` of the requests sent failed for
+good raises `RegenerationFailedError` naming the failure kinds, after everything
+that did come back is recorded.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 import orjson
 
 from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.generate.budget import Budget
 from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult
 from eagle3_dagster.generate.store import ResponseStore
 
@@ -45,6 +52,9 @@ class GenerationSettings:
     max_turns: int = 8
     concurrency: int = 8
     budget_usd: float | None = None
+    price_per_completion_token: float | None = None  # USD, an upper bound: reservations use it
+    price_per_prompt_token: float = 0.0
+    max_failure_fraction: float = 0.05
     resend_interrupted: bool = False
     progress_every_s: float = 5.0
 
@@ -79,6 +89,7 @@ class RegenerationStats:
     reasoning_tokens: int = 0
     cost_usd: float = 0.0  # spent in this run
     recorded_cost_usd: float = 0.0  # spent on this partition by all runs so far
+    num_paid_unusable: int = 0  # HTTP 200 answers that were paid for but could not be used
     stopped_by_budget: bool = False
     repaired_bytes: int = 0
     wall_s: float = 0.0
@@ -91,6 +102,14 @@ class RegenerationStats:
         return {**asdict(self), "requests_per_s": round(self.requests_per_s, 3)}
 
 
+class RegenerationFailedError(RuntimeError):
+    """Too many requests of a run failed for good; `stats` holds the run's counts."""
+
+    def __init__(self, message: str, stats: RegenerationStats) -> None:
+        super().__init__(message)
+        self.stats = stats
+
+
 class _Run:
     """State shared by the conversation workers of one `regenerate_dataset` call."""
 
@@ -100,15 +119,10 @@ class _Run:
                                        repaired_bytes=store.repaired_bytes)
         self.failures: Counter[str] = Counter()
         self.attempt_failures: Counter[str] = Counter()
+        self.budget = Budget(settings.budget_usd, store.recorded_cost_usd, max_new_tokens=settings.max_new_tokens,
+                             price_per_completion_token=settings.price_per_completion_token,
+                             price_per_prompt_token=settings.price_per_prompt_token)
         self.stop = False
-
-    def budget_left(self) -> bool:
-        budget = self.settings.budget_usd
-        if budget is not None and self.stats.recorded_cost_usd >= budget:
-            if not self.stop:
-                log.warning("%s: budget of $%.4f reached; no new requests", self.dataset, budget)
-            self.stop = self.stats.stopped_by_budget = True
-        return not self.stop
 
     async def conversation(self, conv: Conversation) -> None:
         st = self.stats
@@ -148,43 +162,61 @@ class _Run:
             log.warning("%s/%s turn %d was in flight when an earlier run died; not re-sent", self.dataset, conv_id, turn)
             st.num_conversations_interrupted += 1
             return None
-        if not self.budget_left():
+        if self.stop:
             return None
-        store.mark_sent(rid)
-        st.num_requests += 1
+        reserved = await self.budget.reserve(history)
+        if reserved is None:
+            self.stop = st.stopped_by_budget = True
+            return None
         try:
+            store.mark_sent(rid)
+            st.num_requests += 1
             result = await self.backend.complete(
                 list(history), request_id=rid, max_tokens=self.settings.max_new_tokens,
                 temperature=self.settings.temperature, reasoning=self.settings.reasoning)
         except ChatRequestError as e:
-            store.mark_failed(rid, e.kind)
+            paid = e.paid and self.backend.paid
+            spent = self.budget.booked(reserved, cost=e.cost, usage=e.usage, paid=paid)
+            store.mark_failed(rid, e.kind, cost_usd=spent)  # a paid failure is on record before any re-send
+            await self.budget.settle(reserved, spent)
+            self._book(spent)
+            st.num_paid_unusable += paid
             self.failures[e.kind] += 1
             self.attempt_failures.update(e.attempt_failures)
             st.num_conversations_failed += 1
             log.warning("%s/%s turn %d failed: %s", self.dataset, conv_id, turn, e)
             return None
+        except BaseException:
+            await self.budget.settle(reserved, 0.0)  # cancelled: the request stays `sent` in the log
+            raise
+        spent = self.budget.booked(reserved, cost=result.cost, usage=result.usage, paid=self.backend.paid)
         self.attempt_failures.update(result.attempt_failures)
-        record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings)
+        record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings, spent)
         store.add_turn(record)
+        await self.budget.settle(reserved, spent)
+        self._book(spent)
         st.num_turns += 1
         st.num_successes += 1
         st.prompt_tokens += int(result.usage.get("prompt_tokens", 0))
         st.completion_tokens += int(result.usage.get("completion_tokens", 0))
         st.reasoning_tokens += int(result.usage.get("reasoning_tokens", 0))
-        st.cost_usd += result.cost
-        st.recorded_cost_usd += result.cost
         return record
+
+    def _book(self, spent: float) -> None:
+        self.stats.cost_usd += spent
+        self.stats.recorded_cost_usd = self.store.recorded_cost_usd
 
 
 def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[dict],
-                 result: ChatResult, settings: GenerationSettings) -> dict:
+                 result: ChatResult, settings: GenerationSettings, cost_usd: float) -> dict:
     return {
         "request_id": rid, "dataset": dataset, "conversation_id": conv_id, "turn": turn,
         "messages": history,  # exactly the prompt this answer was generated from
         "response": {"reasoning": result.reasoning, "content": result.content,
                      "tool_calls": result.tool_calls, "finish_reason": result.finish_reason,
                      **({"completion_ids": result.completion_ids} if result.completion_ids is not None else {})},
-        "usage": result.usage, "cost_usd": result.cost, "provider": result.provider, "model": result.model,
+        "usage": result.usage, "cost_usd": cost_usd, "cost_reported": result.cost is not None,
+        "provider": result.provider, "model": result.model,
         "settings": settings.identity(), "attempt_failures": result.attempt_failures,
     }
 
@@ -254,7 +286,18 @@ async def regenerate_dataset(conversations: Iterable[Conversation], store_path: 
         run.stats.wall_s = time.monotonic() - started
         if progress:
             progress(_format_progress(run, total, started))
+    _check_failures(run.stats, settings.max_failure_fraction, store_path)
     return run.stats
+
+
+def _check_failures(stats: RegenerationStats, max_fraction: float, store_path: Path) -> None:
+    failed = sum(stats.failures_by_kind.values())
+    if stats.num_requests and failed / stats.num_requests > max_fraction:
+        kinds = ", ".join(f"{k}: {n}" for k, n in sorted(stats.failures_by_kind.items(), key=lambda kv: -kv[1]))
+        raise RegenerationFailedError(
+            f"{stats.dataset}: {failed} of {stats.num_requests} requests failed for good ({kinds}), more than "
+            f"generation.max_failure_fraction={max_fraction:g}; the {stats.num_turns} turns that came back are "
+            f"recorded in {store_path} and a rerun sends the failed ones again", stats)
 
 
 def regenerate_dataset_sync(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,

@@ -13,8 +13,15 @@ The log holds three kinds of lines, each a JSON object with a `type`:
   generated from, the response (reasoning, content, tool_calls, finish_reason),
   usage, cost and provider.
 - `failed`: a sent request that failed for good (after retries); it may be sent
-  again by a later run, as its answer never arrived.
+  again by a later run, as its answer never arrived. A failure the provider was
+  paid for (an HTTP 200 whose answer is unusable) carries its `cost_usd`, which
+  counts toward the budget like a turn's.
 - `conversation`: all turns of a conversation are recorded.
+
+One writer per log: opening the store takes an exclusive `flock` on it, held
+until it is closed (the kernel drops it when the process dies). A second run on
+the same partition fails at once with `StoreLockedError` instead of paying for
+the same requests again.
 
 A crash can tear the last line. Opening the store detects a last line without
 its newline (or one that does not parse), truncates it away, logs it and counts
@@ -23,6 +30,7 @@ it in `repaired_bytes`; a torn line is never parsed as a record.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from collections.abc import Iterator
@@ -38,6 +46,10 @@ class StoreCorruptError(ValueError):
     """A line in the middle of the store (not a torn tail) is not a valid record."""
 
 
+class StoreLockedError(RuntimeError):
+    """Another process is writing this request log."""
+
+
 class ResponseStore:
     """The log of one partition. Holds only offsets in memory, so it scales with request count, not bytes."""
 
@@ -50,8 +62,21 @@ class ResponseStore:
         self._sent: set[str] = set()
         self._complete: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._repair_and_index()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise StoreLockedError(
+                f"{self.path}: another run is writing this request log right now (it holds the log's lock); "
+                f"wait for it to finish or cancel it: two writers would pay for the same requests twice"
+            ) from None
+        try:
+            self._repair_and_index()
+        except BaseException:
+            self.close()
+            raise
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -95,6 +120,7 @@ class ResponseStore:
             self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
         elif kind == "failed" and isinstance(rid, str):
             self._sent.discard(rid)
+            self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
         elif kind == "conversation":
             self._complete.add(str(record.get("conversation_id")))
         else:
@@ -144,15 +170,20 @@ class ResponseStore:
         self._append({"type": "sent", "request_id": request_id})
         self._sent.add(request_id)
 
-    def mark_failed(self, request_id: str, kind: str) -> None:
-        self._append({"type": "failed", "request_id": request_id, "kind": kind})
+    def mark_failed(self, request_id: str, kind: str, cost_usd: float = 0.0) -> None:
+        record: dict = {"type": "failed", "request_id": request_id, "kind": kind}
+        if cost_usd:
+            record["cost_usd"] = cost_usd
+        self._append(record)
         self._sent.discard(request_id)
+        self.recorded_cost_usd += cost_usd
 
     def add_turn(self, record: dict) -> None:
         rid = record["request_id"]
         if rid in self._turn_offsets:
             raise ValueError(f"{self.path}: request {rid} is already recorded")
         self._turn_offsets[rid] = self._append({"type": "turn", **record})
+        self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
 
     def mark_complete(self, conversation_id: str, request_ids: list[str]) -> None:
         self._append({"type": "conversation", "conversation_id": conversation_id, "request_ids": request_ids})

@@ -84,6 +84,8 @@ def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *,
     settings = GenerationSettings(
         model=gen.model or "local-target", max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
         reasoning=gen.reasoning, max_turns=ds.max_turns, concurrency=gen.concurrency, budget_usd=gen.budget_usd,
+        price_per_completion_token=gen.price_usd_per_completion_token,
+        price_per_prompt_token=gen.price_usd_per_prompt_token, max_failure_fraction=gen.max_failure_fraction,
         resend_interrupted=gen.resend_interrupted,
     )
     if gen.backend == "local":

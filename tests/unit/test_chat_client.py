@@ -18,13 +18,16 @@ SECRET = "sk-or-v1-SECRETSECRETSECRET"
 class FakeOpenRouter:
     """A loopback `/v1/chat/completions`. `faults` are consumed one per arriving request, in order:
     "429" (Retry-After: 0), "500", "timeout" (sleeps past the client timeout), "garbage" (not JSON),
-    "nochoices", "echo_key" (a 400 whose body echoes the Authorization header).
+    "nochoices", "truncated" (a 200 whose JSON body is cut off), "echo_key" (a 400 whose body echoes the
+    Authorization header). `report_usage=False` leaves `usage` out of every answer.
     Requests after the `block_after`-th block until `release` is set (to kill a client mid-flight)."""
 
     def __init__(self, faults: list[str] | None = None, *, delay_s: float = 0.0, cost: float = 0.001,
-                 block_after: int | None = None, timeout_sleep_s: float = 1.0) -> None:
+                 block_after: int | None = None, timeout_sleep_s: float = 1.0, report_usage: bool = True) -> None:
         self.faults = list(faults or [])
         self.delay_s, self.cost, self.block_after, self.timeout_sleep_s = delay_s, cost, block_after, timeout_sleep_s
+        self.report_usage = report_usage
+        self.in_flight = self.max_in_flight = 0
         self.received: list[str] = []  # X-Request-Id of every arriving request (each attempt)
         self.served: list[str] = []  # ids answered with a 200 and a valid completion
         self.bodies: list[dict] = []
@@ -78,6 +81,16 @@ class FakeOpenRouter:
                 self.wfile.write(payload)
 
             def do_POST(self) -> None:
+                with fake.lock:
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                try:
+                    self._post()
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+
+            def _post(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 rid = self.headers.get("X-Request-Id", "")
                 with fake.lock:
@@ -102,6 +115,8 @@ class FakeOpenRouter:
                     return self._send(200, b"<html>not json")
                 if fault == "nochoices":
                     return self._send(200, b'{"id": "x", "choices": []}')
+                if fault == "truncated":
+                    return self._send(200, b'{"id": "x", "choices": [{"index": 0, "message": {"role": "assi')
                 if fault == "echo_key":
                     return self._send(400, json.dumps({"error": self.headers.get("Authorization")}).encode())
                 message, finish = fake.answer(body)
@@ -112,6 +127,8 @@ class FakeOpenRouter:
                     "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
                               "completion_tokens_details": {"reasoning_tokens": 3}, "cost": fake.cost},
                 }
+                if not fake.report_usage:
+                    del payload["usage"]
                 with fake.lock:
                     fake.served.append(rid)
                 self._send(200, json.dumps(payload).encode())
@@ -153,15 +170,24 @@ def test_response_keeps_reasoning_tool_calls_usage_cost_and_provider():
 def test_reasoning_content_field_of_sglang_and_vllm_is_read_too():
     body = {"choices": [{"finish_reason": "stop", "message": {"content": "x", "reasoning_content": "why"}}]}
     result = parse_chat_response(body)
-    assert result.reasoning == "why" and result.cost == 0.0 and result.tool_calls == []
+    assert result.reasoning == "why" and result.cost is None and result.tool_calls == []
 
 
-def test_429_500_timeout_and_garbage_are_retried_and_each_counted_by_kind():
-    with FakeOpenRouter(["429", "500", "timeout", "garbage", "nochoices"]) as server:
+def test_429_500_and_timeout_are_retried_and_each_counted_by_kind():
+    with FakeOpenRouter(["429", "500", "timeout"]) as server:
         result = _complete(_backend(server, max_retries=6))
     assert result.content == "answer 0 to hi"
-    assert result.attempt_failures == {"rate_limited": 1, "server_error": 1, "timeout": 1, "malformed": 2}
-    assert server.received == ["r1"] * 6
+    assert result.attempt_failures == {"rate_limited": 1, "server_error": 1, "timeout": 1}
+    assert server.received == ["r1"] * 4
+
+
+@pytest.mark.parametrize("fault", ["garbage", "nochoices", "truncated"])
+def test_a_200_whose_answer_is_unusable_is_paid_and_not_retried_behind_the_budget(fault):
+    with FakeOpenRouter([fault]) as server:
+        with pytest.raises(ChatRequestError) as err:
+            _complete(_backend(server, max_retries=6))
+    assert err.value.kind == "unusable_reply" and err.value.paid
+    assert server.received == ["r1"]
 
 
 def test_retries_give_up_after_max_retries_with_the_last_kind():

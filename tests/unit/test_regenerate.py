@@ -71,25 +71,28 @@ def test_request_ids_are_deterministic_and_change_with_generation_settings():
     assert a != request_id("ds", "c0", 0, SETTINGS) != request_id("other", "c0", 1, SETTINGS)
 
 
-def test_budget_stops_new_requests_but_records_the_ones_in_flight(tmp_path):
+def test_budget_stops_new_requests_and_a_restart_sends_none(tmp_path):
     store = tmp_path / "raw.jsonl"
-    settings = GenerationSettings(model=SETTINGS.model, concurrency=3, budget_usd=0.005)
+    # each request reserves 256 x $0.00004 = $0.01024 and costs $0.01: four fit in $0.045, a fifth does not
+    settings = GenerationSettings(model=SETTINGS.model, concurrency=3, budget_usd=0.045,
+                                  price_per_completion_token=0.00004)
     with FakeOpenRouter(delay_s=0.2, cost=0.01) as server:
         stats = regenerate_dataset_sync(_convs(10, turns=1), store, _backend(server), settings, dataset="ds")
         assert stats.stopped_by_budget
-        assert len(server.served) == 3  # three started together before any cost was known
-        assert len(list(iter_turns(store))) == 3 and stats.cost_usd == pytest.approx(0.03)
+        assert len(server.served) == 4
+        assert len(list(iter_turns(store))) == 4 and stats.cost_usd == pytest.approx(0.04)
         again = regenerate_dataset_sync(_convs(10, turns=1), store, _backend(server), settings, dataset="ds")
-    assert again.num_requests == 0 and again.stopped_by_budget and len(server.received) == 3
+    assert again.num_requests == 0 and again.stopped_by_budget and len(server.received) == 4
 
 
 def test_a_turn_that_fails_for_good_is_counted_by_kind_and_retried_by_the_next_run(tmp_path):
     store = tmp_path / "raw.jsonl"
-    with FakeOpenRouter(["500", "500", "garbage", "429"]) as server:
-        stats = regenerate_dataset_sync(_convs(2), store, _backend(server, max_retries=1), SETTINGS, dataset="ds")
-        # two attempts each: c0 gets 500, 500; c1 gets garbage, 429
+    tolerant = GenerationSettings(model=SETTINGS.model, max_new_tokens=32, concurrency=1, max_failure_fraction=1.0)
+    with FakeOpenRouter(["500", "500", "429", "429"]) as server:
+        stats = regenerate_dataset_sync(_convs(2), store, _backend(server, max_retries=1), tolerant, dataset="ds")
+        # two attempts each: c0 gets 500, 500; c1 gets 429, 429
         assert stats.failures_by_kind == {"server_error": 1, "rate_limited": 1}
-        assert stats.attempt_failures_by_kind == {"server_error": 2, "malformed": 1, "rate_limited": 1}
+        assert stats.attempt_failures_by_kind == {"server_error": 2, "rate_limited": 2}
         assert stats.num_conversations_failed == 2 and stats.num_conversations_complete == 0
         assert stats.num_requests == 2 and list(iter_turns(store)) == []
         again = regenerate_dataset_sync(_convs(2), store, _backend(server), SETTINGS, dataset="ds")
@@ -119,7 +122,8 @@ def test_a_garbled_line_in_the_middle_of_the_store_is_an_error_naming_the_line(t
 def test_the_api_key_is_never_written_to_the_store(tmp_path):
     store = tmp_path / "raw.jsonl"
     with FakeOpenRouter(["echo_key"]) as server:
-        regenerate_dataset_sync(_convs(2), store, _backend(server), SETTINGS, dataset="ds")
+        regenerate_dataset_sync(_convs(2), store, _backend(server), GenerationSettings(
+            model=SETTINGS.model, max_new_tokens=32, concurrency=1, max_failure_fraction=1.0), dataset="ds")
     assert SECRET.encode() not in store.read_bytes()
 
 
