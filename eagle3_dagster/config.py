@@ -216,7 +216,9 @@ class HiddenConfig(_Strict):
     aux_layers: list[int] | None = Field(
         None, description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the stored states")
+    dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"] = Field(
+        "float32", description="dtype of the stored states; float8_e4m3fn stores fp8 with one scale per token row "
+        "of each state, about half the bytes of bfloat16")
     root: str = Field(description="hidden-states root; one folder per version below it")
     samples_per_shard: int = Field(256, ge=1, description="samples per shard (one partition each)")
     batch_tokens: int = Field(4096, ge=16, description="hf backend: tokens per length-bucketed batch")

@@ -36,6 +36,8 @@ def load_target_hf(model_dir: Path, dtype: str, device: str | None = None) -> to
     from transformers.utils import logging as hf_logging
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "float8_e4m3fn":  # a storage format: compute in bf16 on a GPU, fp32 on a CPU, quantize when writing
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report would list lm_head.weight as unexpected: we leave it out on purpose
     try:

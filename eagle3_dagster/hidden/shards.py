@@ -8,6 +8,12 @@ A shard is one safetensors file holding many samples row-concatenated:
     offsets     [N+1]   int64          sample i is rows offsets[i]:offsets[i+1]
     loss_mask   [T]     uint8
 
+With `dtype: float8_e4m3fn` the two states are stored in fp8 with one float32 scale
+per token row of each state (`aux_scale [T, 3]`, one per aux layer, and
+`last_scale [T]`, amax / 448), first in the file; a reader gets bfloat16 back
+(`dequantize`). That is about half the bytes of bf16, and the layout below
+predicts them exactly like any other dtype.
+
 Header metadata (str -> str) records the target identity, aux layers and their
 numbering, dtype, hidden size, code and format version and the sample ids.
 
@@ -49,7 +55,25 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
     "float32": (torch.float32, "F32", 4),
     "bfloat16": (torch.bfloat16, "BF16", 2),
     "float16": (torch.float16, "F16", 2),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3", 1),
 }
+SCALED_DTYPES = {"float8_e4m3fn"}  # stored with per-row scales
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_rows(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values and float32 scales [T, groups] (one per row of each of the `groups` equal column blocks)."""
+    t = x.detach().to("cpu", torch.float32)
+    blocks = t.view(t.shape[0], groups, -1)
+    scale = (blocks.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(t.shape), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    groups = 1 if scale.dim() == 1 else scale.shape[-1]
+    blocks = q.to(torch.float32).view(q.shape[0], groups, -1) * scale.view(q.shape[0], groups, 1)
+    return blocks.view(q.shape).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,10 @@ class ShardFormat:
     @property
     def itemsize(self) -> int:
         return DTYPES[self.dtype][2]
+
+    @property
+    def scaled(self) -> bool:
+        return self.dtype in SCALED_DTYPES
 
 
 def shard_path(version_dir: Path, key: str) -> Path:
@@ -106,7 +134,9 @@ def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_t
 def tensor_layout(fmt: ShardFormat, num_tokens: int, num_samples: int) -> list[tuple[str, str, list[int], int]]:
     """(name, safetensors dtype, shape, nbytes) in file order; float tensors first keeps them 8-byte aligned."""
     h, tag, size = fmt.hidden_size, DTYPES[fmt.dtype][1], fmt.itemsize
+    scales = [("aux_scale", "F32", [num_tokens, 3], num_tokens * 12), ("last_scale", "F32", [num_tokens], num_tokens * 4)]
     return [
+        *(scales if fmt.scaled else []),
         ("aux_hidden", tag, [num_tokens, 3 * h], num_tokens * 3 * h * size),
         ("last_hidden", tag, [num_tokens, h], num_tokens * h * size),
         ("input_ids", "I64", [num_tokens], num_tokens * 8),
@@ -232,8 +262,15 @@ class ShardWriter:
             if tuple(t.shape) != shape:
                 raise ValueError(f"{self.key}: sample {sample_id!r} {name} has shape {tuple(t.shape)}, expected {shape}")
         row = self._row0[i]
-        self._put("aux_hidden", row, aux_hidden.detach().to("cpu", self.fmt.torch_dtype))
-        self._put("last_hidden", row, last_hidden.detach().to("cpu", self.fmt.torch_dtype))
+        if self.fmt.scaled:
+            (aux_q, aux_scale), (last_q, last_scale) = quantize_rows(aux_hidden, 3), quantize_rows(last_hidden, 1)
+            self._put("aux_scale", row, aux_scale)
+            self._put("last_scale", row, last_scale[:, 0])
+            self._put("aux_hidden", row, aux_q)
+            self._put("last_hidden", row, last_q)
+        else:
+            self._put("aux_hidden", row, aux_hidden.detach().to("cpu", self.fmt.torch_dtype))
+            self._put("last_hidden", row, last_hidden.detach().to("cpu", self.fmt.torch_dtype))
         self._put("input_ids", row, input_ids.detach().to("cpu", torch.int64))
         self._put("loss_mask", row, loss_mask.detach().to("cpu", torch.uint8))
         self._written.add(i)
@@ -432,11 +469,15 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         f, start, end, sid = self._rows[i]
         h = self._handle(f)
+        aux, last = h.get_slice("aux_hidden")[start:end], h.get_slice("last_hidden")[start:end]
+        if self.metadata["dtype"] in SCALED_DTYPES:
+            aux = dequantize(aux, h.get_slice("aux_scale")[start:end])
+            last = dequantize(last, h.get_slice("last_scale")[start:end])
         return {
             "input_ids": h.get_slice("input_ids")[start:end].long(),
             "loss_mask": h.get_slice("loss_mask")[start:end].long(),
-            "aux_hidden": h.get_slice("aux_hidden")[start:end],
-            "last_hidden": h.get_slice("last_hidden")[start:end],
+            "aux_hidden": aux,
+            "last_hidden": last,
             "sample_id": sid,
         }
 

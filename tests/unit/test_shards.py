@@ -267,3 +267,33 @@ def test_engine_shard_writer_does_not_keep_file_descriptors_after_close(tmp_path
     before = len(os.listdir("/proc/self/fd"))
     _write(tmp_path, "shard-00000", SAMPLES)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_fp8_shards_store_scaled_rows_in_about_half_the_bytes_of_bf16_exactly_as_predicted(tmp_path):
+    from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter, HiddenStatesDataset, shard_file_size
+
+    g = torch.Generator().manual_seed(0)
+    ids, lens = ["a", "b", "c"], [5, 9, 3]
+    # three aux layers of very different magnitude, as early, middle and late layers are
+    rows = {sid: (torch.randn(n, 3 * 64, generator=g) * torch.repeat_interleave(torch.tensor([0.05, 2.0, 80.0]), 64),
+                  torch.randn(n, 64, generator=g)) for sid, n in zip(ids, lens)}
+    sizes = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        fmt = ShardFormat(hidden_size=64, dtype=dtype, aux_layers=(2, 4, 6), target_identity="t", code_version="hf-1")
+        with ShardWriter(tmp_path / dtype, "shard-00000", fmt, ids, lens) as w:
+            for sid, n in zip(ids, lens):
+                w.write_sample(sid, input_ids=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.uint8),
+                               aux_hidden=rows[sid][0], last_hidden=rows[sid][1])
+        sizes[dtype] = (tmp_path / dtype / "shard-00000.safetensors").stat().st_size
+        assert sizes[dtype] == shard_file_size(fmt, "shard-00000", ids, lens)
+        ds = HiddenStatesDataset(tmp_path / dtype)
+        for i, sid in enumerate(ids):
+            s = ds[i]
+            assert s["aux_hidden"].dtype == torch.bfloat16
+            for layer in range(3):  # per-row, per-layer scales: each layer keeps its own relative precision
+                got, want = s["aux_hidden"].float()[:, layer * 64:(layer + 1) * 64], rows[sid][0][:, layer * 64:(layer + 1) * 64]
+                assert (got - want).norm() / want.norm() < (0.05 if dtype == "float8_e4m3fn" else 0.01)
+    # at Kimi-K2.5's hidden size the per-token bytes halve: 4·7168 fp8 + 16 scale bytes against 4·7168·2
+    big = {d: shard_file_size(ShardFormat(7168, d, (2, 30, 58), "t", "sglang-1"), "s", ["x"], [1000])
+           for d in ("bfloat16", "float8_e4m3fn")}
+    assert 0.49 < big["float8_e4m3fn"] / big["bfloat16"] < 0.51
