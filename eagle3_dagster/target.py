@@ -104,3 +104,19 @@ def target_summary(model_dir: Path) -> dict:
         "dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "unknown"),
         "quantization": (cfg.get("quantization_config") or {}).get("quant_method"),
     }
+
+
+def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
+    """The target's tokenizer. Code shipped with a checkpoint runs only when the profile's
+    `target.trust_remote_code` says so; a model that needs it gets an error naming that switch."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"{model_dir}: this model's tokenizer is Python code shipped with the checkpoint, which runs only when "
+            f"the profile sets target.trust_remote_code: true (read that code first: it runs with your rights)"
+        ) from None

@@ -15,4 +15,7 @@ class ChatApiResource(dg.ConfigurableResource):
     api_key: str | None = Field(default=None, description="API key; set from an environment variable via EnvVar")
 
     def key(self) -> str | None:
-        return self.api_key or None
+        """The key, stripped and checked; an error that never shows it when it holds control characters."""
+        from eagle3_dagster.generate.client import clean_api_key
+
+        return clean_api_key(self.api_key, "chat_api.api_key (generation.api_key_env)")

@@ -13,9 +13,12 @@ raised with `paid=True` (and the cost the body reported, if any) for the
 regenerator to book as spent. Every failed attempt is counted by kind on the
 result or on the final `ChatRequestError`.
 
-The API key is a constructor value. It is only ever placed in the Authorization
-header: never in reprs, log lines, exception text or results (messages built
-from a server's reply are scrubbed of it, in case a server echoes it).
+The API key is a constructor value, checked by `clean_api_key` (surrounding
+whitespace stripped: a key pasted with its newline is common; anything else that
+is whitespace or a control character is refused, without showing the key). It is
+only ever placed in the Authorization header: never in reprs, log lines,
+exception text or results (messages built from a server's reply are scrubbed of
+it in every form a reply or a library prints it: raw, escaped, repr, JSON).
 """
 
 from __future__ import annotations
@@ -60,6 +63,29 @@ class ChatResult:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+
+def clean_api_key(raw: str | None, source: str = "the API key") -> str | None:
+    """The key without surrounding whitespace; a ValueError (which never contains the key) when what is
+    left holds whitespace or a control character, which no HTTP header may carry."""
+    if raw is None:
+        return None
+    key = raw.strip()
+    bad = [i for i, ch in enumerate(key) if ch.isspace() or not ch.isprintable() or not ch.isascii()]
+    if bad:
+        raise ValueError(f"{source}: the API key has a whitespace or control character (or a non-ASCII one) at "
+                         f"position {bad[0]} of {len(key)} after stripping; the key is not shown. Set the "
+                         f"variable to the key alone")
+    return key or None
+
+
+def secret_forms(secret: str) -> list[str]:
+    """The ways a secret appears when printed: raw, escaped (bytes repr, as h11 prints headers), repr, JSON."""
+    import json as _json
+
+    forms = {secret, repr(secret)[1:-1], _json.dumps(secret)[1:-1], str(secret.encode())[2:-1],
+             secret.encode("unicode_escape").decode()}
+    return sorted((f for f in forms if f), key=len, reverse=True)
 
 
 class ChatRequestError(Exception):
@@ -167,7 +193,9 @@ class OpenAIChatBackend:
         self.max_retries = max_retries
         self.extra_body = dict(extra_body or {})
         self.reasoning_style = reasoning_style  # "openrouter": reasoning={...}; "chat_template": thinking kwarg
+        api_key = clean_api_key(api_key)
         self._api_key = api_key
+        self._secret_forms = secret_forms(api_key) if api_key else []
         self._wait = _BackoffOrRetryAfter(backoff_initial_s, backoff_max_s)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
@@ -176,7 +204,9 @@ class OpenAIChatBackend:
         return f"OpenAIChatBackend(base_url={self.base_url!r}, model={self.model!r}, api_key={'***' if self._api_key else None})"
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._api_key, "***") if self._api_key else text
+        for form in self._secret_forms:
+            text = text.replace(form, "***")
+        return text
 
     def _payload(self, messages: list[dict], max_tokens: int, temperature: float, reasoning: bool) -> dict:
         payload: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,

@@ -118,9 +118,9 @@ def _registered_source(ds: DatasetConfig) -> StageReport:
 
 
 def _tokenizer(profile: Profile, layout: ArtifactLayout):
-    from transformers import AutoTokenizer
+    from eagle3_dagster.target import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(target_dir(profile, layout), trust_remote_code=profile.target.kind != "tiny")
+    return load_tokenizer(target_dir(profile, layout), trust_remote_code=profile.target.trust_remote_code)
 
 
 def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
