@@ -80,8 +80,9 @@ def build(profile: Profile) -> list:
             profile, layout(profile), previous_results=previous, run_id=context.run_id,
             gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context),
         )
-        return materialize_result(report, profile, "benchmark_report",
-                                  data_version=file_version(report.metadata["results_json"]))
+        results = report.metadata["results_json"]
+        report.metadata.update(results_metadata(results))
+        return materialize_result(report, profile, "benchmark_report", data_version=file_version(results))
 
     return [drafter_checkpoint, benchmark_report]
 
@@ -108,6 +109,33 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
         "code_version": context.assets_def.code_versions_by_key[context.asset_key],
         "packages": dg.MetadataValue.json(package_versions()),
     }
+
+
+RESULT_COLUMNS = {
+    "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
+    "acceptance_length": "tokens per verify step, bonus included", "speedup": "tokens/s over no_spec on the set",
+    "tokens_per_s": "completion tokens per second", "num_prompts": "prompts", "completion_tokens": "tokens generated",
+}
+
+
+def results_metadata(results_path) -> dict:
+    """Every row as a table with units, and a headline that says which configuration it is about."""
+    from eagle3_dagster.io import read_json
+
+    rows = read_json(results_path)["rows"]
+    shown = [{c: r.get(c) for c in RESULT_COLUMNS} for r in rows]
+    trained = [r for r in rows if r["method"] == "eagle3" and r.get("acceptance_length") is not None]
+    meta: dict = {"results": table(shown, RESULT_COLUMNS)}
+    if trained:
+        # The first configured speculative configuration on the first set, whatever wins: a fixed
+        # choice, named, so two reports' headlines compare like with like.
+        best = trained[0]
+        speedup = f", {best['speedup']:.2f}x the tokens/s of no speculation" if best.get("speedup") else ""
+        meta["headline"] = (f"eagle3 at {best['spec']} (num_steps,topk,num_draft_tokens) on {best['set']}: "
+                            f"acceptance length {best['acceptance_length']:.3f} tokens/step{speedup}")
+        meta["headline_spec"] = best["spec"]
+        meta["headline_set"] = best["set"]
+    return meta
 
 
 def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:

@@ -16,6 +16,7 @@ prefill produces, so it reads at most `1 / spec_verify_ct` higher.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,12 @@ from typing import Protocol
 import torch
 from transformers.cache_utils import DynamicCache
 
-from eagle3_dagster.bench.report import attach_speedups, make_row
+from eagle3_dagster.bench.report import LengthBands, attach_speedups, band_entry, make_row
+from eagle3_dagster.stages import ProgressMeter
+
+# Timed rounds per method: enough for a median and a spread on a shared CPU (issue 13 saw one
+# back-to-back pair of single runs flip the ranking).
+DEFAULT_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,8 @@ class Generation:
     verify_tokens: int = 0  # tokens committed by verify steps (accepted drafts + bonus)
     accepted_by_position: list[int] = field(default_factory=list)  # verify steps whose draft k was accepted
     proposed_by_position: list[int] = field(default_factory=list)  # verify steps that proposed draft k
+    draft_s: float = 0.0  # time spent in the proposer
+    num_drafted: int = 0  # tokens it proposed
 
 
 def _cut_at_eos(tokens: list[int], eos_ids: Collection[int]) -> tuple[list[int], bool]:
@@ -173,7 +181,10 @@ def generate_speculative(
         remaining = max_new_tokens - (len(tokens) - len(prompt_ids))
         # Never draft past max_new_tokens: a verify step commits at most drafts + 1 tokens.
         k = min(k_max, remaining - 1)
+        t_draft = time.perf_counter()
         drafts = proposer.propose(tokens, aux if proposer.aux_layers else None, k)[:k] if k > 0 else []
+        gen.draft_s += time.perf_counter() - t_draft
+        gen.num_drafted += len(drafts)
         base = len(tokens) - 1  # position of the last committed token, the first one the target has not seen
         greedy, aux_all = target.forward([tokens[-1], *drafts])
         num_accepted = 0
@@ -210,18 +221,50 @@ def check_identical(method: str, prompt_id: str, reference: Sequence[int], got: 
     )
 
 
-def summarize(set_name: str, method: str, spec: SpecConfig | None, gens: Sequence[Generation]) -> dict:
-    """One result row (the shape `report.make_row` defines) from a set's generations."""
+def summarize(
+    set_name: str,
+    method: str,
+    spec: SpecConfig | None,
+    gens: Sequence[Generation],
+    round_walls: Sequence[float] = (),
+    bands: LengthBands | None = None,
+) -> dict:
+    """One result row (the shape `report.make_row` defines) from a set's generations (acceptance: one round).
+
+    `round_walls` are the set's wall seconds in each timed round (the row's wall is their median);
+    `bands` adds acceptance per prompt-length band.
+    """
     k = spec.num_steps if spec else 0
+
+    def counts(part: Sequence[Generation]) -> dict:
+        return dict(
+            num_prompts=len(part),
+            verify_ct=sum(g.verify_ct for g in part),
+            verify_tokens=sum(g.verify_tokens for g in part),
+            accepted_by_position=[sum(g.accepted_by_position[j] for g in part) for j in range(k)],
+        )
+
+    extra: dict = {}
+    if round_walls:
+        extra["wall_s_rounds"] = list(round_walls)
+    if bands is not None:
+        extra["bands"] = [band_entry(bands, i, **counts([g for g in gens if bands.index(g.prompt_tokens) == i]),
+                                     has_spec=spec is not None)
+                          for i in range(len(bands.labels))]
+    drafted = sum(g.num_drafted for g in gens)
+    if drafted:
+        extra["draft_s_per_token"] = sum(g.draft_s for g in gens) / drafted
+    whole = counts(gens)
     return make_row(
         set_name, method, spec.label if spec else None,
-        num_prompts=len(gens),
+        num_prompts=whole["num_prompts"],
         prompt_tokens=sum(g.prompt_tokens for g in gens),
         completion_tokens=sum(len(g.output_ids) for g in gens),
-        wall_s=sum(g.wall_s for g in gens),
-        verify_ct=sum(g.verify_ct for g in gens),
-        verify_tokens=sum(g.verify_tokens for g in gens),
-        accepted_by_position=[sum(g.accepted_by_position[j] for g in gens) for j in range(k)],
+        wall_s=statistics.median(round_walls) if round_walls else sum(g.wall_s for g in gens),
+        verify_ct=whole["verify_ct"],
+        verify_tokens=whole["verify_tokens"],
+        accepted_by_position=whole["accepted_by_position"],
+        **extra,
     )
 
 
@@ -234,36 +277,72 @@ def run_inprocess_benchmark(
     eos_ids: Collection[int] = (),
     check: bool = True,
     log: Callable[[str], None] = lambda _msg: None,
+    rounds: int = DEFAULT_ROUNDS,
+    bands: LengthBands | None = None,
 ) -> list[dict]:
     """Every set under no speculation and every (proposer, spec config); rows carry speed-ups.
 
-    `prompt_sets` maps a set name to (prompt id, chat-templated token ids). With `check`, each
-    speculative output is asserted identical to the no-speculation output of the same prompt.
+    `prompt_sets` maps a set name to (prompt id, chat-templated token ids). Timing: every method
+    is warmed up once (untimed), then each of `rounds` rounds runs every method over the whole set,
+    no_spec first in round 0 (it is the reference output) and the order rotated in later rounds,
+    so drift in machine load spreads over all methods; rows give the median round and the spread
+    (`report.attach_speedups`). Outputs are deterministic (greedy), so acceptance is counted in round
+    0 and every later round must reproduce it. With `check`, each speculative output is asserted
+    identical to the no-speculation output of the same prompt.
     """
+    if rounds < 1:
+        raise ValueError(f"in-process benchmark: rounds must be >= 1, got {rounds}")
     runners: dict[tuple[int, ...], TargetRunner] = {}
 
     def runner(aux: tuple[int, ...]) -> TargetRunner:
         return runners.setdefault(aux, TargetRunner(model, aux))
 
-    # A first forward pays one-off allocation and kernel selection; keep it out of every timing.
-    first = next((p for prompts in prompt_sets.values() for _, p in prompts), None)
+    methods: list[tuple[str, Proposer | None, SpecConfig | None]] = [("no_spec", None, None)]
+    methods += [(name, p, spec) for name, p in proposers.items() for spec in spec_configs]
+
+    def run(method: tuple[str, Proposer | None, SpecConfig | None], ids: Sequence[int], max_new: int) -> Generation:
+        _, proposer, spec = method
+        if proposer is None:
+            return generate_greedy(runner(()), ids, max_new, eos_ids)
+        return generate_speculative(runner(tuple(proposer.aux_layers)), proposer, ids, spec, max_new, eos_ids)
+
+    # Warm-up of every method: one-off allocation, kernel selection and first-call paths stay out of timings.
+    first = min((p for prompts in prompt_sets.values() for _, p in prompts), key=len, default=None)
     if first is not None:
-        generate_greedy(runner(()), first, 2, eos_ids)
+        for method in methods:
+            run(method, first, min(max_new_tokens, 8))
     rows: list[dict] = []
     for set_name, prompts in prompt_sets.items():
-        reference = [generate_greedy(runner(()), ids, max_new_tokens, eos_ids) for _, ids in prompts]
-        rows.append(summarize(set_name, "no_spec", None, reference))
-        log(f"{set_name}: no_spec {rows[-1]['tokens_per_s']:.1f} tok/s over {len(prompts)} prompts")
-        for method, proposer in proposers.items():
-            target = runner(tuple(proposer.aux_layers))
-            for spec in spec_configs:
-                gens = []
-                for (prompt_id, ids), ref in zip(prompts, reference):
-                    gen = generate_speculative(target, proposer, ids, spec, max_new_tokens, eos_ids)
-                    if check:
-                        check_identical(f"{method} {spec.label}", f"{set_name}/{prompt_id}", ref.output_ids,
-                                        gen.output_ids)
-                    gens.append(gen)
-                rows.append(summarize(set_name, method, spec, gens))
-                log(f"{set_name}: {method} {spec.label} acceptance length {rows[-1]['acceptance_length']:.3f}")
+        gens: dict[int, list[Generation]] = {}
+        walls: dict[int, list[float]] = {i: [] for i in range(len(methods))}
+        meter = ProgressMeter(log, f"{set_name}", "generations", rounds * len(methods) * len(prompts))
+        done = 0
+        for r in range(rounds):
+            order = list(range(len(methods)))
+            if r:
+                shift = r % len(methods)
+                order = order[shift:] + order[:shift]
+            for i in order:
+                name, _, spec = methods[i]
+                label = f"{name} {spec.label}" if spec else name
+                round_gens = []
+                for prompt_id, ids in prompts:
+                    gen = run(methods[i], ids, max_new_tokens)
+                    reference = gens[0][len(round_gens)].output_ids if 0 in gens else None
+                    if reference is not None and (check or i == 0):
+                        check_identical(label, f"{set_name}/{prompt_id}", reference, gen.output_ids)
+                    round_gens.append(gen)
+                    done += 1
+                    meter(done)
+                walls[i].append(sum(g.wall_s for g in round_gens))
+                if r == 0:
+                    gens[i] = round_gens
+                elif i and [g.verify_tokens for g in round_gens] != [g.verify_tokens for g in gens[i]]:
+                    raise OutputMismatchError(f"{set_name}: {label} accepted differently in round {r} than in round 0")
+        for i, (name, _, spec) in enumerate(methods):
+            rows.append(summarize(set_name, name, spec, gens[i], walls[i], bands))
+            r_ = rows[-1]
+            acc = f", acceptance length {r_['acceptance_length']:.3f}" if r_["acceptance_length"] else ""
+            log(f"{set_name}: {name} {spec.label if spec else ''} {r_['tokens_per_s']:.1f} tok/s (median of "
+                f"{rounds}){acc}")
     return attach_speedups(rows)

@@ -8,11 +8,13 @@ then opens the UI in Chromium and checks what it shows. Screenshots go to
 artifacts/.
 """
 
+import json
 import re
 import shutil
 import time
 
 import pytest
+import yaml
 
 from eagle3_dagster.config import load_profile
 
@@ -138,12 +140,143 @@ def test_partition_backfill_over_shards_runs_one_successful_run_per_shard(micro_
     assert by_partition == {key: "SUCCESS" for key in backfill["chosen"]}, result
 
 
-def test_training_runs_after_every_shard_is_extracted(micro_deployment, backfill):
+@pytest.fixture(scope="module")
+def trained(micro_deployment, backfill) -> list[dict]:
     dep = micro_deployment
     for key in backfill["keys"][BACKFILL_SHARDS:]:
         launch_and_wait(dep, "extract_job", key)
-    for job, partition in FINAL_RUNS:
-        launch_and_wait(dep, job, partition)
+    return [launch_and_wait(dep, job, partition) for job, partition in FINAL_RUNS]
+
+
+def test_training_runs_after_every_shard_is_extracted(trained):
+    assert [r["status"] for r in trained] == ["SUCCESS"] * len(FINAL_RUNS)
+
+
+# ---- operating and auditing (issue 12) -------------------------------------------------------------
+
+# The progress contract (eagle3_dagster.stages.ProgressMeter): label: done/total unit (pct), rate unit/s, ETA
+PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+) \4/s, ETA \d+:\d\d:\d\d")
+CHECK_EXECUTIONS = """
+query Checks($path: [String!]!, $check: String!) {
+  assetCheckExecutions(assetKey: {path: $path}, checkName: $check, limit: 50) {
+    partition status
+    evaluation { partition severity metadataEntries { __typename label ... on IntMetadataEntry { intValue } } }
+  }
+}"""
+STALENESS = """
+query Stale($shards: [String!]!, $datasets: [String!]!) {
+  assetNodes {
+    assetKey { path } isPartitioned staleStatus
+    staleCauses { reason category key { path } }
+    shards: staleStatusByPartition(partitions: $shards)
+    datasets: staleStatusByPartition(partitions: $datasets)
+  }
+}"""
+LATEST_OBSERVATION = """
+query Observed($path: [String!]!) {
+  assetOrError(assetKey: {path: $path}) {
+    ... on Asset { assetObservations(limit: 1) { timestamp metadataEntries { __typename label
+      ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue }
+      ... on TableMetadataEntry { table { records } } } } }
+  }
+}"""
+RELOAD = """
+mutation Reload($name: String!) {
+  reloadRepositoryLocation(repositoryLocationName: $name) {
+    __typename ... on WorkspaceLocationEntry { loadStatus } ... on PythonError { message }
+  }
+}"""
+
+
+def test_shard_runs_log_progress_by_the_contract_not_bare_numbers(micro_deployment, backfill):
+    for run in backfill["result"]["runs"]:
+        log = micro_deployment.run_log(run["runId"]).splitlines()
+        lines = [line for line in log if PROGRESS.match(line) and PROGRESS.match(line).group(4) == "tokens"]
+        assert lines, f"no progress line in run {run['runId']}:\n" + "\n".join(log[:40])
+        assert not [line for line in log if re.fullmatch(r"\d+", line.strip())], "bare numbers in the run log"
+
+
+def test_shard_checks_are_shown_per_partition_with_numbers(micro_deployment, backfill):
+    for check in ["bytes_match_plan", "manifest_checksums"]:
+        runs = micro_deployment.graphql(CHECK_EXECUTIONS, {"path": ["hidden_states"], "check": check})
+        executions = runs["assetCheckExecutions"]
+        assert {e["partition"] for e in executions} >= set(backfill["chosen"]), check
+        assert all(e["status"] == "SUCCEEDED" and e["evaluation"]["severity"] == "ERROR" for e in executions)
+        if check == "bytes_match_plan":
+            numbers = [m for e in executions for m in e["evaluation"]["metadataEntries"]
+                       if m["label"] == "bytes_written"]
+            assert numbers and all(m["__typename"] == "IntMetadataEntry" and m["intValue"] > 0 for m in numbers)
+
+
+def test_a_shard_launched_from_the_asset_page_runs_with_the_assets_limits_and_tags(micro_deployment, backfill):
+    """The asset page launches `__ASSET_JOB`, which has no job tags: the asset puts its own on the run."""
+    dep = micro_deployment
+    run_id = dep.submit("__ASSET_JOB", asset_selection=["hidden_states"],
+                        tags={"dagster/partition": backfill["chosen"][0]})
+    run = dep.wait_for_run(run_id, timeout_s=RUN_TIMEOUT_S)
+    assert run["status"] == "SUCCESS", dep.run_log(run_id)[-4000:]
+    tags = {t["key"]: t["value"] for t in run["tags"]}
+    assert tags.get("eagle3/profile") == "micro"
+    assert tags.get("dagster/max_runtime") == str(load_profile("micro").hidden.max_runtime_s)
+
+
+def test_the_drafter_page_names_everything_that_produced_it(micro_deployment, trained, browser_page, artifacts_dir):
+    dep, page = micro_deployment, browser_page
+    meta = latest_metadata(dep, "drafter_checkpoint")
+    audit = ["target_identity", "merged_train_sha256", "hidden_version", "shards", "git_sha", "code_version",
+             "packages", "settings"]
+    assert [k for k in audit if k not in meta] == []
+    text = open_page(page, f"{dep.url}/assets/drafter_checkpoint", "merged_train_sha256")
+    page.screenshot(path=str(artifacts_dir / "ui_drafter_provenance.png"), full_page=True)
+    assert [k for k in audit if k not in text] == []
+    assert meta["hidden_version"]["text"] in text
+
+
+def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting(
+        micro_deployment, trained, backfill, browser_page, artifacts_dir):
+    dep, page = micro_deployment, browser_page
+    profile_path = dep.home.parent / "micro.yaml"
+    original = profile_path.read_text()
+    edited = yaml.safe_load(original)
+    before = edited["data"]["max_seq_len"]
+    edited["data"]["max_seq_len"] = before + 16
+    profile_path.write_text(yaml.safe_dump(edited, sort_keys=False))
+    try:
+        reloaded = dep.graphql(RELOAD, {"name": dep.location_name})["reloadRepositoryLocation"]
+        assert reloaded["__typename"] == "WorkspaceLocationEntry", reloaded
+        nodes = dep.graphql(STALENESS, {"shards": backfill["keys"], "datasets": DATASETS})["assetNodes"]
+        status = {}
+        for node in nodes:
+            name = node["assetKey"]["path"][-1]
+            if name == "hidden_states":
+                status[name] = set(node["shards"])
+            elif node["isPartitioned"]:
+                status[name] = set(node["datasets"])
+            else:
+                status[name] = {node["staleStatus"]}
+        expected = {name: {"STALE"} for name in status} | {"target_model": {"FRESH"}}
+        assert status == expected
+
+        # The changed_settings sensor (30 s interval) names the edit on each invalidated asset.
+        deadline = time.monotonic() + 180
+        while True:
+            observed = dep.graphql(LATEST_OBSERVATION, {"path": ["drafter_checkpoint"]})["assetOrError"]
+            entries = {e["label"]: e for obs in observed.get("assetObservations") or [] for e in obs["metadataEntries"]}
+            if "changed_setting_names" in entries:
+                break
+            assert time.monotonic() < deadline, "changed_settings sensor reported nothing for drafter_checkpoint"
+            time.sleep(2)
+        assert entries["changed_setting_names"]["text"] == "data.max_seq_len"
+        [row] = [json.loads(r) for r in entries["changed_settings"]["table"]["records"]]
+        assert row == {"setting": "data.max_seq_len", "before": str(before), "after": str(before + 16)}
+
+        open_page(page, f"{dep.url}/assets/drafter_checkpoint?view=events", "drafter_checkpoint")
+        page.screenshot(path=str(artifacts_dir / "ui_changed_settings.png"), full_page=True)
+        open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
+        page.screenshot(path=str(artifacts_dir / "ui_stale_after_edit.png"), full_page=True)
+    finally:
+        profile_path.write_text(original)
+        dep.graphql(RELOAD, {"name": dep.location_name})
 
 
 # ---- the browser --------------------------------------------------------------------------------------
