@@ -77,7 +77,8 @@ def build(profile: Profile) -> list:
         tag_run(context, profile)
         previous = _previous_results_path(context)
         report = benchmark_stage(
-            profile, layout(profile), previous_results=previous, run_id=context.run_id,
+            profile, layout(profile), export_dir=_drafter_export(context), previous_results=previous,
+            run_id=context.run_id,
             gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context),
         )
         results = report.metadata["results_json"]
@@ -136,6 +137,19 @@ def results_metadata(results_path) -> dict:
         meta["headline_spec"] = best["spec"]
         meta["headline_set"] = best["set"]
     return meta
+
+
+def _drafter_export(context: dg.AssetExecutionContext) -> str:
+    """The export named by the latest drafter_checkpoint materialization: one exists only for a training run
+    that finished and whose export passed `check_export`, so a refused or half-written export is never read."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint"))
+    value = event.asset_materialization.metadata.get("export_dir") \
+        if event is not None and event.asset_materialization is not None else None
+    path = getattr(value, "path", None) or getattr(value, "value", None)
+    if not path:
+        raise FileNotFoundError("benchmark_report: no drafter_checkpoint materialization names an export; "
+                                "materialize drafter_checkpoint first")
+    return str(path)
 
 
 def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:

@@ -159,10 +159,11 @@ class ExportCheck:
     unexpected: list[str] = field(default_factory=list)
     misshaped: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # name → (got, want)
     config_errors: list[str] = field(default_factory=list)
+    non_finite: dict[str, int] = field(default_factory=dict)  # name → how many NaN/inf values it holds
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.misshaped or self.config_errors)
+        return not (self.missing or self.unexpected or self.misshaped or self.config_errors or self.non_finite)
 
     def raise_for_errors(self) -> None:
         if not self.ok:
@@ -170,7 +171,8 @@ class ExportCheck:
 
 
 def check_export(export_dir: Path) -> ExportCheck:
-    """Compare the export's names, shapes and key config fields with what SGLang loads."""
+    """Compare the export's names, shapes and key config fields with what SGLang loads; every floating
+    weight must be finite (a NaN drafter loads and serves without complaint, accepting nothing)."""
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / "config.json").read_text())
     result = ExportCheck()
@@ -182,6 +184,12 @@ def check_export(export_dir: Path) -> ExportCheck:
     want = expected_shapes(cfg)
     with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as h:
         got = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+        for k in sorted(got):
+            tensor = h.get_tensor(k)
+            if tensor.is_floating_point():
+                bad = int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    result.non_finite[k] = bad
     result.missing = sorted(set(want) - set(got))
     result.unexpected = sorted(set(got) - set(want))
     result.misshaped = {k: (got[k], want[k]) for k in sorted(set(got) & set(want)) if got[k] != want[k]}

@@ -18,17 +18,17 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 from eagle3_dagster.stages import Progress, StageReport, no_progress
 from eagle3_dagster.stages.target import target_facts
-from eagle3_dagster.stages.train import current_export
 
 
-def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, previous_results: str | None, run_id: str,
-                    gpu_host: Any = None, progress: Progress = no_progress) -> StageReport:
+def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
+                    run_id: str, gpu_host: Any = None, progress: Progress = no_progress) -> StageReport:
+    """Benchmark the drafter exported in `export_dir`: the path drafter_checkpoint's materialization names."""
     from eagle3_dagster.bench.report import render_report
 
     if profile.hidden.backend == "sglang":
-        results = _served(profile, layout, gpu_host, progress)
+        results = _served(profile, layout, Path(export_dir), gpu_host, progress)
     else:
-        results = _inprocess(profile, layout, progress)
+        results = _inprocess(profile, layout, Path(export_dir), progress)
     previous = read_json(previous_results) if previous_results and Path(previous_results).exists() else None
     markdown, results_json, pngs = render_report(results, previous)
     out = layout.bench_dir
@@ -61,24 +61,23 @@ def headline(rows: list[dict]) -> dict:
     return out
 
 
-def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progress) -> dict:
+def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, progress: Progress) -> dict:
     """SGLang with the exported drafter at each configuration, and without it, on the GPU host.
 
     The client runs on the host beside each server (`run_on_host`), so the code location may be
     another machine; prompts are capped so that prompt + max_new_tokens fits the serving context.
     """
-    from transformers import AutoTokenizer
-
     from eagle3_dagster.bench.prompts import load_prompt_set, render_prompts
     from eagle3_dagster.bench.report import attach_speedups, results_document
     from eagle3_dagster.bench.served import prompt_token_limit, run_on_host
     from eagle3_dagster.bench.specdec import SpecConfig
     from eagle3_dagster.gpu_host import ServerSpec
+    from eagle3_dagster.target import load_tokenizer
 
     if host is None:
         raise ValueError("benchmark_report: the served benchmark (hidden.backend 'sglang') needs the gpu_host resource")
     target = target_facts(profile, layout)
-    tokenizer = AutoTokenizer.from_pretrained(target.path, trust_remote_code=True)
+    tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code)
     context, bench = profile.target.serving_context, profile.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
     sets, described = {}, {}
@@ -88,7 +87,6 @@ def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progr
         described[name] = prompt_set.describe() | {
             "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
             "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
-    export = current_export(layout)
 
     def server(spec: SpecConfig | None) -> ServerSpec:
         extra: tuple[str, ...] = ()
@@ -97,7 +95,8 @@ def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progr
                      "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                      "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
         return ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                          context_length=context, extra_args=extra)
+                          context_length=context, extra_args=extra,
+                          trust_remote_code=profile.target.trust_remote_code)
 
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
@@ -107,7 +106,7 @@ def _served(profile: Profile, layout: ArtifactLayout, host: Any, progress: Progr
     return results_document(attach_speedups(rows), "served", described, meta={"target_identity": target.identity})
 
 
-def _inprocess(profile: Profile, layout: ArtifactLayout, progress: Progress) -> dict:
+def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress: Progress) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,7 +119,7 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, progress: Progress) -> 
     target = target_facts(profile, layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
-    drafter = load_drafter(current_export(layout), target.path).float()
+    drafter = load_drafter(export, target.path).float()
     torch.manual_seed(0)
     untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
                               drafter.d2t.clone(), drafter.t2d.clone()).float().eval()

@@ -3,23 +3,30 @@
 The run folder is named by a hash of the job description, so a retry of the
 same job finds its checkpoints and resumes, while a new corpus, target or
 hyperparameter set starts a fresh run beside the old one.
+
+Nothing wrong is trusted: training starts only when every shard's bytes match
+its manifest (sha256), and its export is handed on only when `check_export`
+passes (names, shapes, every weight finite). There is no side pointer to "the
+current drafter": the export's path is in the drafter_checkpoint
+materialization's metadata, which exists only when the materialization succeeded,
+and the benchmark reads it from there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eagle3_dagster.config import PROJECT_ROOT, Profile
 from eagle3_dagster.contracts import ArtifactLayout
-from eagle3_dagster.io import atomic_write_json, read_json
+from eagle3_dagster.io import read_json
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
 from eagle3_dagster.stages.hidden import hidden_context
 
-CURRENT_POINTER = "current.json"
 # The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
 PIPES_WORKER = "resources.pipes_child"
 
@@ -46,6 +53,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: 
             f"drafter_checkpoint: hidden-state version {ctx.version} lacks {len(missing)} of {len(ctx.shards)} "
             f"shards (first: {missing[:5]}); backfill hidden_states first"
         )
+    verify_shards(ctx.version_dir, [s.key for s in ctx.shards], done)
     if not layout.vocab_mapping.exists():
         raise FileNotFoundError(f"vocab_mapping: {layout.vocab_mapping} not found; materialize vocab_mapping first")
     job = TrainJobConfig(
@@ -74,14 +82,40 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: 
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
 
 
+def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:
+    """Every shard's size and sha256 against its manifest entry; a `ShardCorruptError` naming each bad shard.
+
+    Hashing reads every byte (4.6 TiB for the production corpus); threads overlap the reads (hashlib
+    releases the GIL), and the cost is small beside the extraction it protects and the training it gates."""
+    from eagle3_dagster.hidden.shards import ShardCorruptError, shard_path, verify_shard
+
+    def check(key: str) -> str | None:
+        try:
+            verify_shard(shard_path(version_dir, key), manifest[key])
+        except ShardCorruptError as e:
+            return str(e)
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(keys)))) as pool:
+        problems = [p for p in pool.map(check, keys) if p]
+    if problems:
+        raise ShardCorruptError(
+            f"drafter_checkpoint: {len(problems)} of {len(keys)} hidden-state shards do not match their manifest; "
+            f"training does not start on them. Materialize those hidden_states partitions again (resume "
+            f"re-extracts a shard failing its checksum):\n  " + "\n  ".join(problems))
+
+
 def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -> tuple[StageReport, bool, str]:
+    """Read back what training wrote; an export that fails its check (a missing, misshaped or non-finite
+    weight) is refused with an error, so no materialization ever names it."""
     from eagle3_dagster.drafter.export import check_export
 
     metrics = read_json(plan.out_dir / "metrics.json")
     export_dir = plan.out_dir / "export"
     check = check_export(export_dir)
-    detail = "ok" if check.ok else str(check)
-    atomic_write_json(layout.drafter_dir / CURRENT_POINTER, {"run_dir": str(plan.out_dir), "export": str(export_dir)})
+    if not check.ok:
+        raise ValueError(f"drafter_checkpoint: the export in {export_dir} is refused: {check}")
+    detail = "ok"
     final = metrics["final"]
     initial = metrics.get("initial_eval") or {}
     report = StageReport(
@@ -98,13 +132,6 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
         images={"curves": plan.out_dir / "curves.png"},
     )
     return report, check.ok, detail
-
-
-def current_export(layout: ArtifactLayout) -> Path:
-    pointer = layout.drafter_dir / CURRENT_POINTER
-    if not pointer.exists():
-        raise FileNotFoundError(f"drafter_checkpoint: {pointer} not found; materialize drafter_checkpoint first")
-    return Path(read_json(pointer)["export"])
 
 
 def _python() -> str:

@@ -4,6 +4,11 @@ The loop reads like torchtitan's `Trainer.train`: the checkpointer owns its
 interval, the metrics sink owns how progress is shown (tqdm or Dagster Pipes);
 the loop only steps. `TTTObjective` is the module DDP wraps, so gradient
 all-reduce hooks see one forward per micro-batch.
+
+A non-finite loss or gradient stops training at that step, before the optimizer
+applies it and before any checkpoint: every rank raises `NonFiniteTrainingError`
+naming the step and the sample ids of the batches whose loss was not finite (the
+ids are gathered from every rank, so the message is the same on each).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from eagle3_dagster.drafter.model import Eagle3Drafter
 from eagle3_dagster.drafter.ttt import ttt_unroll
 from eagle3_dagster.train.checkpoint import Checkpointer
 from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate
+
+
+class NonFiniteTrainingError(FloatingPointError):
+    """A step whose loss or gradient norm is NaN or infinite; nothing of that step was applied."""
 
 
 class TTTObjective(nn.Module):
@@ -115,32 +124,58 @@ class Trainer:
         self.history.steps = list(state.get("history", []))
         return True
 
-    def _micro_batch(self, batch: Batch, sync: bool) -> torch.Tensor:
+    def _micro_batch(self, batch: Batch, sync: bool) -> tuple[torch.Tensor, float]:
         b = batch.to(self.device)
         ctx = self.objective.no_sync() if (not sync and hasattr(self.objective, "no_sync")) else nullcontext()
         with ctx:
             with self.autocast:
                 loss, stats = self.objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
             (loss / self.cfg.grad_accum).backward()
-        return stats
+        return stats, float(loss.detach())
 
     def train_step(self) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         stats = torch.zeros(self.cfg.ttt_steps, 3, dtype=torch.float64)
         tokens = 0
+        bad_batches: list[tuple[float, list[str]]] = []
         for micro in range(self.cfg.grad_accum):
             batch = collate(self.dataset, self.sampler.next_batch())
-            stats += self._micro_batch(batch, sync=micro == self.cfg.grad_accum - 1)
+            micro_stats, loss = self._micro_batch(batch, sync=micro == self.cfg.grad_accum - 1)
+            stats += micro_stats
             tokens += batch.num_tokens
+            if not math.isfinite(loss):
+                bad_batches.append((loss, batch.sample_ids))
+        # one collective for the metrics, the token count and how many batches had a non-finite loss
+        totals = _all_reduce(torch.cat([stats.flatten(),
+                                        torch.tensor([float(tokens), float(len(bad_batches))], dtype=torch.float64)]))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self._stop_if_not_finite(int(totals[-1]), bad_batches, float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        totals = _all_reduce(torch.cat([stats.flatten(), torch.tensor([float(tokens)], dtype=torch.float64)]))
-        self.tokens_seen += int(totals[-1])
-        metrics = summarize(totals[:-1].view(-1, 3))
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], step_tokens=int(totals[-1]))
+        self.tokens_seen += int(totals[-2])
+        metrics = summarize(totals[:-2].view(-1, 3))
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], step_tokens=int(totals[-2]))
         return metrics
+
+    def _stop_if_not_finite(self, num_bad: int, bad_batches: list[tuple[float, list[str]]], grad_norm: float) -> None:
+        """Raise on every rank when any rank's loss, or the (all-reduced, so shared) gradient norm, is not finite."""
+        if num_bad == 0 and math.isfinite(grad_norm):
+            return
+        everyone: list = [bad_batches]
+        if dist.is_available() and dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, bad_batches)
+        found = [(rank, loss, ids) for rank, batches in enumerate(everyone) for loss, ids in batches]
+        step = self.step + 1
+        if found:
+            detail = "; ".join(f"rank {r} loss {loss} on samples {ids}" for r, loss, ids in found)
+        else:
+            detail = "every loss was finite, the gradient was not"
+        raise NonFiniteTrainingError(
+            f"training stopped at step {step}: non-finite loss or gradient (grad norm {grad_norm}); {detail}. "
+            f"Nothing of step {step} was applied or checkpointed; check those samples' hidden states "
+            f"(hidden_states checks) or lower train.lr")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
