@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import base64
 import io
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib
@@ -61,13 +63,112 @@ def make_row(
     }
 
 
+@dataclass(frozen=True)
+class LengthBands:
+    """Prompt-length bands for acceptance: inclusive upper edges, ascending, the last band open.
+
+    A drafter trained on samples of `training_length` tokens is measured where it was trained
+    (the band ending there) apart from longer prompts, which it has never seen positions of.
+    """
+
+    edges: tuple[int, ...]
+    training_length: int | None = None
+
+    @classmethod
+    def for_training(cls, training_length: int, serving_context: int) -> "LengthBands":
+        return cls(tuple(sorted({min(training_length, serving_context), serving_context})), training_length)
+
+    @property
+    def labels(self) -> list[str]:
+        lows = [1, *(e + 1 for e in self.edges)]
+        out = [f"{lo}–{hi}" for lo, hi in zip(lows, self.edges)]
+        return out + [f"> {self.edges[-1]}"]
+
+    def index(self, prompt_tokens: int) -> int:
+        return next((i for i, e in enumerate(self.edges) if prompt_tokens <= e), len(self.edges))
+
+    def is_training_band(self, i: int) -> bool:
+        return self.training_length is not None and i < len(self.edges) and self.edges[i] == self.training_length
+
+
+def band_entry(bands: LengthBands, i: int, *, num_prompts: int, verify_ct: int, verify_tokens: int,
+               accepted_by_position: Sequence[int] = (), has_spec: bool = True) -> dict:
+    """Acceptance of one prompt-length band, counted like a row."""
+    return {
+        "band": bands.labels[i],
+        "max_prompt_tokens": bands.edges[i] if i < len(bands.edges) else None,
+        "training_band": bands.is_training_band(i),
+        "num_prompts": num_prompts,
+        "verify_ct": verify_ct,
+        "acceptance_length": verify_tokens / verify_ct if has_spec and verify_ct else None,
+        "accept_rate_by_position": [a / verify_ct for a in accepted_by_position] if verify_ct else [],
+    }
+
+
+def _median_and_spread(values: Sequence[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
 def attach_speedups(rows: list[dict]) -> list[dict]:
-    """Speed-up = tokens/s over the same set's no-speculation tokens/s."""
-    base = {r["set"]: r["tokens_per_s"] for r in rows if r["method"] == BASELINE}
+    """Speed-up = tokens/s over the same set's no-speculation tokens/s.
+
+    Rows timed over several interleaved rounds (`wall_s_rounds`) get per-round figures: the
+    speed-up of round i divides by no_spec's tokens/s of the same round; rows carry the median
+    and the spread (`*_min`, `*_max`) of tokens/s and speed-up.
+    """
+    for r in rows:
+        walls = r.get("wall_s_rounds")
+        if walls:
+            per_round = [r["completion_tokens"] / w if w > 0 else 0.0 for w in walls]
+            r["tokens_per_s_rounds"] = per_round
+            r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"] = _median_and_spread(per_round)
+    base = {r["set"]: r for r in rows if r["method"] == BASELINE}
     for r in rows:
         b = base.get(r["set"])
-        r["speedup"] = r["tokens_per_s"] / b if b and r["tokens_per_s"] is not None else None
+        if b is None or not b["tokens_per_s"] or r["tokens_per_s"] is None:
+            r["speedup"] = None
+            continue
+        mine, theirs = r.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
+        if mine and theirs and len(mine) == len(theirs):
+            per_round = [m / t for m, t in zip(mine, theirs) if t]
+            r["speedup_rounds"] = per_round
+            r["speedup"], r["speedup_min"], r["speedup_max"] = _median_and_spread(per_round)
+        else:
+            r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"]
     return rows
+
+
+def draft_target_cost_ratio(rows: list[dict], method: str = "eagle3") -> float | None:
+    """Seconds per drafted token over seconds per target decode step (no_spec), on the same sets."""
+    ratios = []
+    for r in rows:
+        base = next((b for b in rows if b["set"] == r["set"] and b["method"] == BASELINE), None)
+        if r["method"] == method and r.get("draft_s_per_token") and base and base.get("tokens_per_s"):
+            ratios.append(r["draft_s_per_token"] * base["tokens_per_s"])
+    return statistics.median(ratios) if ratios else None
+
+
+def headline(rows: list[dict]) -> dict:
+    """The trained drafter at the first configuration on the first set, in the band it was trained on.
+
+    A fixed choice, named (`headline_config`), so two reports' headlines compare like with like;
+    rows without bands (served) fall back to all prompts.
+    """
+    trained = [r for r in rows if r["method"] == "eagle3" and r.get("spec")]
+    if not trained:
+        return {}
+    row = trained[0]
+    band = next((b for b in row.get("bands", []) if b["training_band"] and b["acceptance_length"] is not None), None)
+    out = {"headline_config": f"eagle3 at {row['spec']} on {row['set']}, "
+                              + (f"prompts of {band['band']} tokens (the training length)" if band else "all prompts"),
+           "spec": row["spec"], "set": row["set"]}
+    out["acceptance_length"] = round(float((band or row)["acceptance_length"]), 4)
+    if band:
+        out["acceptance_length_all_prompts"] = round(float(row["acceptance_length"]), 4)
+        out["headline_band"] = band["band"]
+    if row.get("speedup") is not None:
+        out["speedup"] = round(float(row["speedup"]), 3)  # all prompts: speed is not split by band
+    return out
 
 
 def results_document(rows: list[dict], mode: str, sets: dict[str, dict], meta: dict | None = None) -> dict:
@@ -113,6 +214,15 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+def _spread(r: dict, key: str, digits: int, unit: str = "") -> str:
+    if r.get(key) is None:
+        return "–"
+    text = f"{r[key]:.{digits}f}{unit}"
+    if r.get(f"{key}_min") is not None:
+        text += f" ({r[f'{key}_min']:.{digits}f}–{r[f'{key}_max']:.{digits}f})"
+    return text
+
+
 def _set_table(rows: list[dict]) -> list[str]:
     lines = [
         "| method | config | acceptance length | speed-up | tokens/s | acceptance by draft position | prompts | tokens |",
@@ -121,10 +231,40 @@ def _set_table(rows: list[dict]) -> list[str]:
     for r in _sorted(rows):
         by_pos = " ".join(f"{a:.2f}" for a in r["accept_rate_by_position"]) or "–"
         lines.append(
-            f"| {r['method']} | {r['spec'] or '–'} | {_fmt(r['acceptance_length'])} | {_fmt(r['speedup'], 2)}{'×' if r['speedup'] is not None else ''} | "
-            f"{_fmt(r['tokens_per_s'], 1)} | {by_pos} | {r['num_prompts']} | {r['completion_tokens']} |"
+            f"| {r['method']} | {r['spec'] or '–'} | {_fmt(r['acceptance_length'])} | {_spread(r, 'speedup', 2, '×')} | "
+            f"{_spread(r, 'tokens_per_s', 1)} | {by_pos} | {r['num_prompts']} | {r['completion_tokens']} |"
         )
     return lines
+
+
+def _band_table(rows: list[dict]) -> list[str]:
+    spec_rows = [r for r in _sorted(rows) if r.get("bands") and r["spec"]]
+    if not spec_rows:
+        return []
+    labels = [b["band"] + (" (training length)" if b["training_band"] else "") for b in spec_rows[0]["bands"]]
+    lines = ["", "Acceptance length by prompt length (tokens); prompts per band: "
+             + ", ".join(f"{b['band']}: {b['num_prompts']}" for b in spec_rows[0]["bands"]), "",
+             "| method | config | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for r in spec_rows:
+        lines.append(f"| {r['method']} | {r['spec']} | " + " | ".join(_fmt(b["acceptance_length"]) for b in r["bands"])
+                     + " |")
+    return lines
+
+
+def _caveats(results: dict) -> list[str]:
+    rows = results["rows"]
+    md = []
+    rounds = max((len(r.get("wall_s_rounds", [])) for r in rows), default=0)
+    if rounds:
+        md.append(f"Timing: every method warmed up once, then {rounds} interleaved rounds over the whole set; "
+                  "tokens/s and speed-up are the median round, (min–max) the spread across rounds.")
+    if results.get("mode") == "inprocess":
+        ratio = draft_target_cost_ratio(rows)
+        cost = f" Here one drafter step costs {ratio:.2f} of a target decode step." if ratio is not None else ""
+        md.append("**CPU speed-ups do not predict GPU serving.** Speed-up depends on the draft/target cost ratio "
+                  f"and on how verification batches on the hardware.{cost} A served MoE target on GPUs has a "
+                  "different ratio and batch economics; acceptance length is the figure that carries over.")
+    return md
 
 
 def _comparison_table(comparison: list[dict]) -> list[str]:
@@ -186,14 +326,22 @@ def render_report(
     }
     md = [f"# Speculative decoding benchmark ({results.get('mode', '?')})", ""]
     if results.get("sets"):
-        md += ["| prompt set | prompts | source |", "|---|---|---|"]
-        md += [f"| {name} | {s.get('num_prompts', '?')} | {s.get('source', '?')} |"
-               for name, s in results["sets"].items()]
+        md += ["| prompt set | prompts | left out (prompt + max_new_tokens over the serving context) | source |",
+               "|---|---|---|---|"]
+        md += [f"| {name} | {s.get('num_prompts', '?')} | {s.get('num_left_out_over_context', '–')} | "
+               f"{s.get('source', '?')} |" for name, s in results["sets"].items()]
         md.append("")
+    head = headline(rows)
+    if head:
+        md += [f"**Headline:** {head['headline_config']}: acceptance length {head['acceptance_length']:.3f}"
+               + (f" (all prompts {head['acceptance_length_all_prompts']:.3f})"
+                  if "acceptance_length_all_prompts" in head else ""), ""]
     md.append("Acceptance length = tokens committed per verify step (bonus token included); speed-up is tokens/s "
               "over no speculation on the same set.")
+    md += [line for c in _caveats(results) for line in ("", c)]
     for set_name in dict.fromkeys(r["set"] for r in rows):
-        md += ["", f"## {set_name}", ""] + _set_table([r for r in rows if r["set"] == set_name])
+        set_rows = [r for r in rows if r["set"] == set_name]
+        md += ["", f"## {set_name}", ""] + _set_table(set_rows) + _band_table(set_rows)
     for name, png in pngs.items():
         target = png_data_uri(png) if embed_images else name
         md += ["", f"![{name.removesuffix('.png')}]({target})"]

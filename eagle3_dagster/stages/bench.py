@@ -44,20 +44,24 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
 
 
 def headline(rows: list[dict]) -> dict:
-    """The figures a reader looks at first: the trained drafter at the first configuration, and its rivals."""
-    def pick(method: str) -> dict | None:
-        return next((r for r in rows if r["method"] == method and r.get("spec")), None)
+    """The figures a reader looks at first: the trained drafter at the first configuration, and its rivals.
 
-    out: dict = {}
-    for method, key in [("eagle3", "acceptance_length"), ("eagle3_untrained", "untrained_acceptance_length"),
-                        ("ngram", "ngram_acceptance_length")]:
-        row = pick(method)
-        if row and row.get("acceptance_length") is not None:
-            out[key] = round(float(row["acceptance_length"]), 4)
-            if method == "eagle3":
-                out["spec"] = row["spec"]
-                if row.get("speedup") is not None:
-                    out["speedup"] = round(float(row["speedup"]), 3)
+    Where rows carry prompt-length bands (in-process), every figure is the band the drafter was
+    trained on (`report.headline`); `headline_config` names what was measured.
+    """
+    from eagle3_dagster.bench.report import headline as trained_headline
+
+    out = trained_headline(rows)
+    band = out.get("headline_band")
+    for method, key in [("eagle3_untrained", "untrained_acceptance_length"), ("ngram", "ngram_acceptance_length")]:
+        row = next((r for r in rows if r["method"] == method and r.get("spec") == out.get("spec")
+                    and r["set"] == out.get("set")), None)
+        if row is None:
+            continue
+        value = next((b["acceptance_length"] for b in row.get("bands", []) if b["band"] == band), None) if band \
+            else row.get("acceptance_length")
+        if value is not None:
+            out[key] = round(float(value), 4)
     return out
 
 
@@ -112,8 +116,9 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
 
     from eagle3_dagster.bench.prompts import heldout_sharegpt, load_prompt_set, render_prompts
     from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
-    from eagle3_dagster.bench.report import results_document
-    from eagle3_dagster.bench.specdec import SpecConfig, run_inprocess_benchmark
+    from eagle3_dagster.bench.report import LengthBands, results_document
+    from eagle3_dagster.bench.served import prompt_token_limit
+    from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, SpecConfig, run_inprocess_benchmark
     from eagle3_dagster.drafter.model import Eagle3Drafter, load_drafter
 
     target = target_facts(profile, layout)
@@ -123,14 +128,20 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     torch.manual_seed(0)
     untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
                               drafter.d2t.clone(), drafter.t2d.clone()).float().eval()
+    # Prompts fit the serving context with room for the answer; acceptance is split at the training length.
+    context, bench = profile.target.serving_context, profile.bench
+    limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
+    bands = LengthBands.for_training(profile.data.max_seq_len, context)
     sets, described = {}, {}
     for name in profile.bench.sets:
         if name == "heldout_sharegpt":
             prompt_set = heldout_sharegpt(profile.bench.num_prompts, profile.data.heldout_fraction)
         else:
             prompt_set = load_prompt_set(name, profile.bench.num_prompts, profile.bench.set_paths.get(name))
-        sets[name] = render_prompts(tokenizer, prompt_set, profile.bench.max_prompt_tokens)
-        described[name] = prompt_set.describe() | {"num_prompts": len(sets[name])}
+        sets[name] = render_prompts(tokenizer, prompt_set, limit)
+        described[name] = prompt_set.describe() | {
+            "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
+            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
     proposers = {
         "eagle3": Eagle3Proposer(drafter, name="eagle3"),
         "eagle3_untrained": Eagle3Proposer(untrained, name="eagle3_untrained"),
@@ -140,6 +151,9 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     with torch.inference_mode():
         rows = run_inprocess_benchmark(
             model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in profile.bench.spec_configs],
-            profile.bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress,
+            profile.bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress, rounds=DEFAULT_ROUNDS,
+            bands=bands,
         )
-    return results_document(rows, "inprocess", described, meta={"target_identity": target.identity})
+    return results_document(rows, "inprocess", described, meta={
+        "target_identity": target.identity, "training_max_seq_len": profile.data.max_seq_len,
+        "serving_context": context, "rounds": DEFAULT_ROUNDS})

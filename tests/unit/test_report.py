@@ -8,8 +8,11 @@ import copy
 import orjson
 
 from eagle3_dagster.bench.report import (
+    LengthBands,
     attach_speedups,
+    band_entry,
     compare_results,
+    headline,
     make_row,
     png_data_uri,
     render_report,
@@ -86,3 +89,59 @@ def test_png_data_uri_round_trips():
     uri = png_data_uri(PNG_MAGIC + b"rest")
     assert uri.startswith("data:image/png;base64,")
     assert base64.b64decode(uri.split(",", 1)[1]) == PNG_MAGIC + b"rest"
+
+
+def _timed_row(method, spec, walls, bands=None, draft_s_per_token=None):
+    row = make_row("heldout_sharegpt", method, spec, num_prompts=2, prompt_tokens=100, completion_tokens=100,
+                   wall_s=sorted(walls)[len(walls) // 2], verify_ct=40 if spec else 0, verify_tokens=100 if spec else 0,
+                   wall_s_rounds=walls)
+    if bands is not None:
+        row["bands"] = bands
+    if draft_s_per_token is not None:
+        row["draft_s_per_token"] = draft_s_per_token
+    return row
+
+
+def test_speedup_is_the_median_of_per_round_ratios_with_its_spread():
+    # no_spec 100, 50, 100 tok/s; eagle3 200, 100, 150: per round 2.0, 2.0, 1.5 (the ratio of medians would be 1.5)
+    rows = attach_speedups([_timed_row("no_spec", None, [1.0, 2.0, 1.0]),
+                            _timed_row("eagle3", "3,1,4", [0.5, 1.0, 1 / 1.5])])
+    eagle = rows[1]
+    assert eagle["speedup_rounds"] == [2.0, 2.0, 1.5]
+    assert (eagle["speedup"], eagle["speedup_min"], eagle["speedup_max"]) == (2.0, 1.5, 2.0)
+    assert (eagle["tokens_per_s"], eagle["tokens_per_s_min"], eagle["tokens_per_s_max"]) == (150.0, 100.0, 200.0)
+
+
+def _banded_results() -> dict:
+    bands = LengthBands.for_training(512, 2048)
+    assert bands.labels == ["1–512", "513–2048", "> 2048"]
+
+    def entries(short, long):
+        return [band_entry(bands, 0, num_prompts=3, verify_ct=10, verify_tokens=int(10 * short)),
+                band_entry(bands, 1, num_prompts=2, verify_ct=10, verify_tokens=int(10 * long)),
+                band_entry(bands, 2, num_prompts=0, verify_ct=0, verify_tokens=0)]
+
+    rows = [_timed_row("no_spec", None, [1.0, 1.1, 0.9]),
+            _timed_row("eagle3", "7,1,8", [0.5, 0.6, 0.55], entries(3.1, 1.3), draft_s_per_token=0.0006),
+            _timed_row("ngram", "7,1,8", [0.8, 0.9, 0.85], entries(1.5, 1.2))]
+    sets = {"heldout_sharegpt": {"num_prompts": 5, "source": "x", "num_left_out_over_context": 2}}
+    return results_document(attach_speedups(rows), "inprocess", sets)
+
+
+def test_headline_is_the_training_length_band_and_names_its_configuration():
+    head = headline(_banded_results()["rows"])
+    assert head["acceptance_length"] == 3.1
+    assert head["acceptance_length_all_prompts"] == 2.5
+    assert head["headline_config"] == "eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length)"
+
+
+def test_report_shows_bands_spread_left_out_prompts_and_says_cpu_speedups_do_not_predict_gpu_serving():
+    md, _, _ = render_report(_banded_results())
+    assert "| method | config | 1–512 (training length) | 513–2048 | > 2048 |" in md
+    assert "| eagle3 | 7,1,8 | 3.100 | 1.300 | – |" in md
+    assert "**Headline:** eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length): " \
+           "acceptance length 3.100 (all prompts 2.500)" in md
+    assert "CPU speed-ups do not predict GPU serving" in md
+    assert "one drafter step costs 0.06 of a target decode step" in md  # 0.0006 s/token × 100 tok/s
+    assert "3 interleaved rounds" in md and "| 1.83× (1.64–2.00) | 181.8 (166.7–200.0) |" in md
+    assert "| heldout_sharegpt | 5 | 2 | x |" in md

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3_dagster.bench.proposers import AlwaysWrongProposer, Eagle3Proposer, NgramProposer, OracleProposer
+from eagle3_dagster.bench.report import LengthBands
 from eagle3_dagster.bench.specdec import (
     OutputMismatchError,
     SpecConfig,
@@ -175,15 +176,75 @@ def test_ngram_proposer_continues_the_latest_match_of_the_longest_suffix():
 def test_benchmark_rows_carry_acceptance_and_speedup_per_set_and_config(target, prompts, greedy):
     sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])], "b": [("q0", prompts[2])]}
     proposers = {"oracle": OracleProposer(greedy), "ngram": NgramProposer()}
-    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW)
+    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=2)
     by_key = {(r["set"], r["method"], r["spec"]): r for r in rows}
     assert set(by_key) == {(s, m, c) for s in "ab" for m, c in [("no_spec", None), ("oracle", "3,1,4"),
                                                                ("ngram", "3,1,4")]}
     assert by_key[("a", "no_spec", None)]["speedup"] == 1.0
+    assert all(len(r["wall_s_rounds"]) == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+               for r in rows)
     assert by_key[("a", "no_spec", None)]["completion_tokens"] == 2 * MAX_NEW
     oracle = by_key[("a", "oracle", "3,1,4")]
     assert oracle["acceptance_length"] == 4.0  # 24 tokens after the prefill token = 6 full verify steps per prompt
     assert oracle["accept_rate_by_position"][0] == 1.0
+
+
+class _Recording:
+    """Wraps a proposer and records which method drafted, in call order."""
+
+    def __init__(self, inner, calls: list[str]) -> None:
+        self.inner, self.calls, self.name, self.aux_layers = inner, calls, inner.name, inner.aux_layers
+
+    def reset(self) -> None:
+        self.calls.append(self.name)
+        self.inner.reset()
+
+    def propose(self, tokens, new_aux, k):
+        return self.inner.propose(tokens, new_aux, k)
+
+
+def test_every_method_is_warmed_up_then_timed_in_interleaved_rotating_rounds(target, prompts, greedy):
+    calls: list[str] = []
+    proposers = {"oracle": _Recording(OracleProposer(greedy), calls),
+                 "ngram": _Recording(NgramProposer(), calls)}
+    sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])]}
+    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], 6, rounds=3)
+    # one reset per generation: warm-up (one short generation each), then 3 rounds × 2 prompts each
+    assert calls[:2] == ["oracle", "ngram"]
+    timed = calls[2:]
+    assert len(timed) == 3 * 2 * 2
+    per_round = [timed[i:i + 4] for i in range(0, 12, 4)]
+    # methods are [no_spec, oracle, ngram]; round r starts at method r: the order rotates
+    assert per_round[0] == ["oracle", "oracle", "ngram", "ngram"]
+    assert per_round[1] == ["oracle", "oracle", "ngram", "ngram"]  # [oracle, ngram, no_spec]
+    assert per_round[2] == ["ngram", "ngram", "oracle", "oracle"]  # [ngram, no_spec, oracle]
+    for r in rows:
+        assert len(r["wall_s_rounds"]) == 3 and len(r["speedup_rounds"]) == 3
+        assert r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+
+
+class _ShortPromptOracle(OracleProposer):
+    """Right on prompts of at most `limit` tokens, wrong beyond: acceptance must split by band."""
+
+    def __init__(self, continuations, limit: int) -> None:
+        super().__init__(continuations, name="eagle3")
+        self.limit = limit
+
+    def propose(self, tokens, new_aux, k):
+        cont, done = self._reference(tokens)
+        drafts = cont[done: done + k]
+        return drafts if len(tokens) - done <= self.limit else [(t + 1) % VOCAB for t in drafts]
+
+
+def test_acceptance_is_reported_per_prompt_length_band_with_the_training_band_marked(target, prompts, greedy):
+    sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts)]}  # 5, 9 and 14 tokens
+    bands = LengthBands(edges=(8, 12), training_length=8)
+    rows = run_inprocess_benchmark(target, sets, {"eagle3": _ShortPromptOracle(greedy, 8)}, [SpecConfig(3)],
+                                   1 + 3 * 4, rounds=1, bands=bands)
+    eagle = next(r for r in rows if r["method"] == "eagle3")
+    got = [(b["band"], b["training_band"], b["num_prompts"], b["acceptance_length"]) for b in eagle["bands"]]
+    assert got == [("1–8", True, 1, 4.0), ("9–12", False, 1, 1.0), ("> 12", False, 1, 1.0)]
+    assert 1.0 < eagle["acceptance_length"] < 4.0
 
 
 def test_a_speculative_output_that_differs_is_reported_with_prompt_and_position():
@@ -214,7 +275,7 @@ def test_untrained_drafter_on_the_micro_target_reproduces_greedy_output(micro_ta
     drafter = Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach(), hot - torch.arange(128), t2d)
     proposers = {"eagle3_untrained": Eagle3Proposer(drafter, name="eagle3_untrained"), "ngram": NgramProposer()}
     rows = run_inprocess_benchmark(model, {"heldout_sharegpt": prompts}, proposers, [SpecConfig(3), SpecConfig(7)],
-                                   max_new_tokens=micro_profile.bench.max_new_tokens, check=True)
+                                   max_new_tokens=micro_profile.bench.max_new_tokens, check=True, rounds=1)
     assert [(r["method"], r["spec"]) for r in rows] == [
         ("no_spec", None), ("eagle3_untrained", "3,1,4"), ("eagle3_untrained", "7,1,8"), ("ngram", "3,1,4"),
         ("ngram", "7,1,8"),
