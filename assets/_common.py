@@ -100,6 +100,15 @@ def round_value(v: float) -> float:
     return round(v, 1) if abs(v) >= 1000 else float(f"{v:.4g}")
 
 
+def rounded(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Metadata from elsewhere (a Pipes child) with its floats rounded like the stages' own."""
+    out: dict[str, Any] = {}
+    for k, v in meta.items():
+        value = v.value if isinstance(v, dg.FloatMetadataValue) else v
+        out[k] = dg.MetadataValue.float(round_value(value)) if isinstance(value, float) else v
+    return out
+
+
 def path_meta(path: Path) -> dg.MetadataValue:
     return dg.MetadataValue.path(str(path))
 

@@ -14,7 +14,7 @@ itself with the previous materialization.
 import dagster as dg
 
 from assets._common import (
-    GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, table, tag_run,
+    GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
 from assets.settings import code_version, settings_metadata
 from eagle3_dagster.config import Profile
@@ -53,7 +53,7 @@ def build(profile: Profile) -> list:
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
         report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
-        meta = {**child_meta, **report_metadata(report), **provenance_metadata(profile, context),
+        meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
                 **settings_metadata(profile, "drafter_checkpoint")}
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
         weights = report.metadata["export_dir"] / "model.safetensors"
@@ -112,7 +112,7 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
     }
 
 
-RESULT_COLUMNS = {
+RESULT_COLUMNS = {  # column → what it means, with its unit
     "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
     "acceptance_length": "tokens per verify step, bonus included", "speedup": "tokens/s over no_spec on the set",
     "tokens_per_s": "completion tokens per second", "num_prompts": "prompts", "completion_tokens": "tokens generated",
@@ -120,23 +120,12 @@ RESULT_COLUMNS = {
 
 
 def results_metadata(results_path) -> dict:
-    """Every row as a table with units, and a headline that says which configuration it is about."""
+    """Every result row as a table with a schema: the numbers visible on the asset page, not in markdown.
+    The headline (which configuration, which band) is the stage's (`stages.bench.headline`)."""
     from eagle3_dagster.io import read_json
 
     rows = read_json(results_path)["rows"]
-    shown = [{c: r.get(c) for c in RESULT_COLUMNS} for r in rows]
-    trained = [r for r in rows if r["method"] == "eagle3" and r.get("acceptance_length") is not None]
-    meta: dict = {"results": table(shown, RESULT_COLUMNS)}
-    if trained:
-        # The first configured speculative configuration on the first set, whatever wins: a fixed
-        # choice, named, so two reports' headlines compare like with like.
-        best = trained[0]
-        speedup = f", {best['speedup']:.2f}x the tokens/s of no speculation" if best.get("speedup") else ""
-        meta["headline"] = (f"eagle3 at {best['spec']} (num_steps,topk,num_draft_tokens) on {best['set']}: "
-                            f"acceptance length {best['acceptance_length']:.3f} tokens/step{speedup}")
-        meta["headline_spec"] = best["spec"]
-        meta["headline_set"] = best["set"]
-    return meta
+    return {"results": table([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], RESULT_COLUMNS)}
 
 
 def _drafter_export(context: dg.AssetExecutionContext) -> str:
