@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableSequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -138,12 +138,34 @@ class _Writer:
         return self.stats
 
 
+def _source_rejects(rejects: MutableSequence | None, stats: TokenizeStats) -> Iterator[tuple[str, object]]:
+    """Input lines the loader did not use (`prompts.Rejected`), as quarantine items counted as inputs."""
+    while rejects:
+        r = rejects.pop(0) if isinstance(rejects, list) else rejects.popleft()
+        stats.num_inputs += 1
+        yield "bad", (r.reason, r.where, r.raw)
+
+
+def _rejects_file(path: Path | None, stats: TokenizeStats) -> Iterator[tuple[str, object]]:
+    """The input lines raw_responses quarantined from its source file (one JSON object per line)."""
+    if path is None or not Path(path).exists():
+        return
+    with open(path, "rb") as f:
+        for line in f:
+            q = orjson.loads(line)
+            stats.num_inputs += 1
+            yield "bad", (q["reason"], q["where"], q["input"])
+
+
 def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine_path: Path, *, dataset: str,
-                         bad_fraction_threshold: float = 0.05, usage_tolerance: int = 1) -> TokenizeStats:
-    """One record per regenerated turn of the `raw_responses` store; cut-off answers dropped and counted."""
+                         bad_fraction_threshold: float = 0.05, usage_tolerance: int = 1,
+                         source_rejects_path: Path | None = None) -> TokenizeStats:
+    """One record per regenerated turn of the `raw_responses` store; cut-off answers dropped and counted.
+    Source lines raw_responses could not use (`source_rejects_path`) are quarantined here too and count."""
     stats = TokenizeStats(dataset=dataset)
 
     def items() -> Iterator[tuple[str, object]]:
+        yield from _rejects_file(source_rejects_path, stats)
         for turn in iter_turns(store_path):
             stats.num_inputs += 1
             where = f"{store_path}:request {turn.get('request_id')}"
@@ -181,12 +203,17 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
 
 def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out_path: Path, quarantine_path: Path,
                            *, dataset: str, source: str, max_turns: int | None = None,
-                           bad_fraction_threshold: float = 0.05) -> TokenizeStats:
-    """Finished conversations (no regeneration): each assistant turn supervised after its own prompt."""
+                           bad_fraction_threshold: float = 0.05,
+                           source_rejects: MutableSequence | None = None) -> TokenizeStats:
+    """Finished conversations (no regeneration): each assistant turn supervised after its own prompt.
+
+    `source_rejects` is filled by the loader (`load_conversations(on_reject=...)`) as it reads; each
+    rejected line is quarantined and counted as an input, so garbage lines count toward the threshold."""
     stats = TokenizeStats(dataset=dataset)
 
     def items() -> Iterator[tuple[str, object]]:
         for conv in conversations:
+            yield from _source_rejects(source_rejects, stats)
             turn = 0
             for j, message in enumerate(conv.messages):
                 if message["role"] != "assistant" or (max_turns is not None and turn >= max_turns):
@@ -202,6 +229,7 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out
                 yield "record", {"id": f"{dataset}/{conv.id}/{turn}", "dataset": dataset,
                                  "input_ids": ids, "loss_mask": mask, "source": source}
                 turn += 1
+        yield from _source_rejects(source_rejects, stats)
 
     return _Writer(out_path, quarantine_path, stats, bad_fraction_threshold).run(items())
 

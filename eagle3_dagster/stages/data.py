@@ -8,7 +8,8 @@ finished conversations), pre-tokenized ones are validated and normalised.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from eagle3_dagster.config import DatasetConfig, Profile
@@ -19,12 +20,15 @@ from eagle3_dagster.stages import Progress, StageReport, no_progress
 from eagle3_dagster.stages.target import target_dir
 
 
-def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=None) -> Iterator[Conversation]:
+def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=None,
+                  on_reject: Callable | None = None) -> Iterator[Conversation]:
     """The dataset's conversations (training split only), cut to the turns that fit the context.
 
     A turn is kept when its prompt plus `generation.max_new_tokens` fits `data.max_seq_len`: a longer
     one would be generated and then truncated away by merged_train. Conversations with no such turn
-    are skipped and counted. `stats` receives the reader's and the filter's counts when done.
+    are skipped and counted, and so are the later turns cut from the ones kept. Lines of a jsonl file
+    that cannot be used go to `on_reject` (`prompts.Rejected`). `stats` receives the reader's and the
+    filter's counts when done.
     """
     if ds.source == "sharegpt":
         from eagle3_dagster.data.sharegpt import ShareGPTReader
@@ -35,17 +39,18 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
         from eagle3_dagster.data.prompts import LoadStats, load_conversations
 
         load = LoadStats()
-        source = load_conversations(ds.path, stats=load)
+        source = load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=on_reject)
     budget = profile.data.max_seq_len - profile.generation.max_new_tokens
-    kept = too_long = 0
+    kept = too_long = turns_cut = 0
     for conv in source:
         if ds.max_conversations is not None and kept >= ds.max_conversations:
             break
-        fitted = _fit_to_context(conv, tokenizer, budget) if tokenizer is not None else conv
+        fitted, num_cut = _fit_to_context(conv, tokenizer, budget) if tokenizer is not None else (conv, 0)
         if fitted is None:
             too_long += 1
             continue
         kept += 1
+        turns_cut += num_cut
         yield fitted
     if ds.source == "sharegpt":
         s = reader.stats
@@ -54,11 +59,13 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
                      heldout_skipped=s.heldout_skipped)
     else:
         stats.update(lines=load.lines, loaded=load.loaded, skipped_by_reason=dict(load.skipped_by_reason))
-    stats.update(conversations_used=kept, conversations_skipped_prompt_too_long=too_long)
+    stats.update(conversations_used=kept, conversations_skipped_prompt_too_long=too_long,
+                 num_turns_cut_to_fit_context=turns_cut)
 
 
-def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> Conversation | None:
-    """The conversation up to its last assistant turn whose prompt fits `budget` tokens, or None."""
+def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> tuple[Conversation | None, int]:
+    """The conversation up to its last assistant turn whose prompt fits `budget` tokens (or None), and how
+    many assistant turns after it were cut."""
     messages = list(conv.messages)
     end = None
     for i, m in enumerate(messages):
@@ -69,8 +76,8 @@ def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> Conversation 
             break
         end = i + 1
     if end is None:
-        return None
-    return Conversation(id=conv.id, messages=tuple(messages[:end]))
+        return None, 0
+    return Conversation(id=conv.id, messages=tuple(messages[:end])), sum(m["role"] == "assistant" for m in messages[end:])
 
 
 def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *, api_key: str | None,
@@ -101,9 +108,40 @@ def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *,
     source_stats: dict = {}
     out = layout.raw_responses(name)
     tokenizer = _tokenizer(profile, layout)
+    num_rejected = _quarantine_source(profile, ds, source_rejects_path(layout, name)) if ds.path else 0
     stats = regenerate_dataset_sync(conversations(profile, ds, source_stats, tokenizer), out, backend, settings,
                                     dataset=name, total=ds.max_conversations, progress=progress)
-    return StageReport(metadata={"path": out, **stats.as_dict(), "source": source_stats})
+    return StageReport(metadata={"path": out, **stats.as_dict(), "source": source_stats,
+                                 "num_source_lines_quarantined": num_rejected,
+                                 "source_quarantine_path": source_rejects_path(layout, name)})
+
+
+def source_rejects_path(layout: ArtifactLayout, name: str) -> Path:
+    """Lines of a dataset's source file that raw_responses could not use; tokenized_dataset counts them."""
+    return layout.raw_responses(name).with_name(f"{name}.rejected.jsonl")
+
+
+def _quarantine_source(profile: Profile, ds: DatasetConfig, path: Path) -> int:
+    """Read the whole source file once before anything is sent: quarantine every line that cannot be used,
+    and refuse (spending nothing) when more of it is bad than `data.bad_fraction_threshold`."""
+    import orjson
+
+    from eagle3_dagster.data.prompts import LoadStats, load_conversations
+    from eagle3_dagster.data.tokenize import BadDataError
+    from eagle3_dagster.io import atomic_open
+
+    load = LoadStats()
+    with atomic_open(path) as f:
+        for _ in load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=lambda r: f.write(
+                orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")):
+            pass
+    threshold = profile.data.bad_fraction_threshold
+    if load.lines and load.num_rejected / load.lines > threshold:
+        raise BadDataError(
+            f"raw_responses[{ds.name}]: {load.num_rejected}/{load.lines} lines of {ds.path} cannot be used "
+            f"({load.num_rejected / load.lines:.1%} > data.bad_fraction_threshold {threshold:.1%}): "
+            f"{load.skipped_by_reason}; see {path}. Nothing was sent.")
+    return load.num_rejected
 
 
 def _registered_source(ds: DatasetConfig) -> StageReport:
@@ -137,11 +175,14 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
                                           vocab_size=len(tokenizer), bad_fraction_threshold=threshold)
     elif ds.regenerate:
         stats = tk.tokenize_regenerated(layout.raw_responses(name), tokenizer, out, quarantine, dataset=name,
-                                        bad_fraction_threshold=threshold)
+                                        bad_fraction_threshold=threshold,
+                                        source_rejects_path=source_rejects_path(layout, name))
     else:
-        stats = tk.tokenize_conversations(conversations(profile, ds, source_stats, tokenizer), tokenizer, out, quarantine,
-                                          dataset=name, source=ds.source, max_turns=ds.max_turns,
-                                          bad_fraction_threshold=threshold)
+        rejects: deque = deque()
+        stats = tk.tokenize_conversations(conversations(profile, ds, source_stats, tokenizer, rejects.append),
+                                          tokenizer, out, quarantine, dataset=name, source=ds.source,
+                                          max_turns=ds.max_turns, bad_fraction_threshold=threshold,
+                                          source_rejects=rejects)
     progress(f"tokenized {name}: {stats.num_records} records, {stats.num_tokens} tokens")
     if stats.num_records == 0:
         raise ValueError(
