@@ -9,6 +9,7 @@ profile from `EAGLE3_PROFILE`. It does not read the environment at import time:
 from __future__ import annotations
 
 import hashlib
+import re
 import os
 from pathlib import Path
 from typing import Literal
@@ -259,7 +260,19 @@ class TrainConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the drafter's init and the sampler")
     nproc_per_node: int = Field(1, ge=1, le=1024, description="torchrun workers per node")
     nnodes: int = Field(1, ge=1, le=1024, description="torchrun nodes")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous every node joins (needed when nnodes > 1); "
+        "unset: a standalone single-node rendezvous")
+    rdzv_id: str = Field("eagle3-drafter", min_length=1, description="rendezvous id shared by the nodes of one run")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend")
+
+    @model_validator(mode="after")
+    def _rendezvous(self) -> "TrainConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("train.rdzv_endpoint: required when train.nnodes > 1 (host:port of node 0)")
+        if self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
+            raise ValueError(f"train.rdzv_endpoint: expected host:port, got {self.rdzv_endpoint!r}")
+        return self
 
 
 class BenchConfig(_Strict):

@@ -76,7 +76,8 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: 
     job.write(job_path)
     command = build_torchrun_command(
         job_path, nproc_per_node=profile.train.nproc_per_node, nnodes=profile.train.nnodes,
-        python=python or _python(), module=PIPES_WORKER,
+        python=python or _python(), module=PIPES_WORKER, rdzv_endpoint=profile.train.rdzv_endpoint,
+        rdzv_id=profile.train.rdzv_id,
     )
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)

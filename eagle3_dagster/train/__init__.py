@@ -73,17 +73,25 @@ def build_torchrun_command(
     python: str = sys.executable,
     extra_args: tuple[str, ...] | list[str] = (),
     module: str = "eagle3_dagster.train",
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "eagle3-drafter",
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m eagle3_dagster.train --config <json>`.
 
-    Multi-node rendezvous flags (`--node-rank`, `--rdzv-endpoint`, …) go in `extra_args` and are passed to
-    torchrun before the module; running torchrun through `python -m` pins the interpreter explicitly.
+    With `rdzv_endpoint` every node joins torchrun's c10d rendezvous there (node 0 hosts it; the same command
+    runs on each node, which then share one job file on a common file system); without it a single node
+    uses `--standalone`. `extra_args` go to torchrun before the module; running torchrun through
+    `python -m` pins the interpreter explicitly.
     `module` is the worker: the engine's own, or a wrapper with the same arguments (the Dagster Pipes
     child in resources/pipes_child.py).
     """
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
-    if nnodes == 1:
+    if rdzv_endpoint:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
+    elif nnodes == 1:
         cmd.append("--standalone")
+    else:
+        raise ValueError(f"torchrun over {nnodes} nodes needs a rendezvous endpoint (train.rdzv_endpoint)")
     cmd += [*extra_args, "-m", module, "--config", str(job_cfg_path)]
     return cmd
 

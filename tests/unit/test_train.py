@@ -122,10 +122,10 @@ def _job(ws: Path, out: str, **train) -> Path:
     return job.write(ws / f"{out}.json")
 
 
-def _torchrun(ws: Path, cfg_path: Path, *worker_args: str) -> subprocess.CompletedProcess:
+def _torchrun(ws: Path, cfg_path: Path, *worker_args: str, rdzv_endpoint: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ws / "pkg"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    cmd = build_torchrun_command(cfg_path, nproc_per_node=2, nnodes=1) + list(worker_args)
+    cmd = build_torchrun_command(cfg_path, nproc_per_node=2, nnodes=1, rdzv_endpoint=rdzv_endpoint) + list(worker_args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -217,3 +217,30 @@ def test_torchrun_command_runs_the_engine_module_with_the_job_file(tmp_path):
                          aux_layers=(2, 30, 58))
     assert TrainJobConfig.from_json(job.to_json()) == job
     assert build_torchrun_command(Path("j.json"), 2)[0] == sys.executable
+
+
+def test_multi_node_command_joins_a_c10d_rendezvous_and_needs_an_endpoint(tmp_path):
+    cmd = build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2, python="/opt/py",
+                                 rdzv_endpoint="node0:29500", rdzv_id="run-1")
+    assert cmd[:5] == ["/opt/py", "-m", "torch.distributed.run", "--nproc-per-node=8", "--nnodes=2"]
+    assert cmd[5:8] == ["--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=run-1"]
+    assert "--standalone" not in cmd
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2)
+    from eagle3_dagster.config import ProfileError, load_profile
+
+    with pytest.raises(ProfileError, match="train.rdzv_endpoint"):
+        load_profile("production", {"train": {"nnodes": 2}})
+    assert load_profile("production", {"train": {"nnodes": 2, "rdzv_endpoint": "gpu-host-0:29500"}}).train.nnodes == 2
+
+
+def test_single_node_run_through_the_c10d_rendezvous_backend_trains(workspace):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _torchrun(workspace, _job(workspace, "run_rdzv", max_steps=4), rdzv_endpoint=f"127.0.0.1:{port}")
+    assert proc.returncode == 0, _why(proc)
+    metrics = json.loads((workspace / "run_rdzv" / "metrics.json").read_text())
+    assert metrics["steps"] == 4
