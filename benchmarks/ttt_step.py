@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 IMPLS = ("baseline", "new")
+TIMED_TOKENS = 2048  # a child times max(1, TIMED_TOKENS // length) steps after its warm-up step
 
 
 def _peak_rss_mib() -> float:
@@ -60,6 +61,9 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
     d2t = t2d.nonzero().squeeze(-1) - torch.arange(draft_vocab)
     drafter = Eagle3Drafter(cfg, torch.randn(vocab, h) * 0.02, d2t, t2d)
     lm_head = torch.randn(vocab, h) * 0.05
+    # Every row supervised and the target's argmax inside the draft vocab (its rows dominate): every
+    # row is valid, the worst case for the new objective, which skips rows that teach nothing.
+    lm_head[t2d] *= 3
     ids = torch.randint(0, vocab, (1, length))
     mask = torch.ones(1, length, dtype=torch.long)
     aux, last = torch.randn(1, length, 3 * h), torch.randn(1, length, h)
@@ -69,8 +73,10 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
         def loss_fn():
             return ttt_baseline.objective(drafter, lm_head, ttt_steps, ids, mask, aux, last)[0]
     else:
-        from eagle3_dagster.train.loop import TTTObjective
+        from eagle3_dagster.train.loop import TTTObjective, return_freed_cpu_memory
 
+        if impl == "new":  # what Trainer does on CPU; "new_default_malloc" leaves glibc as it is
+            return_freed_cpu_memory()
         objective = TTTObjective(drafter, lm_head, ttt_steps)
 
         def loss_fn():
@@ -85,14 +91,22 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     step()  # warm-up: first-touch page faults and kernel selection
-    t0 = time.perf_counter()
-    loss = step()
-    seconds = time.perf_counter() - t0
+    times = []
+    for _ in range(max(1, TIMED_TOKENS // length)):  # short sequences: median of a few steps
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
     return {"impl": impl, "tokens": length, "vocab": vocab, "draft_vocab": draft_vocab, "seconds": seconds,
-            "tokens_per_s": length / seconds, "peak_rss_mib": _peak_rss_mib(), "loss": loss}
+            "tokens_per_s": length / seconds, "peak_rss_mib": _peak_rss_mib(), "loss": loss,
+            "valid_rows": valid_fraction(lm_head, last, t2d)}
+
+
+def valid_fraction(lm_head, last, t2d) -> float:
+    return float(t2d[(last[0] @ lm_head.T).argmax(-1)].float().mean())
 
 
 def _run_child(impl: str, length: int, vocab: int, draft_vocab: int, threads: int) -> dict:
@@ -119,6 +133,8 @@ def main() -> None:
     parser.add_argument("--baseline-max-tokens", nargs="*", default=["128000:32000=2048"],
                         help="target:draft=N: skip the baseline above N tokens (it needs ~6.5 GB at 2k, 24+ GB at 8k)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS),
+                        help="baseline, new, new_default_malloc (new without Trainer's glibc setting)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # child: impl length vocab draft_vocab
     args = parser.parse_args()
@@ -130,7 +146,7 @@ def main() -> None:
     caps = {tuple(int(x) for x in k.split(":")): int(n) for k, n in (c.split("=") for c in args.baseline_max_tokens)}
     results: list[dict] = []
     for r in range(args.rounds):
-        order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+        order = args.impls if r % 2 == 0 else args.impls[::-1]
         for vocab, draft in vocabs:
             for n in args.lengths:
                 for impl in order:
@@ -144,26 +160,25 @@ def main() -> None:
                              if "error" not in row else f"failed: {row['error']}"), file=sys.stderr, flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
-    print(f"rounds {args.rounds}, {args.threads} threads, median (min–max) over rounds; peak = process VmHWM\n")
-    print("| target/draft vocab | tokens | baseline tok/s | new tok/s | speed ratio | baseline peak MiB | new peak MiB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    impls = args.impls
+    others = [i for i in impls if i != "baseline"]
+    print(f"rounds {args.rounds}, {args.threads} threads, median (min–max) over rounds; peak = process VmHWM; "
+          "speed ratio = per-round tok/s over the baseline's of the same round\n")
+    print("| target/draft vocab | tokens | " + " | ".join(f"{i} tok/s" for i in impls) + " | "
+          + " | ".join(f"{i} / baseline" for i in others) + " | " + " | ".join(f"{i} peak MiB" for i in impls) + " |")
+    print("|---|---:" + "|---:" * (2 * len(impls) + len(others)) + "|")
     for vocab, draft in vocabs:
         for n in args.lengths:
             got = {impl: [x for x in results if x["impl"] == impl and x["tokens"] == n and x["vocab"] == vocab
-                          and x["draft_vocab"] == draft and "error" not in x] for impl in IMPLS}
-            cells = {}
-            for impl in IMPLS:
-                rows = got[impl]
-                cells[impl] = ((_spread([x["tokens_per_s"] for x in rows], 1), _spread([x["peak_rss_mib"] for x in rows]))
-                               if rows else ("not run", "–"))
-            ratio = "–"
-            if got["baseline"] and got["new"]:
-                # ratio per round (interleaved pairs), then median and spread
-                pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a in got["new"] for b in got["baseline"]
+                          and x["draft_vocab"] == draft and "error" not in x] for impl in impls}
+            speed = [_spread([x["tokens_per_s"] for x in got[i]], 1) if got[i] else "not run" for i in impls]
+            peak = [_spread([x["peak_rss_mib"] for x in got[i]]) if got[i] else "–" for i in impls]
+            ratios = []
+            for impl in others:
+                pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a in got[impl] for b in got.get("baseline", [])
                          if a["round"] == b["round"]]
-                ratio = _spread(pairs, 2) + "×"
-            print(f"| {vocab:,}/{draft:,} | {n:,} | {cells['baseline'][0]} | {cells['new'][0]} | {ratio} | "
-                  f"{cells['baseline'][1]} | {cells['new'][1]} |")
+                ratios.append(_spread(pairs, 2) + "×" if pairs else "–")
+            print(f"| {vocab:,}/{draft:,} | {n:,} | " + " | ".join(speed + ratios + peak) + " |")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ teacher row i = t+1+j. A row counts when the token it predicts is supervised
 will be asked to draft at serve time. (EAGLE/SpecForge use `loss_mask[t+j]`,
 two positions earlier; only turn boundaries differ.)
 
-Memory. Nothing of size [tokens, draft_vocab] lives across a training step:
-`build_teacher` keeps only the per-row argmax and validity (one chunked pass
-over the full target vocab), and `ttt_loss` walks teacher rows in chunks; per
+Memory and work. Nothing of size [tokens, draft_vocab] lives across a
+training step: `build_teacher` keeps only the per-row argmax and validity (one
+chunked pass over the full target vocab, supervised rows only), and
+`ttt_loss` walks the *valid* teacher rows in chunks (a row that is not valid
+carries no loss, gradient or count at any step, so it costs nothing); per
 chunk it recomputes the teacher's draft-vocab log-probs from the stored last
 hidden once and serves every TTT step from them (row i teaches position i-1-j
 of step j), running lm_head → log-softmax → KL → correctness for each step.
@@ -56,11 +58,11 @@ class Teacher:
     argmax_BT: torch.Tensor  # draft id of the teacher's draft-vocab argmax
     valid_BT: torch.Tensor  # bool: supervised next token AND full-vocab argmax inside the draft vocab
 
-    def logp(self, start: int, end: int) -> torch.Tensor:
-        """Draft-vocab log-probs [B, end-start, V_draft] (fp32) of teacher rows start..end-1."""
-        rows = self.last_hidden_BTH[:, start:end]
+    def logp_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab log-probs [n, V_draft] (fp32) of the flat (b·T + i) teacher rows `rows`."""
         w = self.draft_head_VdH
-        return F.log_softmax((rows.to(w.dtype) @ w.T).float(), dim=-1)
+        hidden = self.last_hidden_BTH.reshape(-1, self.last_hidden_BTH.shape[-1])[rows]
+        return F.log_softmax((hidden.to(w.dtype) @ w.T).float(), dim=-1)
 
 
 def draft_rows(lm_head_weight_VH: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
@@ -77,22 +79,24 @@ def build_teacher(
     draft_head_VdH: torch.Tensor | None = None,
     chunk_rows: int | None = None,
 ) -> Teacher:
-    """Per-row argmax and validity from one chunked pass over the full target vocab."""
+    """Per-row argmax and validity from one chunked pass over the full target vocab (supervised rows only)."""
     b, t, h = last_hidden_BTH.shape
     flat = last_hidden_BTH.reshape(b * t, h)
     draft_cols = t2d.nonzero().squeeze(-1)
     w = lm_head_weight_VH.to(flat.device)
-    chunk = chunk_rows or chunk_rows_for(w.shape[0], flat.shape[0])
-    argmaxes, inside = [], []
-    for s in range(0, flat.shape[0], chunk):
-        logits = (flat[s : s + chunk].to(w.dtype) @ w.T).float()
-        inside.append(t2d[logits.argmax(-1)])
-        argmaxes.append(logits[:, draft_cols].argmax(-1))
-        del logits
     supervised_next = torch.cat([loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1)
-    valid = torch.cat(inside).view(b, t) & supervised_next
+    rows = supervised_next.flatten().nonzero().squeeze(-1)  # a row nothing learns from needs no logits
+    argmax = torch.zeros(b * t, dtype=torch.long, device=flat.device)
+    valid = torch.zeros(b * t, dtype=torch.bool, device=flat.device)
+    chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()))
+    for s in range(0, rows.numel(), chunk):
+        r = rows[s : s + chunk]
+        logits = (flat[r].to(w.dtype) @ w.T).float()
+        valid[r] = t2d[logits.argmax(-1)]
+        argmax[r] = logits[:, draft_cols].argmax(-1)
+        del logits
     head = draft_head_VdH if draft_head_VdH is not None else draft_rows(w, t2d)
-    return Teacher(last_hidden_BTH, head, torch.cat(argmaxes).view(b, t), valid)
+    return Teacher(last_hidden_BTH, head, argmax.view(b, t), valid.view(b, t))
 
 
 class _FusedHeadKL(torch.autograd.Function):
@@ -101,42 +105,45 @@ class _FusedHeadKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight_VH, teacher: Teacher, step_weights: list[float], chunk: int, need_grad: bool, *normed):
         k = len(normed)
-        b, t, _ = normed[0].shape
-        valid = teacher.valid_BT
-        num_valid = [int(valid[:, 1 + j :].sum()) for j in range(k)]  # step j reads rows 1+j..T-1
-        scales = [w / max(n, 1) for w, n in zip(step_weights, num_valid)]
+        b, t, h = normed[0].shape
         device = normed[0].device
+        # Only valid teacher rows carry loss or gradient: walk them, compacted (flat ids b·T + i).
+        rows = teacher.valid_BT.flatten().nonzero().squeeze(-1)
+        row_pos = rows % t
+        num_valid = [int((row_pos >= 1 + j).sum()) for j in range(k)]  # step j: row i teaches position i-1-j
+        scales = [w / max(n, 1) for w, n in zip(step_weights, num_valid)]
+        flat_x = [x.reshape(b * t, h) for x in normed]
+        argmax = teacher.argmax_BT.flatten()
         kl_sums = torch.zeros(k, dtype=torch.float64, device=device)
         correct = torch.zeros(k, dtype=torch.int64, device=device)
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_grad else None
-        grad_x = [torch.zeros_like(x, dtype=torch.float32) for x in normed] if need_grad else []
-        for s in range(1, t, chunk):  # row 0 teaches no position
-            e = min(s + chunk, t)
-            logp = teacher.logp(s, e)
-            p = logp.exp()
+        grad_x = [torch.zeros(b * t, h, dtype=torch.float32, device=device) for _ in normed] if need_grad else []
+        for s in range(0, rows.numel(), chunk):
+            r, i = rows[s : s + chunk], row_pos[s : s + chunk]
+            p = teacher.logp_rows(r).exp_()
             neg_entropy = torch.xlogy(p, p).sum(-1)  # xlogy: 0·log 0 = 0
-            for j, x_all in enumerate(normed):
-                lo = max(s, 1 + j)
-                if lo >= e:
+            for j in range(k):
+                keep = i >= 1 + j
+                if not bool(keep.any()):
                     continue
-                v = valid[:, lo:e]
-                x = x_all[:, lo - 1 - j : e - 1 - j]
+                all_kept = bool(keep.all())
+                pos = (r if all_kept else r[keep]) - 1 - j  # same sequence: i-1-j >= 0
+                p_j = p if all_kept else p[keep]
+                x = flat_x[j][pos]
                 logits = (x @ weight_VH.T).float()
                 logq = F.log_softmax(logits, dim=-1)
-                p_j = p[:, lo - s :]
-                kl = neg_entropy[:, lo - s :] - (p_j * logq).sum(-1)
-                kl_sums[j] += torch.where(v, kl, torch.zeros_like(kl)).sum()
-                correct[j] += ((logits.argmax(-1) == teacher.argmax_BT[:, lo:e]) & v).sum()
+                ent = neg_entropy if all_kept else neg_entropy[keep]
+                kl_sums[j] += (ent - torch.linalg.vecdot(p_j, logq)).sum()
+                correct[j] += (logits.argmax(-1) == argmax[r if all_kept else r[keep]]).sum()
                 if need_grad:
-                    g = (logq.exp_() - p_j) * (v * scales[j]).unsqueeze(-1)  # dKL/dlogits = q - p
-                    g = g.to(weight_VH.dtype)
-                    grad_x[j][:, lo - 1 - j : e - 1 - j] += g @ weight_VH
-                    grad_w += g.flatten(0, 1).T @ x.flatten(0, 1).to(g.dtype)
+                    g = logq.exp_().sub_(p_j).mul_(scales[j]).to(weight_VH.dtype)  # dKL/dlogits = q - p
+                    grad_x[j].index_add_(0, pos, (g @ weight_VH).to(torch.float32))
+                    grad_w += g.T @ x.to(g.dtype)
                 del logits, logq
         stats = torch.stack([kl_sums.cpu(), torch.tensor(num_valid, dtype=torch.float64), correct.cpu().double()], 1)
         loss = sum(sc * kl for sc, kl in zip(scales, stats[:, 0].tolist()))
         ctx.save_for_backward(*([grad_w, *grad_x] if need_grad else []))
-        ctx.dtypes = [x.dtype for x in normed]
+        ctx.dtypes, ctx.shapes = [x.dtype for x in normed], [x.shape for x in normed]
         ctx.mark_non_differentiable(stats)
         return torch.tensor(loss, dtype=torch.float32, device=device), stats
 
@@ -144,7 +151,7 @@ class _FusedHeadKL(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_stats):
         grad_w, *grad_x = ctx.saved_tensors
         return (grad_w * grad_loss, None, None, None, None,
-                *[(g * grad_loss).to(dt) for g, dt in zip(grad_x, ctx.dtypes)])
+                *[(g * grad_loss).to(dt).view(shape) for g, dt, shape in zip(grad_x, ctx.dtypes, ctx.shapes)])
 
 
 def ttt_loss(
@@ -156,8 +163,8 @@ def ttt_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted TTT loss over the steps' normed drafter outputs [B,T,H] and per-step (kl_sum, num_valid, num_correct)."""
     weights = weights if weights is not None else step_weights(len(normed_hiddens))
-    t = normed_hiddens[0].shape[1]
-    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, t))
+    b, t = normed_hiddens[0].shape[:2]
+    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, b * t))
     need_grad = torch.is_grad_enabled() and (
         lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
     )

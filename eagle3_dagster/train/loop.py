@@ -99,6 +99,30 @@ class History:
     steps: list[dict[str, float]] = field(default_factory=list)
 
 
+def return_freed_cpu_memory(threshold_bytes: int = 1 << 20) -> bool:
+    """Make glibc hand freed blocks of `threshold_bytes` or more straight back to the OS (CPU training).
+
+    glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB), so after
+    the first step a TTT step's many 8–32 MiB activations come from the heap, whose freed holes
+    stay resident: peak RSS at 8k tokens was ~1.8× the live tensors (benchmarks/ttt_step.py).
+    A fixed threshold (what MALLOC_MMAP_THRESHOLD_ sets) stops that; no measurable speed cost
+    there. Returns False where there is no glibc (then nothing changes).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    m_mmap_threshold = -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, int(threshold_bytes)))
+
+
 class Trainer:
     def __init__(self, objective: nn.Module, drafter: Eagle3Drafter, dataset: HiddenSamples, sampler: BucketedSampler,
                  cfg: LoopConfig, checkpointer: Checkpointer, device: torch.device,
@@ -112,6 +136,8 @@ class Trainer:
         self.tokens_seen = 0
         self.history = History()
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+        if device.type == "cpu":
+            return_freed_cpu_memory()
 
     def resume_if_possible(self) -> bool:
         path = self.checkpointer.latest()

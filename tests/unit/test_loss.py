@@ -27,7 +27,7 @@ def _teacher_setup(draft_head=None):
 
 def test_teacher_restricts_logits_to_draft_vocab_before_softmax():
     teacher = _teacher_setup()
-    p0 = teacher.logp(0, 1)[0, 0].exp()
+    p0 = teacher.logp_rows(torch.tensor([0]))[0].exp()
     want = torch.softmax(torch.tensor([2.0, 1.0]), -1)
     torch.testing.assert_close(p0, want)
     assert teacher.argmax_BT[0].tolist() == [0, 1, 1, 0]
