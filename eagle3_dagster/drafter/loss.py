@@ -49,6 +49,28 @@ def chunk_rows_for(vocab: int, num_rows: int, budget: int = CHUNK_ELEMENTS) -> i
     return max(16, min(num_rows, budget // max(vocab, 1)))
 
 
+def _span(idx: torch.Tensor) -> slice | None:
+    """`idx` as a slice when it is a run of consecutive ids (the usual case), else None."""
+    n = idx.numel()
+    if n and int(idx[-1]) - int(idx[0]) + 1 == n:
+        return slice(int(idx[0]), int(idx[0]) + n)
+    return None
+
+
+def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    span = _span(idx)
+    return x[span] if span is not None else x.index_select(0, idx)
+
+
+def _put_rows(dst: torch.Tensor, idx: torch.Tensor, value: torch.Tensor) -> None:
+    """dst[idx] = value (ids unique); a slice copy for runs (CPU index kernels cost ~10 ms a call)."""
+    span = _span(idx)
+    if span is not None:
+        dst[span] = value
+    else:
+        dst.index_copy_(0, idx, value.to(dst.dtype))
+
+
 @dataclass
 class Teacher:
     """What the loss needs of the target per row i (all O(tokens)); draft-vocab log-probs are recomputed."""
@@ -61,7 +83,7 @@ class Teacher:
     def logp_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Draft-vocab log-probs [n, V_draft] (fp32) of the flat (b·T + i) teacher rows `rows`."""
         w = self.draft_head_VdH
-        hidden = self.last_hidden_BTH.reshape(-1, self.last_hidden_BTH.shape[-1])[rows]
+        hidden = _take_rows(self.last_hidden_BTH.reshape(-1, self.last_hidden_BTH.shape[-1]), rows)
         return F.log_softmax((hidden.to(w.dtype) @ w.T).float(), dim=-1)
 
 
@@ -129,7 +151,7 @@ class _FusedHeadKL(torch.autograd.Function):
                 all_kept = bool(keep.all())
                 pos = (r if all_kept else r[keep]) - 1 - j  # same sequence: i-1-j >= 0
                 p_j = p if all_kept else p[keep]
-                x = flat_x[j][pos]
+                x = _take_rows(flat_x[j], pos)
                 logits = (x @ weight_VH.T).float()
                 logq = F.log_softmax(logits, dim=-1)
                 ent = neg_entropy if all_kept else neg_entropy[keep]
@@ -137,7 +159,8 @@ class _FusedHeadKL(torch.autograd.Function):
                 correct[j] += (logits.argmax(-1) == argmax[r if all_kept else r[keep]]).sum()
                 if need_grad:
                     g = logq.exp_().sub_(p_j).mul_(scales[j]).to(weight_VH.dtype)  # dKL/dlogits = q - p
-                    grad_x[j].index_add_(0, pos, (g @ weight_VH).to(torch.float32))
+                    # row i is the only one teaching position i-1-j at step j: a put, not an add
+                    _put_rows(grad_x[j], pos, g @ weight_VH)
                     grad_w += g.T @ x.to(g.dtype)
                 del logits, logq
         stats = torch.stack([kl_sums.cpu(), torch.tensor(num_valid, dtype=torch.float64), correct.cpu().double()], 1)

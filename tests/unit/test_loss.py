@@ -90,7 +90,7 @@ def naive_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last):
     return total, torch.tensor(stats, dtype=torch.float64)
 
 
-def _problem(seed=0, b=2, t=29, vocab=64, draft_vocab=24):
+def _problem(seed=0, b=2, t=29, vocab=64, draft_vocab=24, all_valid=False):
     torch.manual_seed(seed)
     cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=4, vocab_size=vocab, draft_vocab_size=draft_vocab,
@@ -105,8 +105,12 @@ def _problem(seed=0, b=2, t=29, vocab=64, draft_vocab=24):
     lm_head = torch.randn(vocab, 12, dtype=torch.float64) * 2
     # the target mostly agrees with itself: make several argmaxes land in the draft vocab
     lm_head[t2d] += 1.5
-    batch = (torch.randint(0, vocab, (b, t)), (torch.rand(b, t) > 0.3).long(),
-             torch.randn(b, t, 36, dtype=torch.float64), torch.randn(b, t, 12, dtype=torch.float64))
+    ids, mask = torch.randint(0, vocab, (b, t)), (torch.rand(b, t) > 0.3).long()
+    aux, last = torch.randn(b, t, 36, dtype=torch.float64), torch.randn(b, t, 12, dtype=torch.float64)
+    if all_valid:  # every row supervised and its argmax a draft token: chunks are runs of consecutive rows
+        mask = torch.ones_like(mask)
+        last = lm_head[t2d.nonzero().squeeze(-1)[torch.randint(0, draft_vocab, (b, t))]] * 10
+    batch = (ids, mask, aux, last)
     return drafter, lm_head, batch
 
 
@@ -116,14 +120,18 @@ def _grads(model):
 
 @pytest.mark.parametrize("chunk_rows", [5, 7, 1000])
 @pytest.mark.parametrize("recompute_mlp", [False, True])
-def test_fused_chunked_loss_equals_naive_reference_in_loss_metrics_and_gradients(chunk_rows, recompute_mlp):
-    drafter, lm_head, (ids, mask, aux, last) = _problem()
+@pytest.mark.parametrize("all_valid", [False, True], ids=["some_rows_valid", "all_rows_valid"])
+def test_fused_chunked_loss_equals_naive_reference_in_loss_metrics_and_gradients(chunk_rows, recompute_mlp,
+                                                                                 all_valid):
+    drafter, lm_head, (ids, mask, aux, last) = _problem(all_valid=all_valid)
     num_steps = 4
     drafter.zero_grad()
     want_loss, want_stats = naive_objective(drafter, lm_head, num_steps, ids, mask, aux, last)
     want_loss.backward()
     want_grads = _grads(drafter)
     assert want_stats[:, 1].min() > 0 and want_stats[:, 2].sum() > 0  # valid rows and correct drafts exist
+    if all_valid:
+        assert want_stats[:, 1].tolist() == [2 * (29 - 2 - j) for j in range(num_steps)]  # last row: no next
 
     from eagle3_dagster.drafter.ttt import ttt_unroll
 
