@@ -41,8 +41,11 @@ import torch
 import torch.nn.functional as F
 
 STEP_WEIGHT_DECAY = 0.8  # EAGLE main.py `ploss_weight = [0.8 ** i ...]`
-# Elements of one [rows, vocab] fp32 temporary (16 MiB): rows per chunk = this // vocab.
+# Elements of one [rows, vocab] fp32 temporary (16 MiB): rows per chunk = this // vocab. The loss
+# holds a handful of them per chunk; the teacher's full-vocab pass holds one, at 64 MiB, so its
+# chunks stay long enough to amortise reading the whole target lm_head once per chunk.
 CHUNK_ELEMENTS = 1 << 22
+TEACHER_CHUNK_ELEMENTS = 1 << 24
 
 
 def chunk_rows_for(vocab: int, num_rows: int, budget: int = CHUNK_ELEMENTS) -> int:
@@ -110,7 +113,7 @@ def build_teacher(
     rows = supervised_next.flatten().nonzero().squeeze(-1)  # a row nothing learns from needs no logits
     argmax = torch.zeros(b * t, dtype=torch.long, device=flat.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=flat.device)
-    chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()))
+    chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()), TEACHER_CHUNK_ELEMENTS)
     for s in range(0, rows.numel(), chunk):
         r = rows[s : s + chunk]
         logits = (flat[r].to(w.dtype) @ w.T).float()
