@@ -16,6 +16,7 @@ import dagster as dg
 from assets._common import (
     GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
+from assets.hidden_states import current_plan
 from assets.settings import code_version, settings_metadata
 from eagle3_dagster.config import Profile
 
@@ -43,7 +44,8 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.train import finish_training, prepare_training
 
         tag_run(context, profile)
-        plan = prepare_training(profile, layout(profile), retry_number=context.retry_number)
+        plan = prepare_training(profile, layout(profile), plan=current_plan(context.instance),
+                                retry_number=context.retry_number)
         context.log.info(f"launching: {' '.join(plan.command)}")
         invocation = context.resources.gpu_host.run_pipes(
             context=context, command=plan.command, env=plan.env, cwd=plan.cwd
@@ -92,17 +94,16 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
     """What produced this drafter, named so that each link can be followed in the instance:
     merged_train's and each shard's data versions, target_model's identity, the code and packages."""
     from eagle3_dagster.hidden.shards import load_manifest
-    from eagle3_dagster.io import sha256_file
     from eagle3_dagster.provenance import git_sha, package_versions
-    from eagle3_dagster.stages.hidden import hidden_context
+    from eagle3_dagster.stages.hidden import load_plan
 
-    ctx = hidden_context(profile, layout(profile))
+    ctx = load_plan(current_plan(context.instance))
     manifest = load_manifest(ctx.version_dir)
     shards = [{"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
               for key, e in sorted(manifest.items())]
     return {
         "target_identity": ctx.target.identity,
-        "merged_train_sha256": sha256_file(ctx.merged_train),
+        "merged_train_sha256": ctx.merged_train_sha256,
         "hidden_version": ctx.version,
         "num_shards": len(shards),
         "shards": table(shards, {"sha256": "the shard's data version (hidden_states partition)"}),

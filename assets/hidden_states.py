@@ -87,14 +87,16 @@ def build(profile: Profile) -> list:
     )
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
-        from eagle3_dagster.stages.hidden import extract_stage, hidden_context
+        from eagle3_dagster.stages.hidden import extract_stage, load_plan
 
         tag_run(context, profile, "hidden_states")
-        require_plan_fits(context.instance, hidden_context(profile, layout(profile)).version,
-                          str(layout(profile).hidden_root))
+        plan = current_plan(context.instance)
+        ctx = load_plan(plan)
+        require_plan_fits(context.instance, ctx.version, str(layout(profile).hidden_root))
+        require_plan_current(context.instance, ctx.merged_train_sha256)
         keys = list(context.partition_keys)
         report, checks = extract_stage(
-            profile, layout(profile), keys, gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context)
+            profile, plan, keys, gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context)
         )
         results = [
             dg.AssetCheckResult(check_name=name, passed=passed, severity=dg.AssetCheckSeverity.ERROR,
@@ -118,7 +120,8 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.hidden import cleanup_stage
 
         tag_run(context, profile)
-        report = cleanup_stage(profile, layout(profile), dry_run=config.dry_run, log=context.log.info)
+        report = cleanup_stage(profile, layout(profile), dry_run=config.dry_run, log=context.log.info,
+                               plan=current_plan(context.instance))
         context.log_event(
             dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
         )
@@ -139,6 +142,28 @@ def _check_numbers(name: str, detail: str, meta: dict) -> dict:
     if name == BYTES_CHECK:
         out["bytes_written"] = meta.get("bytes_written")
     return {k: v for k, v in out.items() if v is not None}
+
+
+def current_plan(instance: dg.DagsterInstance) -> str:
+    """The plan contract of extraction_plan's latest materialization (the stages read it, never recompute it)."""
+    from eagle3_dagster.contracts import PLAN_CONTRACT_KEY
+
+    event = instance.get_latest_materialization_event(dg.AssetKey("extraction_plan"))
+    meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
+    if PLAN_CONTRACT_KEY not in meta:
+        raise dg.Failure(description="extraction_plan has no materialization with a plan contract: materialize "
+                         "extraction_plan first.")
+    return str(meta[PLAN_CONTRACT_KEY].value)
+
+
+def require_plan_current(instance: dg.DagsterInstance, planned_sha256: str) -> None:
+    """Refuse a plan made for another merged_train than the latest one (its data version is its sha256)."""
+    record = instance.get_latest_materialization_event(dg.AssetKey("merged_train"))
+    tags = (record.asset_materialization.tags or {}) if record and record.asset_materialization else {}
+    latest = tags.get("dagster/data_version")
+    if latest is not None and latest != planned_sha256:
+        raise dg.Failure(description=f"plan mismatch: extraction_plan was made for merged_train {planned_sha256[:12]}, "
+                         f"the latest merged_train is {latest[:12]}; materialize extraction_plan again.")
 
 
 def require_plan_fits(instance: dg.DagsterInstance, version: str, hidden_root: str) -> None:

@@ -21,6 +21,14 @@ HF_BACKEND_CODE_VERSION = "hf-1"
 SGLANG_BACKEND_CODE_VERSION = "sglang-1"
 BACKEND_CODE_VERSIONS = {"hf": HF_BACKEND_CODE_VERSION, "sglang": SGLANG_BACKEND_CODE_VERSION}
 
+# extraction_plan's output contract, written once into the version folder it plans: the version, the shard
+# specs, the shard format (code version included) and the inputs it was computed from. hidden_states
+# partitions, training and cleanup read it (found through extraction_plan's materialization metadata under
+# PLAN_CONTRACT_KEY) instead of re-parsing and re-hashing merged_train.
+PLAN_CONTRACT = "plan.json"
+PLAN_CONTRACT_KEY = "plan_contract"
+PLAN_CONTRACT_VERSION = 1
+
 
 class TokenizedRecord(TypedDict, total=False):
     """One line of tokenized_data.jsonl and merged_train.jsonl."""

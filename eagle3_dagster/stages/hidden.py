@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from eagle3_dagster.config import Profile
-from eagle3_dagster.contracts import BACKEND_CODE_VERSIONS, ArtifactLayout
+from eagle3_dagster.contracts import (
+    BACKEND_CODE_VERSIONS,
+    PLAN_CONTRACT,
+    PLAN_CONTRACT_KEY,
+    PLAN_CONTRACT_VERSION,
+    ArtifactLayout,
+)
 from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_extraction, shard_bytes, shard_manifest_bytes
 from eagle3_dagster.hidden.sharding import ShardSpec, hidden_version, plan_shards
 from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
@@ -31,6 +37,48 @@ class HiddenContext:
     version: str
     version_dir: Path
     merged_train: Path
+    merged_train_sha256: str = ""
+
+
+def write_plan(ctx: HiddenContext) -> Path:
+    """extraction_plan's contract: everything later stages need, computed once."""
+    from dataclasses import asdict
+
+    from eagle3_dagster.io import atomic_write_json
+
+    path = ctx.version_dir / PLAN_CONTRACT
+    ctx.version_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {
+        "contract_version": PLAN_CONTRACT_VERSION,
+        "version": ctx.version,
+        "version_dir": str(ctx.version_dir),
+        "merged_train": str(ctx.merged_train),
+        "merged_train_sha256": ctx.merged_train_sha256,
+        "target": {**asdict(ctx.target), "path": str(ctx.target.path)},
+        "format": asdict(ctx.fmt),
+        "shards": [asdict(s) for s in ctx.shards],
+    })
+    return path
+
+
+def load_plan(path: Path | str) -> HiddenContext:
+    """The HiddenContext extraction_plan wrote; an error names the file when it is missing or foreign."""
+    from eagle3_dagster.io import read_json
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"extraction plan {path} not found; materialize extraction_plan first")
+    raw = read_json(path)
+    if raw.get("contract_version") != PLAN_CONTRACT_VERSION:
+        raise ValueError(f"{path}: plan contract version {raw.get('contract_version')!r}, this code reads "
+                         f"{PLAN_CONTRACT_VERSION}; materialize extraction_plan again")
+    t = raw["target"]
+    target = TargetFacts(**{**t, "path": Path(t["path"]), "aux_layers": tuple(t["aux_layers"])})
+    fmt = ShardFormat(**{**raw["format"], "aux_layers": tuple(raw["format"]["aux_layers"])})
+    shards = [ShardSpec(**{**s, "sample_ids": tuple(s["sample_ids"]), "lengths": tuple(s["lengths"])})
+              for s in raw["shards"]]
+    return HiddenContext(target, shards, fmt, raw["version"], Path(raw["version_dir"]), Path(raw["merged_train"]),
+                         raw["merged_train_sha256"])
 
 
 def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
@@ -41,8 +89,9 @@ def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
     shards = plan_shards(merged, profile.hidden.samples_per_shard,
                          max_seq_len=profile.data.max_seq_len, vocab_size=target.vocab_size)
     backend_version = BACKEND_CODE_VERSIONS[profile.hidden.backend]
+    merged_sha = sha256_file(merged)
     version = hidden_version(
-        target.identity, sha256_file(merged), list(target.aux_layers), profile.hidden.dtype, backend_version,
+        target.identity, merged_sha, list(target.aux_layers), profile.hidden.dtype, backend_version,
         samples_per_shard=profile.hidden.samples_per_shard,
         batch_tokens=profile.hidden.batch_tokens if profile.hidden.backend == "hf" else None,
     )
@@ -50,11 +99,13 @@ def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
         hidden_size=target.hidden_size, dtype=profile.hidden.dtype, aux_layers=target.aux_layers,
         target_identity=target.identity, code_version=backend_version,
     )
-    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged)
+    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged, merged_sha)
 
 
 def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
+    """The only stage that reads and hashes merged_train for extraction; it writes the plan contract."""
     ctx = hidden_context(profile, layout)
+    contract = write_plan(ctx)
     plan = plan_extraction(
         ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
         throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
@@ -76,18 +127,21 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
                                 for v in plan.superseded],
         "superseded_bytes": plan.superseded_bytes,
         "aux_layers_canonical": list(ctx.target.aux_layers),
+        "merged_train_sha256": ctx.merged_train_sha256,
+        PLAN_CONTRACT_KEY: str(contract),
     })
     return report, plan.fits, plan.message
 
 
-def extract_stage(profile: Profile, layout: ArtifactLayout, keys: list[str], *, gpu_host: "GpuHost | None" = None,
+def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
                   progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
-    ctx = hidden_context(profile, layout)
+    """Extract the named shards of the plan contract at `plan` (extraction_plan's output)."""
+    ctx = load_plan(plan)
     by_key = {s.key: s for s in ctx.shards}
     unknown = [k for k in keys if k not in by_key]
     if unknown:
-        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the current merged_train "
-                       f"({len(ctx.shards)} shards); the sensor re-registers partitions when merged_train changes")
+        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the plan {plan} "
+                       f"({len(ctx.shards)} shards); materialize extraction_plan for the current merged_train")
     specs = [by_key[k] for k in keys]
     extra: dict = {}
     if profile.hidden.backend == "hf":
@@ -219,8 +273,10 @@ def _driver_result(lines) -> dict:
 
 
 def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = True,
-                  log: Callable[[str], None] = print) -> StageReport:
-    ctx = hidden_context(profile, layout)
+                  log: Callable[[str], None] = print, plan: Path | str | None = None) -> StageReport:
+    """Delete versions other than the planned one (from the plan contract; the CLI, with no instance to ask,
+    plans afresh)."""
+    ctx = load_plan(plan) if plan is not None else hidden_context(profile, layout)
     result = cleanup_superseded(layout.hidden_root, ctx.version, dry_run=dry_run, log=log)
     return StageReport(metadata={
         "dry_run": result.dry_run,

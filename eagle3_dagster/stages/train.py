@@ -25,7 +25,7 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import read_json
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
-from eagle3_dagster.stages.hidden import hidden_context
+from eagle3_dagster.stages.hidden import hidden_context, load_plan
 
 # The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
 PIPES_WORKER = "resources.pipes_child"
@@ -40,12 +40,13 @@ class TrainPlan:
     out_dir: Path
 
 
-def prepare_training(profile: Profile, layout: ArtifactLayout, *, retry_number: int = 0,
-                     python: str | None = None) -> TrainPlan:
+def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | str | None = None,
+                     retry_number: int = 0, python: str | None = None) -> TrainPlan:
+    """The torchrun job for the shards of extraction_plan's contract at `plan` (planned afresh when None)."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 
-    ctx = hidden_context(profile, layout)
+    ctx = load_plan(plan) if plan is not None else hidden_context(profile, layout)
     done = load_manifest(ctx.version_dir) if ctx.version_dir.exists() else {}
     missing = [s.key for s in ctx.shards if s.key not in done]
     if missing:
