@@ -225,3 +225,53 @@ def test_a_prompt_record_without_a_prompt_field_is_named_in_the_error(tmp_path):
     path.write_text('{"question": "ok?"}\n{"answer": "no prompt here"}\n')
     with pytest.raises(ValueError, match=r"prompt set gsm8k: record 1 of .*bad.jsonl"):
         load_prompt_set("gsm8k", 5, path)
+
+
+def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_target):
+    """The stage end to end: prompts rendered and capped here, each server + client on the host.
+
+    The host's interpreter is a wrapper whose `sglang.launch_server` is the stand-in, so the stage
+    starts "SGLang" exactly as in production (`python -m sglang.launch_server ...`).
+    """
+    import shutil
+
+    import orjson
+
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.contracts import ArtifactLayout
+    from eagle3_dagster.stages.bench import benchmark_stage
+
+    site = tmp_path / "site" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    shutil.copy(STANDIN, site / "launch_server.py")
+    python = tmp_path / "python"
+    root = Path(__file__).resolve().parents[2]
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:{root}" STANDIN_LOAD_S=0.5 exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    questions = [f"What is {i} plus {i}?" for i in range(4)] + ["Explain this. " + "word " * 2000]
+    prompts = tmp_path / "gsm8k.jsonl"
+    prompts.write_bytes(b"".join(orjson.dumps({"question": q, "answer": "x"}) + b"\n" for q in questions))
+    port = _free_port()
+    profile = load_profile("micro", overrides={
+        "run_root": str(tmp_path / "run"),
+        "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
+        "bench": {"sets": ["gsm8k"], "set_paths": {"gsm8k": str(prompts)}, "num_prompts": 5, "max_new_tokens": 16,
+                  "spec_configs": [[3, 1, 4]], "concurrency": 2}})
+    layout = ArtifactLayout.from_profile(profile)
+    shutil.copytree(micro_target, layout.target_dir)
+    host = GpuHost(HostSpec("local", str(python), str(tmp_path / "work")))
+    logs: list[str] = []
+    report = benchmark_stage(profile, layout, export_dir=tmp_path / "export", previous_results=None, run_id="r1",
+                             gpu_host=host, progress=logs.append)
+    results = json.loads(Path(report.metadata["results_json"]).read_text())
+    rows = {r["method"]: r for r in results["rows"]}
+    assert set(rows) == {"no_spec", "eagle3"} and rows["eagle3"]["spec"] == "3,1,4"
+    assert rows["no_spec"]["num_prompts"] == rows["eagle3"]["num_prompts"] == 4  # the long question left out
+    assert results["sets"]["gsm8k"]["num_left_out_over_context"] == 1
+    assert results["sets"]["gsm8k"]["max_prompt_tokens"] == profile.target.serving_context - 16
+    assert rows["eagle3"]["acceptance_length"] > 1 and rows["eagle3"]["server_avg_accept_length"] > 1
+    assert rows["no_spec"]["acceptance_length"] is None
+    launches = [line for line in logs if line.startswith("[sglang] stand-in sglang")]
+    assert len(launches) == 2 and launches[0] != launches[1]  # two servers, each with its own name
+    assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()
