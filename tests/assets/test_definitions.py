@@ -50,13 +50,11 @@ def test_production_target_is_observed_and_demo_target_is_built() -> None:
     assert demo.get(dg.AssetKey("target_model")).is_materializable
 
 
-def test_gpu_assets_share_the_gpu_host_pool_and_every_asset_has_a_code_version() -> None:
+def test_gpu_assets_share_the_gpu_host_pool() -> None:
+    # Code versions are tested for what they invalidate (below): a missing one would invalidate nothing.
     graph = build_definitions(load_profile("micro")).resolve_asset_graph()
     for name in ["hidden_states", "drafter_checkpoint", "benchmark_report"]:
         assert graph.get(dg.AssetKey(name)).pools == {"gpu_host"}, name
-    for name in GRAPH:
-        node = graph.get(dg.AssetKey(name))
-        assert node.code_version, name
 
 
 def test_hidden_state_shards_are_dynamic_partitions_and_datasets_static() -> None:
