@@ -95,7 +95,7 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
     merged_train's and each shard's data versions, target_model's identity, the code and packages."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.provenance import git_sha, package_versions
-    from eagle3_dagster.stages.hidden import load_plan
+    from eagle3_dagster.hidden.context import load_plan
 
     ctx = load_plan(current_plan(context.instance))
     manifest = load_manifest(ctx.version_dir)

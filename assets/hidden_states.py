@@ -87,7 +87,8 @@ def build(profile: Profile) -> list:
     )
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
-        from eagle3_dagster.stages.hidden import extract_stage, load_plan
+        from eagle3_dagster.hidden.context import load_plan
+        from eagle3_dagster.stages.hidden import extract_stage
 
         tag_run(context, profile, "hidden_states")
         plan = current_plan(context.instance)

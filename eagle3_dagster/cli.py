@@ -160,7 +160,7 @@ def _export(profile, layout, fmt: str, out: Path) -> int:
     from tqdm import tqdm
 
     from eagle3_dagster.hidden.export_formats import export_specforge, export_speculators, load_final_norm_weight
-    from eagle3_dagster.stages.hidden import hidden_context
+    from eagle3_dagster.hidden.context import hidden_context
 
     ctx = hidden_context(profile, layout)
     if not ctx.version_dir.exists():

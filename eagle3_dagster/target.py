@@ -1,9 +1,10 @@
 """What a target model directory is, cheaply: its identity, its text config and a summary.
 
 Owns: the target's data version (`target_identity`), reading the text model's
-config through Kimi-K2.5's multimodal wrapper, and the summary the
-`target_model` asset shows. It never reads weight bytes, so it is as cheap on
-a 1 TB checkpoint as on the tiny target.
+config through Kimi-K2.5's multimodal wrapper (the one place `config.json` of a
+target is parsed), the summary the `target_model` asset shows, and `TargetFacts`,
+what every later stage needs about the profile's target. It never reads weight
+bytes, so it is as cheap on a 1 TB checkpoint as on the tiny target.
 """
 
 from __future__ import annotations
@@ -11,9 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
+
+from eagle3_dagster.layers import default_aux_layers, validate_aux_layers
+
+if TYPE_CHECKING:
+    from eagle3_dagster.config import Profile
+    from eagle3_dagster.contracts import ArtifactLayout
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 # Header length is a little-endian u64; anything larger than this is not a real safetensors file.
@@ -120,3 +129,35 @@ def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
             f"{model_dir}: this model's tokenizer is Python code shipped with the checkpoint, which runs only when "
             f"the profile sets target.trust_remote_code: true (read that code first: it runs with your rights)"
         ) from None
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    path: Path
+    identity: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layers: tuple[int, ...]  # canonical numbering
+
+
+def target_dir(profile: "Profile", layout: "ArtifactLayout") -> Path:
+    return layout.target_dir if profile.target.kind == "tiny" else Path(profile.target.path)
+
+
+def target_facts(profile: "Profile", layout: "ArtifactLayout") -> TargetFacts:
+    """What every later stage needs about the profile's target: where, which (identity), its sizes and the
+    canonical aux layers (the profile's, else EAGLE-3's default for its depth)."""
+    path = target_dir(profile, layout)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"target_model: {path}/config.json not found; materialize target_model first")
+    summary = target_summary(path)
+    layers = profile.hidden.aux_layers or default_aux_layers(summary["num_layers"])
+    return TargetFacts(
+        path=path,
+        identity=target_identity(path),
+        num_layers=summary["num_layers"],
+        hidden_size=summary["hidden_size"],
+        vocab_size=summary["vocab_size"],
+        aux_layers=tuple(validate_aux_layers(list(layers), summary["num_layers"])),
+    )

@@ -15,7 +15,7 @@ import sys
 
 from dagster_pipes import DAGSTER_PIPES_CONTEXT_ENV_VAR, PipesContext, open_dagster_pipes
 
-from eagle3_dagster.train.__main__ import main as train_main
+from eagle3_dagster.train.worker import main as train_main
 
 
 class PipesReporter:

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from eagle3_dagster.bench.report import LengthBands, attach_speedups, band_entry, make_row
-from eagle3_dagster.stages import ProgressMeter
+from eagle3_dagster.progress import ProgressMeter
 
 # Timed rounds per method: enough for a median and a spread on a shared CPU (issue 13 saw one
 # back-to-back pair of single runs flip the ranking).

@@ -244,3 +244,17 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
         state = {k: h.get_tensor(k) for k in h.keys()}
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     return dcfg, state
+
+
+def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
+    """Rebuild the drafter from an SGLang-layout export plus the target's embedding."""
+    from eagle3_dagster.drafter.target_head import load_target_tensors
+
+    cfg, state = read_export(Path(export_dir))
+    embed = load_target_tensors(Path(target_dir), want=("embed",)).embed
+    model = Eagle3Drafter(cfg, embed.float(), state["d2t"], state["t2d"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})")
+    return model.eval()

@@ -264,18 +264,3 @@ class Eagle3Drafter(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything SGLang loads: all parameters and buffers except the frozen target embedding."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
-
-
-def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
-    """Rebuild the drafter from an SGLang-layout export plus the target's embedding."""
-    from eagle3_dagster.drafter.export import read_export
-    from eagle3_dagster.drafter.target_head import load_target_tensors
-
-    cfg, state = read_export(Path(export_dir))
-    embed = load_target_tensors(Path(target_dir), want=("embed",)).embed
-    model = Eagle3Drafter(cfg, embed.float(), state["d2t"], state["t2d"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("embed_tokens.")]
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})")
-    return model.eval()

@@ -42,11 +42,12 @@ class TargetArch:
 
     @classmethod
     def from_dir(cls, target_dir: Path) -> "TargetArch":
+        from eagle3_dagster.target import load_target_config  # the one reader of a target's config.json
+
         path = Path(target_dir) / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"{path}: target config not found")
-        raw = json.loads(path.read_text())
-        text = raw.get("text_config") or raw  # Kimi-K2.5 wraps the DeepSeek-V3 config
+        text = load_target_config(Path(target_dir))  # Kimi-K2.5's text_config, wrapper fields carried over
         try:
             return cls(
                 hidden_size=int(text["hidden_size"]),
@@ -56,7 +57,7 @@ class TargetArch:
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                 max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise ValueError(f"{path}: target config lacks field {e}") from None

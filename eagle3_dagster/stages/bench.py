@@ -17,7 +17,7 @@ from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
 from eagle3_dagster.stages import Progress, StageReport, no_progress
-from eagle3_dagster.stages.target import target_facts
+from eagle3_dagster.target import target_facts
 
 
 def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
@@ -119,7 +119,8 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     from eagle3_dagster.bench.report import LengthBands, results_document
     from eagle3_dagster.bench.served import prompt_token_limit
     from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, SpecConfig, run_inprocess_benchmark
-    from eagle3_dagster.drafter.model import Eagle3Drafter, load_drafter
+    from eagle3_dagster.drafter.export import load_drafter
+    from eagle3_dagster.drafter.model import Eagle3Drafter
 
     target = target_facts(profile, layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path)

@@ -17,7 +17,7 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.io import sha256_file
 from eagle3_dagster.stages import Progress, StageReport, no_progress
-from eagle3_dagster.stages.target import target_dir
+from eagle3_dagster.target import target_dir
 
 
 def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=None,

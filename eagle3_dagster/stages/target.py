@@ -1,46 +1,11 @@
-"""The target stage, and the facts about the target every later stage needs."""
+"""The target stage: build the tiny target (production observes an external one). The facts every later
+stage needs about a target are `eagle3_dagster.target.target_facts`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import ArtifactLayout
-from eagle3_dagster.layers import default_aux_layers, validate_aux_layers
 from eagle3_dagster.stages import Progress, StageReport, no_progress
-
-
-@dataclass(frozen=True)
-class TargetFacts:
-    path: Path
-    identity: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    aux_layers: tuple[int, ...]  # canonical numbering
-
-
-def target_dir(profile: Profile, layout: ArtifactLayout) -> Path:
-    return layout.target_dir if profile.target.kind == "tiny" else Path(profile.target.path)
-
-
-def target_facts(profile: Profile, layout: ArtifactLayout) -> TargetFacts:
-    from eagle3_dagster.target import target_identity, target_summary
-
-    path = target_dir(profile, layout)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"target_model: {path}/config.json not found; materialize target_model first")
-    summary = target_summary(path)
-    layers = profile.hidden.aux_layers or default_aux_layers(summary["num_layers"])
-    return TargetFacts(
-        path=path,
-        identity=target_identity(path),
-        num_layers=summary["num_layers"],
-        hidden_size=summary["hidden_size"],
-        vocab_size=summary["vocab_size"],
-        aux_layers=tuple(validate_aux_layers(list(layers), summary["num_layers"])),
-    )
 
 
 def build_target(profile: Profile, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:

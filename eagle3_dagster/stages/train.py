@@ -25,7 +25,7 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import read_json
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
-from eagle3_dagster.stages.hidden import hidden_context, load_plan
+from eagle3_dagster.hidden.context import hidden_context, load_plan
 
 # The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
 PIPES_WORKER = "resources.pipes_child"

@@ -44,3 +44,56 @@ def test_every_engine_module_imports_with_dagster_unavailable() -> None:
     out = subprocess.run([sys.executable, "-c", BLOCK_DAGSTER], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "imported" in out.stdout
+
+
+def _imports(path: Path) -> set[str]:
+    """eagle3_dagster modules a file imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in out if n.startswith("eagle3_dagster")}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in ENGINE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[name] = path
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_stages_depend_on_the_engine_not_on_each_other() -> None:
+    graph = _module_graph()
+    stage_modules = [m for m in graph if m.startswith("eagle3_dagster.stages.")]
+    crossing = {m: sorted(d for d in graph[m] if d.startswith("eagle3_dagster.stages.")) for m in stage_modules}
+    assert {m: d for m, d in crossing.items() if d} == {}
+    engine = [m for m in graph if not m.startswith(("eagle3_dagster.stages", "eagle3_dagster.cli"))]
+    assert {m: sorted(d for d in graph[m] if d.startswith("eagle3_dagster.stages")) for m in engine
+            if any(d.startswith("eagle3_dagster.stages") for d in graph[m])} == {}
+
+
+def test_no_import_cycle_in_the_engine() -> None:
+    graph = _module_graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if d.startswith(m + "."):
+                continue  # a package importing its own submodule is not a cycle
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d] if d in stack else [m, d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_dagster.drafter.export import SGLANG_EAGLE3_WEIGHTS, check_export, export_drafter
-from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter
+from eagle3_dagster.drafter.export import load_drafter
+from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 
 V, H, DV = 40, 16, 10

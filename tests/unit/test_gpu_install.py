@@ -39,7 +39,7 @@ SUPPORTED = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.
 # What runs on the GPU host: the dump hook inside SGLang, the extraction driver, the served-benchmark
 # client, and the torchrun worker (through the Pipes child). The argv that start them name these modules.
 GPU_HOST_MODULES = ["eagle3_dagster.sglang.dump_hook", "eagle3_dagster.sglang.driver", "eagle3_dagster.bench.served",
-                    "eagle3_dagster.train.__main__", "resources.pipes_child"]
+                    "eagle3_dagster.train.worker", "resources.pipes_child"]
 # Provided by the host itself: SGLang is the environment, and it brings its own CUDA torch.
 HOST_PROVIDED = {"sglang"}
 # The GPU host is Linux x86_64 whatever machine runs the test; extras of SGLang are not installed.
