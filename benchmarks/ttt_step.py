@@ -116,7 +116,8 @@ def _run_child(impl: str, length: int, vocab: int, draft_vocab: int, threads: in
         capture_output=True, text=True, env=env,
     )
     if proc.returncode != 0:
-        return {"impl": impl, "tokens": length, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        return {"impl": impl, "tokens": length, "error": f"exit {proc.returncode} {last}".strip()}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
