@@ -70,7 +70,8 @@ def table(rows: list[Mapping[str, Any]], descriptions: Mapping[str, str] | None 
     schema = dg.TableSchema(columns=[
         dg.TableColumn(c, _column_type([r.get(c) for r in rows]), description=descriptions.get(c)) for c in columns
     ])
-    records = [dg.TableRecord({c: _cell(r.get(c)) for c in columns if r.get(c) is not None}) for r in rows]
+    # Dagster requires every record to have every column; a missing value is None (shown empty).
+    records = [dg.TableRecord({c: _cell(r.get(c)) for c in columns}) for r in rows]
     return dg.MetadataValue.table(records, schema=schema)
 
 
@@ -86,6 +87,8 @@ def _column_type(values: list[Any]) -> str:
 
 
 def _cell(v: Any) -> Any:
+    if v is None:
+        return None
     if isinstance(v, float):
         return round_value(v)
     if isinstance(v, (str, int, bool)):
@@ -107,10 +110,6 @@ def rounded(meta: Mapping[str, Any]) -> dict[str, Any]:
         value = v.value if isinstance(v, dg.FloatMetadataValue) else v
         out[k] = dg.MetadataValue.float(round_value(value)) if isinstance(value, float) else v
     return out
-
-
-def path_meta(path: Path) -> dg.MetadataValue:
-    return dg.MetadataValue.path(str(path))
 
 
 def report_metadata(report: StageReport) -> dict[str, Any]:
