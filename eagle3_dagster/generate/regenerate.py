@@ -119,7 +119,9 @@ class _Run:
                                        repaired_bytes=store.repaired_bytes)
         self.failures: Counter[str] = Counter()
         self.attempt_failures: Counter[str] = Counter()
-        self.budget = Budget(settings.budget_usd, store.recorded_cost_usd, max_new_tokens=settings.max_new_tokens,
+        # a free backend (in-process) costs nothing: no cap, so no price is needed
+        cap = settings.budget_usd if backend.paid else None
+        self.budget = Budget(cap, store.recorded_cost_usd, max_new_tokens=settings.max_new_tokens,
                              price_per_completion_token=settings.price_per_completion_token,
                              price_per_prompt_token=settings.price_per_prompt_token)
         self.stop = False
