@@ -7,8 +7,9 @@ is the objective before issue 13, kept in `benchmarks/ttt_baseline.py`.
 
 Every measurement is a fresh subprocess (torch's allocator never returns
 memory, so a peak is only a peak per process): it builds the model, runs one
-warm-up step and times the next; the figure is that step's tokens/s and the
-process's peak resident set (`VmHWM`, absolute: it includes torch itself).
+warm-up step (below 4k tokens) and times the next max(1, 2048 // tokens)
+steps; the figure is their median tokens/s and the process's peak resident set
+(`VmHWM`, absolute: it includes torch itself).
 Rounds interleave the implementations (the order flips every round) so load
 from other processes on a shared machine hits both alike; the table gives the
 median over rounds and the spread (min–max). Baseline runs whose projected
@@ -35,6 +36,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 IMPLS = ("baseline", "new")
 TIMED_TOKENS = 2048  # a child times max(1, TIMED_TOKENS // length) steps after its warm-up step
+# From this length on a child times its first step (no warm-up: a step there is 10-100 s on 2 busy
+# cores); first-touch page faults then count for both implementations alike.
+NO_WARMUP_FROM = 4096
 
 
 def _peak_rss_mib() -> float:
@@ -93,7 +97,8 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
         opt.step()
         return float(loss.detach())
 
-    step()  # warm-up: first-touch page faults and kernel selection
+    if length < NO_WARMUP_FROM:
+        step()  # warm-up: first-touch page faults and kernel selection
     times = []
     for _ in range(max(1, TIMED_TOKENS // length)):  # short sequences: median of a few steps
         t0 = time.perf_counter()

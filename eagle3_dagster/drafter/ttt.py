@@ -34,7 +34,6 @@ from eagle3_dagster.drafter.model import Eagle3Drafter, repeat_kv
 
 DEFAULT_BLOCK = 512
 RECOMPUTE_MLP_FROM_TOKENS = 4096
-_CUDA_LSE_ALIGN = 32  # the memory-efficient kernel pads its logsumexp to a multiple of 32 queries
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,6 +53,8 @@ def _fused_forward(q, k, v) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
         return out, lse, ()
+    # CUDA: the memory-efficient kernel (any GPU, fp32 and bf16); it pads its logsumexp to a multiple of 32
+    # queries, and its backward wants that padded tensor back
     out, lse_padded, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
     return out, lse_padded[..., : q.shape[2]], (lse_padded, seed, offset)
 
@@ -70,8 +71,8 @@ def _fused_backward(grad_out, q, k, v, out, lse, extra) -> tuple[torch.Tensor, t
     return dq, dk, dv
 
 
-def _merge(q, out0, lse0, extra_k, extra_v):
-    """Join the causal part (out0, lse0) with the diagonal keys; returns (out, lse, diag probs) in >= fp32."""
+def _merge(q, out0, lse0, extra_k, extra_v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Join the causal part (out0, lse0) with the diagonal keys; returns (out, lse) in >= fp32."""
     acc = _acc_dtype(q)
     q32 = q.to(acc)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -81,7 +82,7 @@ def _merge(q, out0, lse0, extra_k, extra_v):
     probs = torch.exp(diag - lse[..., None])
     for i, v in enumerate(extra_v):
         out = out + probs[..., i : i + 1] * v.to(acc)
-    return out, lse, probs
+    return out, lse
 
 
 class _FusedTTTAttention(torch.autograd.Function):
@@ -91,7 +92,7 @@ class _FusedTTTAttention(torch.autograd.Function):
     def forward(ctx, q, k0, v0, num_extra: int, *extra):
         extra_k, extra_v = extra[:num_extra], extra[num_extra:]
         out0, lse0, kernel_state = _fused_forward(q, k0, v0)
-        out, lse, _ = _merge(q, out0, lse0, extra_k, extra_v)
+        out, lse = _merge(q, out0, lse0, extra_k, extra_v)
         out = out.to(q.dtype)
         ctx.num_extra, ctx.kernel_state = num_extra, kernel_state
         ctx.save_for_backward(q, k0, v0, out, lse, *extra)
@@ -174,7 +175,7 @@ def ttt_attention(
     if fused:
         return _FusedTTTAttention.apply(q_BNTD, k0_BNTD, v0_BNTD, len(extra_k), *extra_k, *extra_v)
     out0, lse0 = causal_attention_with_lse(q_BNTD, k0_BNTD, v0_BNTD, block)
-    out, _, _ = _merge(q_BNTD, out0, lse0, extra_k, extra_v)
+    out, _ = _merge(q_BNTD, out0, lse0, extra_k, extra_v)
     return out.to(q_BNTD.dtype)
 
 
