@@ -187,6 +187,14 @@ def _sorted(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (_METHOD_ORDER.get(r["method"], 9), r["method"], r["spec"] or ""))
 
 
+def _overlap(a: dict, b: dict, metric: str) -> bool:
+    """Both timed over rounds and their min–max ranges overlap."""
+    lo, hi = f"{metric}_min", f"{metric}_max"
+    if None in (a.get(lo), a.get(hi), b.get(lo), b.get(hi)):
+        return False
+    return a[lo] <= b[hi] and b[lo] <= a[hi]
+
+
 def compare_results(current: dict, previous: dict) -> list[dict]:
     """Per (set, method, spec) and metric: previous, current, change, and whether it is better."""
     prev = {_key(r): r for r in previous.get("rows", [])}
@@ -204,6 +212,8 @@ def compare_results(current: dict, previous: dict) -> list[dict]:
                 entry["relative"] = (now - before) / before if before else None
                 rel = entry["relative"] or 0.0
                 entry["verdict"] = "same" if abs(rel) < SAME_WITHIN else ("better" if rel > 0 else "worse")
+                if entry["verdict"] != "same" and _overlap(r, p, metric):
+                    entry["verdict"] = "same (within spread)"  # timing noise, not a change
             elif before is not None:
                 entry["verdict"] = "missing"
             out.append(entry)
@@ -351,7 +361,9 @@ def render_report(
     else:
         comparison = compare_results(results, previous)
         counts = {v: sum(c["verdict"] == v for c in comparison) for v in ("better", "worse", "same")}
+        noise = sum(c["verdict"] == "same (within spread)" for c in comparison)
         md.append(f"{counts['better']} better, {counts['worse']} worse, {counts['same']} unchanged "
-                  f"(within {SAME_WITHIN:.0%}).")
+                  f"(within {SAME_WITHIN:.0%})" + (f", {noise} timing changes inside the rounds' spread." if noise
+                                                   else "."))
         md += [""] + _comparison_table(comparison)
     return "\n".join(md) + "\n", results, pngs

@@ -145,3 +145,16 @@ def test_report_shows_bands_spread_left_out_prompts_and_says_cpu_speedups_do_not
     assert "one drafter step costs 0.06 of a target decode step" in md  # 0.0006 s/token × 100 tok/s
     assert "3 interleaved rounds" in md and "| 1.83× (1.64–2.00) | 181.8 (166.7–200.0) |" in md
     assert "| heldout_sharegpt | 5 | 2 | x |" in md
+
+
+def test_a_timing_change_inside_both_runs_spread_is_not_called_better_or_worse():
+    previous = _banded_results()
+    current = copy.deepcopy(previous)
+    eagle = next(r for r in current["rows"] if r["method"] == "eagle3")
+    eagle["tokens_per_s"] *= 1.05  # +5%, but both runs' min–max ranges overlap
+    verdicts = {c["metric"]: c["verdict"] for c in compare_results(current, previous) if c["method"] == "eagle3"}
+    assert verdicts["tokens_per_s"] == "same (within spread)"
+    eagle["tokens_per_s_min"], eagle["tokens_per_s_max"] = 300.0, 320.0  # now clear of the previous range
+    eagle["tokens_per_s"] = 310.0
+    verdicts = {c["metric"]: c["verdict"] for c in compare_results(current, previous) if c["method"] == "eagle3"}
+    assert verdicts["tokens_per_s"] == "better"
