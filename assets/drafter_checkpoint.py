@@ -44,8 +44,8 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.train import finish_training, prepare_training
 
         tag_run(context, profile)
-        plan = prepare_training(profile, layout(profile), plan=current_plan(context.instance),
-                                retry_number=context.retry_number)
+        # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
+        plan = prepare_training(profile, layout(profile), plan=current_plan(context.instance))
         context.log.info(f"launching: {' '.join(plan.command)}")
         invocation = context.resources.gpu_host.run_pipes(
             context=context, command=plan.command, env=plan.env, cwd=plan.cwd

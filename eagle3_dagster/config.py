@@ -240,7 +240,7 @@ class HiddenConfig(_Strict):
         return value
 
 
-class DrafterConfig(_Strict):
+class DrafterOverrides(_Strict):
     hidden_size: int | None = Field(None, ge=8, description="default: the target's hidden size")
     intermediate_size: int | None = Field(None, ge=1, description="MLP width; default: the target's")
     num_attention_heads: int | None = Field(None, ge=1, description="attention heads; default: the target's")
@@ -307,7 +307,7 @@ class Profile(_Strict):
     data: DataConfig = Field(DataConfig(), description="tokenize, merge and vocabulary settings")
     gpu_host: GpuHostConfig = Field(GpuHostConfig(), description="where GPU work runs")
     hidden: HiddenConfig = Field(description="hidden-state extraction and storage")
-    drafter: DrafterConfig = Field(DrafterConfig(), description="the drafter's shape")
+    drafter: DrafterOverrides = Field(DrafterOverrides(), description="the drafter's shape")
     train: TrainConfig = Field(TrainConfig(), description="drafter training")
     bench: BenchConfig = Field(BenchConfig(), description="benchmark_report")
 

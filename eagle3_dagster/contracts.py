@@ -80,10 +80,6 @@ class ArtifactLayout:
         return self.run_root / "drafter"
 
     @property
-    def drafter_export(self) -> Path:
-        return self.drafter_dir / "export"
-
-    @property
     def bench_dir(self) -> Path:
         return self.run_root / "bench"
 

@@ -23,7 +23,7 @@ from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubproc
 from dagster._core.pipes.utils import extract_message_or_forward_to_file  # no public equivalent (1.13)
 from pydantic import Field
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, RunningServer, ServerSpec, sglang_server
+from eagle3_dagster.gpu_host import GpuHost, HostSpec
 
 
 class _StderrMessageReader(dg.PipesMessageReader):
@@ -59,16 +59,8 @@ class GpuHostResource(dg.ConfigurableResource):
     def host(self) -> GpuHost:
         return GpuHost(HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options)))
 
-    def preflight(self, output_dir: str, **checks) -> dict:
-        return self.host().preflight(output_dir, **checks)
-
     def free_bytes(self, path: str) -> int:
         return int(self.host().preflight(path, require_sglang=False)["free_bytes"])
-
-    @contextmanager
-    def sglang_server(self, spec: ServerSpec, log: dg.DagsterLogManager) -> Iterator[RunningServer]:
-        with sglang_server(self.host(), spec, on_log=lambda line: log.info(f"[sglang] {line}")) as server:
-            yield server
 
     def run_pipes(
         self,

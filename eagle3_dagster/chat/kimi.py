@@ -5,15 +5,13 @@ target (the real target ships its own template, which the tokenize stage always
 prefers), and the two helpers that pin down what the model *generates* after
 the generation prompt: `render_completion` and its inverse `parse_completion`.
 
-The template follows Kimi-K2-Thinking / K2.5 (moonshotai-Kimi-K2-Thinking.jinja,
-tinker-cookbook's and PrimeIntellect's K2.5 renderers; see
-/work/shared/reference/kimi.md §2.3):
+The template follows Kimi-K2.5's (moonshotai's chat_template.jinja, as tinker-cookbook's
+and PrimeIntellect's K2.5 renderers read it):
 - each turn is `<|im_{user|assistant|system}|>{name or role}<|im_middle|>{body}<|im_end|>`,
   no BOS, no newline between turns; tool results are system-role turns whose
   name is the message's `name` or `tool`, body `## Return of {tool_call_id}\n{content}`;
-- the default system prompt is injected when the first message is not a system
-  message (K2-Thinking does this; whether K2.5 does is unresolved - send an
-  explicit system message and both agree);
+- no system turn is added when the conversation has none (K2-Thinking's template
+  injects "You are Kimi, ..."; K2.5's does not);
 - assistant turns up to the last assistant turn without tool calls are
   "history" and render `<think></think>`; later ones keep `<think>{reasoning_content}</think>`;
 - the generation prompt is `<|im_assistant|>assistant<|im_middle|><think>` (K2.5,
@@ -56,7 +54,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     THINK_OPEN, THINK_CLOSE, UNK, PAD,
 )
 
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 ASSISTANT_HEADER = f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
 GENERATION_PROMPT = ASSISTANT_HEADER + THINK_OPEN
 
@@ -95,9 +92,6 @@ CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if tools -%}
   <|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>
-{%- endif -%}
-{%- if messages | length == 0 or messages[0]['role'] != 'system' -%}
-  <|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>
 {%- endif -%}
 {%- for msg in messages -%}
   {{- render_role(msg) -}}

@@ -59,10 +59,6 @@ class ReadStats:
     truncated_at_byte: int | None = None
     heldout_skipped: int = 0
 
-    @property
-    def num_malformed(self) -> int:
-        return sum(self.malformed_by_reason.values())
-
 
 def default_sharegpt_path() -> Path:
     """The file inside the installed package (a real path for a normal install)."""

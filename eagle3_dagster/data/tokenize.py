@@ -17,7 +17,7 @@ renders the reasoning of earlier turns as `<think></think>`, so a conversation
 rendered once shows the model history it never produced for those turns. Each
 turn's own record holds the history as the model saw it at inference; speculators
 (`build_boundary_sample`), tinker and SpecForge's `expand_reasoning_conversations.py`
-do the same (reference/eagle3.md §1, kimi.md §2.3).
+do the same.
 """
 
 from __future__ import annotations

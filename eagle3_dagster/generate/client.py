@@ -55,15 +55,6 @@ class ChatResult:
     # re-tokenizing the decoded text can merge or split differently from what the model produced.
     completion_ids: list[int] | None = None
 
-    def assistant_message(self) -> dict:
-        """The turn as history for the next request (the template decides what of it to render)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        return msg
-
 
 def clean_api_key(raw: str | None, source: str = "the API key") -> str | None:
     """The key without surrounding whitespace; a ValueError (which never contains the key) when what is

@@ -129,9 +129,6 @@ class ResponseStore:
     def has_turn(self, request_id: str) -> bool:
         return request_id in self._turn_offsets
 
-    def was_sent(self, request_id: str) -> bool:
-        return request_id in self._sent
-
     def is_interrupted(self, request_id: str) -> bool:
         """Sent by an earlier run that died before its answer was recorded."""
         return request_id in self._sent and request_id not in self._turn_offsets
@@ -149,9 +146,6 @@ class ResponseStore:
     def num_turns(self) -> int:
         return len(self._turn_offsets)
 
-    @property
-    def num_complete(self) -> int:
-        return len(self._complete)
 
     # -- writing -------------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class TrainPlan:
 
 
 def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | str | None = None,
-                     retry_number: int = 0, python: str | None = None) -> TrainPlan:
+                     python: str | None = None) -> TrainPlan:
     """The torchrun job for the shards of extraction_plan's contract at `plan` (planned afresh when None)."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command

@@ -21,7 +21,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3_dagster.config import TinyTargetConfig
 
-# Kimi-K2.5's values where they do not depend on size (kimi.md §1.1).
+# Kimi-K2.5's config.json values where they do not depend on size.
 ROPE_THETA = 50_000.0
 ROUTED_SCALING_FACTOR = 2.827
 RMS_NORM_EPS = 1e-5

@@ -45,7 +45,6 @@ _TEMPLATE_WORDS = "system user assistant tool tool_declare ## Return of function
 def conversation_texts(conversations: Iterable) -> Iterator[str]:
     """What the BPE learns from: every message text plus the template's own words."""
     yield _TEMPLATE_WORDS
-    yield kimi.DEFAULT_SYSTEM_PROMPT
     for conv in conversations:
         messages = conv.messages if hasattr(conv, "messages") else conv
         for m in messages:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3_dagster.config import DrafterConfig as DrafterOverrides
+from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.config import TrainConfig
 
 DEFAULT_DATASET_CLASS = "eagle3_dagster.hidden.shards:HiddenStatesDataset"

@@ -1,4 +1,4 @@
-"""The code location: it loads for every profile, and the graph is the one DESIGN §1 draws."""
+"""The code location: it loads for every profile, and the graph is the one the README draws."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from eagle3_dagster.config import CONFIG_DIR, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# asset → the assets it depends on (DESIGN §1)
+# asset → the assets it depends on (the README's graph)
 GRAPH = {
     "target_model": set(),
     "raw_responses": {"target_model"},

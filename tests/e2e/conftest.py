@@ -3,9 +3,8 @@
 Each test module gets its own instance (a temporary DAGSTER_HOME holding a copy
 of the project's dagster.yaml with shorter monitoring intervals, the same keys)
 and one `dagster dev` process group (webserver + daemon + code server) started
-from Python in a new session, so SIGINT to the group stops it cleanly
-(reference/dagster.md §3.2). Tests talk to it only as a user would: GraphQL
-over HTTP and a browser.
+from Python in a new session, so SIGINT to the group stops it cleanly.
+Tests talk to it only as a user would: GraphQL over HTTP and a browser.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from eagle3_dagster.chat import kimi
 from eagle3_dagster.chat.kimi import parse_completion, render_completion, stop_token_ids
 
-SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+SYS = ""  # Kimi-K2.5's template adds no system turn when the conversation has none (K2-Thinking's did)
 CALL = {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 CALL_TEXT = (
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
@@ -34,7 +34,7 @@ def test_system_and_user_with_generation_prompt_opens_think(tok):
     )
 
 
-def test_missing_system_message_gets_kimi_default_and_thinking_off_closes_think(tok):
+def test_missing_system_message_adds_no_system_turn_and_thinking_off_closes_think(tok):
     got = render(tok, [{"role": "user", "content": "Hi"}], add_generation_prompt=True, thinking=False)
     assert got == SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
 

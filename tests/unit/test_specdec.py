@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eagle3_dagster.bench.proposers import AlwaysWrongProposer, Eagle3Proposer, NgramProposer, OracleProposer
+from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
+from tests.reference_proposers import AlwaysWrongProposer, OracleProposer
 from eagle3_dagster.bench.report import LengthBands
 from eagle3_dagster.bench.specdec import (
     OutputMismatchError,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_dagster.config import DrafterConfig as DrafterOverrides
+from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.config import TrainConfig
 from eagle3_dagster.drafter.export import check_export
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
