@@ -12,7 +12,7 @@ import torch
 
 from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.drafter.model import Eagle3Drafter
-from eagle3_dagster.io import atomic_write_json
+from eagle3_dagster.io import atomic_open, atomic_write_json
 from eagle3_dagster.train.loop import Trainer
 
 
