@@ -24,7 +24,7 @@ of step j), running lm_head → log-softmax → KL → correctness for each step
 The gradient of forward KL w.r.t. the drafter logits is `q - p`, so the
 backward's matmuls (into the normed hidden and into lm_head) are done in the
 same pass, as Liger's fused linear cross-entropy does; autograd's backward
-then only scales them. The chunk is sized by `CHUNK_ELEMENTS`.
+then only scales them. The chunk is sized by `CHUNK_ELEMENTS` (larger on GPUs).
 
 Acceptance length. SGLang's `accept_length` = completion_tokens /
 verify_count counts the bonus token the target always contributes, so the
@@ -46,6 +46,12 @@ STEP_WEIGHT_DECAY = 0.8  # EAGLE main.py `ploss_weight = [0.8 ** i ...]`
 # chunks stay long enough to amortise reading the whole target lm_head once per chunk.
 CHUNK_ELEMENTS = 1 << 22
 TEACHER_CHUNK_ELEMENTS = 1 << 24
+# On a GPU small chunks mean thousands of tiny kernels and host syncs per micro-batch: 16× larger.
+GPU_CHUNK_SCALE = 16
+
+
+def _budget(elements: int, device: torch.device) -> int:
+    return elements if device.type == "cpu" else elements * GPU_CHUNK_SCALE
 
 
 def chunk_rows_for(vocab: int, num_rows: int, budget: int = CHUNK_ELEMENTS) -> int:
@@ -113,7 +119,7 @@ def build_teacher(
     rows = supervised_next.flatten().nonzero().squeeze(-1)  # a row nothing learns from needs no logits
     argmax = torch.zeros(b * t, dtype=torch.long, device=flat.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=flat.device)
-    chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()), TEACHER_CHUNK_ELEMENTS)
+    chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()), _budget(TEACHER_CHUNK_ELEMENTS, w.device))
     for s in range(0, rows.numel(), chunk):
         r = rows[s : s + chunk]
         logits = (flat[r].to(w.dtype) @ w.T).float()
@@ -190,7 +196,8 @@ def ttt_loss(
     """Weighted TTT loss over the steps' normed drafter outputs [B,T,H] and per-step (kl_sum, num_valid, num_correct)."""
     weights = weights if weights is not None else step_weights(len(normed_hiddens))
     b, t = normed_hiddens[0].shape[:2]
-    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, b * t))
+    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, b * t),
+                                         _budget(CHUNK_ELEMENTS, lm_head_weight_VdH.device))
     need_grad = torch.is_grad_enabled() and (
         lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
     )
