@@ -115,7 +115,9 @@ def rounded(meta: Mapping[str, Any]) -> dict[str, Any]:
 def report_metadata(report: StageReport) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for k, v in report.metadata.items():
-        if isinstance(v, Path):
+        if isinstance(v, dg.MetadataValue):  # already typed (some are tuples underneath)
+            meta[k] = v
+        elif isinstance(v, Path):
             meta[k] = dg.MetadataValue.path(str(v))
         elif isinstance(v, list) and v and all(isinstance(r, Mapping) for r in v):
             meta[k] = table(v)

@@ -21,7 +21,10 @@ def test_rows_with_missing_values_become_a_table_with_typed_columns():
 
 def test_floats_are_rounded_to_four_significant_digits_and_stay_numbers():
     assert round_value(4.319930195808411) == 4.32 and round_value(12345.6789) == 12345.7
-    meta = report_metadata(StageReport(metadata={"final_loss": 4.319930195808411, "rows": [{"a": 1}]}))
+    typed = table([{"a": 1}])
+    meta = report_metadata(StageReport(metadata={"final_loss": 4.319930195808411, "rows": [{"a": 1}],
+                                                 "typed": typed}))
+    assert meta["typed"] is typed
     assert meta["final_loss"] == dg.MetadataValue.float(4.32)
     assert isinstance(meta["rows"], dg.TableMetadataValue)
     assert rounded({"loss": dg.MetadataValue.float(0.123456789)})["loss"] == dg.MetadataValue.float(0.1235)
