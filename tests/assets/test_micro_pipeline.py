@@ -150,15 +150,20 @@ def test_extraction_and_training_log_progress_by_the_contract(pipeline_run) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     with dg.DagsterInstance.from_config(str(home)) as instance:
         for job, unit in [("extract_job", "tokens"), ("train_job", "steps")]:
-            runs = [r for r in instance.get_runs() if r.job_name == job]
+            runs = [r for r in instance.get_runs() if r.job_name == job and r.status == dg.DagsterRunStatus.SUCCESS]
             assert runs, job
+            measured = 0
             for run in runs:
                 messages = [e.user_message for e in instance.all_logs(run.run_id) if e.user_message]
+                assert not [m for m in messages if re.fullmatch(r"[\d\s]+", m)], f"{job}: bare numbers in the log"
                 lines = [m for m in messages if PROGRESS.match(m) and PROGRESS.match(m).group(4) == unit]
-                assert lines, f"{job}: no progress line in {messages[:20]}"
+                if not lines:  # a shard already complete in the manifest is skipped, and says so
+                    assert any(m.endswith("complete in the manifest, skipped") for m in messages), messages[:20]
+                    continue
                 done, total = (int(PROGRESS.match(lines[-1]).group(i).replace(",", "")) for i in (2, 3))
                 assert done == total, lines[-1]
-                assert not [m for m in messages if re.fullmatch(r"[\d\s]+", m)], f"{job}: bare numbers in the log"
+                measured += 1
+            assert measured, f"{job}: no run reported progress"
 
 
 def test_a_drafter_is_audited_from_its_materialization_alone(pipeline_run) -> None:
@@ -185,11 +190,13 @@ def test_a_drafter_is_audited_from_its_materialization_alone(pipeline_run) -> No
             shard = latest("hidden_states", key)
             assert shard.tags["dagster/data_version"] == sha
             assert shard.metadata["version"].value == meta["hidden_version"]
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        assert meta["git_sha"] == head
+        # the commit the code ran at: HEAD then, an ancestor of HEAD now (commits may land during the test)
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["git_sha"]), meta["git_sha"]
+        ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", meta["git_sha"], "HEAD"], cwd=ROOT)
+        assert ancestor.returncode == 0, meta["git_sha"]
         assert meta["packages"]["dagster"] == dg.__version__ and "torch" in meta["packages"]
         assert meta["code_version"] == drafter.tags["dagster/code_version"]
-        assert meta["settings"]["train.lr"] == 0.003 and "drafter.hidden_size" in meta["settings"]
+        assert meta["settings"]["train"]["lr"] == 0.003 and "data.max_seq_len" in meta["settings"]
         weights = Path(meta["export_dir"]) / "model.safetensors"
         assert drafter.tags["dagster/data_version"] == hashlib.sha256(weights.read_bytes()).hexdigest()
 
