@@ -16,4 +16,5 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -ra "$@"
+# -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow and e2e included.
+exec .venv/bin/python -m pytest -ra -m "" "$@"

@@ -34,3 +34,26 @@ def micro_target(tmp_path_factory, micro_profile) -> Path:
     out = tmp_path_factory.mktemp("micro_target") / "target"
     build_tiny_target(micro_profile.target.tiny, out)
     return out
+
+
+# The full tier only (`scripts/test.sh`, CI): node-id prefixes of the tests a developer does not run on
+# every change, each with what makes it slow. A plain `pytest` deselects them (pyproject `addopts`).
+SLOW = {
+    "tests/assets/test_micro_pipeline.py": "the demo pipeline end to end in a subprocess",
+    "tests/assets/test_packaging.py": "builds and installs the wheel",
+    "tests/assets/test_sglang_stage.py": "a patched SGLang site and stand-in servers on the host",
+    "tests/assets/test_definitions.py::test_dagster_cli_validates_the_workspace": "the dagster CLI in a subprocess",
+    "tests/unit/test_train.py::test_two_rank_gloo_training": "torchrun, 2 ranks",
+    "tests/unit/test_train.py::test_resume_after_kill": "torchrun twice",
+    "tests/unit/test_train.py::test_single_node_run_through_the_c10d": "torchrun with a c10d rendezvous",
+    "tests/unit/test_merge.py::test_peak_memory_stays_bounded": "a 150 MB corpus",
+    "tests/unit/test_extract_hf.py::test_resume_after_kill": "an extraction subprocess killed and resumed",
+    "tests/unit/test_gpu_host.py": "a real sshd and server processes",
+    "tests/unit/test_gpu_install.py": "every supported SGLang release's metadata",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if any(item.nodeid.startswith(prefix) for prefix in SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -99,7 +99,8 @@ def test_checks_pass_and_figures_are_within_bounds(pipeline_run) -> None:
         merged = meta("merged_train")
         assert merged["num_records"] >= 5 and merged["num_shards"] >= 2
         bench = meta("benchmark_report")
-        assert bench["acceptance_length"] >= 1.0
+        # >= 1.0 would hold for any drafter (the bonus token): the trained one must beat its untrained twin
+        assert bench["acceptance_length"] > bench["untrained_acceptance_length"]
 
 
 def test_retried_extraction_resumes_from_the_manifest(pipeline_run, tmp_path) -> None:
