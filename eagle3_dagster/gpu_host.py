@@ -168,7 +168,8 @@ class GpuHost:
         """The local argv that runs a shell script on the host."""
         if self.spec.transport == "local":
             return ["bash", "-c", script]
-        return ["ssh", "-o", "BatchMode=yes", *self.spec.ssh_options, self.spec.ssh_target, script]
+        # `--` ends the options: a target that begins with "-" (e.g. -oProxyCommand=...) is a host name, never an option
+        return ["ssh", "-o", "BatchMode=yes", *self.spec.ssh_options, "--", self.spec.ssh_target, script]
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
         return self.wrap(shell_script(argv, env, self.spec.workdir))

@@ -255,3 +255,14 @@ def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_st
     failed = dg.materialize([make_asset("5")], resources={"gpu_host": resource}, raise_on_error=False)
     assert not failed.success
     assert not (tmp_path / "work" / "pipes.pid").exists()
+
+
+def test_ssh_target_that_looks_like_an_option_is_a_host_name_not_a_command(tmp_path):
+    """Without `--`, ssh would read `-oProxyCommand=...` as an option and run the command."""
+    marker = tmp_path / "proxy-command-ran"
+    host = GpuHost(HostSpec("ssh", "python", str(tmp_path / "w"), f"-oProxyCommand=touch {marker}",
+                            ("-o", "ConnectTimeout=2")))
+    argv = host.command(["true"])
+    assert argv[argv.index("--") + 1] == f"-oProxyCommand=touch {marker}"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and not marker.exists()
