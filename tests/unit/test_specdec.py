@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
@@ -52,58 +50,19 @@ def greedy(target, prompts) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): generate_greedy(runner, p, MAX_NEW).output_ids for p in prompts}
 
 
-class _StandInCache:
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
-
-    def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :length], self.v[:, :length]
-
-
-class _StandInDrafter(nn.Module):
-    """The drafter API (eagle3_dagster.drafter.model) in miniature: one causal attention layer over a cache."""
-
-    def __init__(self, target_hidden: int, hidden: int, vocab: int, draft_vocab: int) -> None:
-        super().__init__()
-        self.cfg = type("Cfg", (), {"aux_layers": AUX})()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
-        self.qkv = nn.Linear(2 * hidden, 3 * hidden, bias=False)
-        self.pos = nn.Embedding(256, hidden)
-        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        ids = torch.randperm(vocab)[:draft_vocab].sort().values
-        self.register_buffer("d2t", ids - torch.arange(draft_vocab))
-
-    def project_aux(self, aux):
-        return self.fc(aux)
-
-    def step(self, input_ids, hidden, position_ids, cache=None):
-        x = torch.cat([self.embed_tokens(input_ids) + self.pos(position_ids), hidden], -1)
-        q, k, v = self.qkv(x).chunk(3, -1)
-        past = len(cache) if cache is not None else 0
-        if cache is not None:
-            cache.k = k if cache.k is None else torch.cat([cache.k, k], 1)
-            cache.v = v if cache.v is None else torch.cat([cache.v, v], 1)
-            k, v = cache.k, cache.v
-        t_new, t_all = q.shape[1], k.shape[1]
-        mask = torch.arange(t_all)[None] <= (torch.arange(t_new)[:, None] + past)
-        att = (q @ k.transpose(1, 2)).masked_fill(~mask, -math.inf).softmax(-1)
-        out = hidden + att @ v
-        return out, self.lm_head(out)
-
-    def draft_to_target(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
-
-
 def _untrained_eagle(target) -> Eagle3Proposer:
+    """The real drafter (eagle3_dagster.drafter.model), untrained, over a random half of the vocabulary."""
+    from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+
+    tc = target.config
+    cfg = DrafterConfig.for_target(target_hidden_size=tc.hidden_size, target_intermediate_size=tc.intermediate_size,
+                                   vocab_size=VOCAB, draft_vocab_size=48, aux_layers=AUX, num_attention_heads=2)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:48]] = True
+    hot = t2d.nonzero().squeeze(-1)
     torch.manual_seed(3)
-    drafter = _StandInDrafter(target.config.hidden_size, 24, VOCAB, 48)
-    return Eagle3Proposer(drafter, name="eagle3_untrained", cache_factory=_StandInCache)
+    drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach(), hot - torch.arange(48), t2d).eval()
+    return Eagle3Proposer(drafter, name="eagle3_untrained")
 
 
 def test_greedy_reference_equals_transformers_generate(target, prompts, greedy):
