@@ -18,8 +18,6 @@ from pathlib import Path
 from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.config import TrainConfig
 
-DEFAULT_DATASET_CLASS = "eagle3_dagster.hidden.shards:HiddenStatesDataset"
-
 
 @dataclass(frozen=True)
 class TrainJobConfig:
@@ -31,7 +29,6 @@ class TrainJobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     drafter: DrafterOverrides = field(default_factory=DrafterOverrides)
     aux_layers: tuple[int, ...] | None = None  # canonical; default: the dataset metadata's `aux_layers`
-    dataset_class: str = DEFAULT_DATASET_CLASS  # "module:Class" constructed with hidden_version_dir
     export_dtype: str = "bfloat16"
     sglang_versions: tuple[str, ...] | None = None  # the export's aux ids are written for these (None: all that can)
     eval_batches: int = 4

@@ -13,7 +13,6 @@ exits the process abruptly (os._exit) after step N, the way a killed run does.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import sys
@@ -48,8 +47,9 @@ def _init_distributed(backend: str) -> tuple[int, int, torch.device]:
 
 
 def _load_dataset(job: TrainJobConfig):
-    module, _, cls = job.dataset_class.partition(":")
-    return getattr(importlib.import_module(module), cls)(Path(job.hidden_version_dir))
+    from eagle3_dagster.hidden.shards import HiddenStatesDataset
+
+    return HiddenStatesDataset(Path(job.hidden_version_dir))
 
 
 def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Tensor]:

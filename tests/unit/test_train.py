@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,37 +15,13 @@ from safetensors.torch import load_file, save_file
 from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.config import TrainConfig
 from eagle3_dagster.drafter.export import check_export
+from eagle3_dagster.hidden.sharding import shard_key
+from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 from eagle3_dagster.train.data import BucketedSampler, collate, plan_epoch
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 32, 4, 64
-
-# A stand-in for eagle3_dagster.hidden.shards.HiddenStatesDataset with the same interface, loaded by the
-# torchrun workers through TrainJobConfig.dataset_class.
-DATASET_MODULE = textwrap.dedent('''
-    import json
-    from pathlib import Path
-    from safetensors.torch import load_file
-
-    class PackedHidden:
-        def __init__(self, version_dir):
-            self.t = load_file(str(Path(version_dir) / "data.safetensors"))
-            self.off = self.t["offsets"].tolist()
-            self.metadata = json.loads((Path(version_dir) / "meta.json").read_text())
-
-        def __len__(self):
-            return len(self.off) - 1
-
-        def lengths(self):
-            return [b - a for a, b in zip(self.off, self.off[1:])]
-
-        def __getitem__(self, i):
-            a, b = self.off[i], self.off[i + 1]
-            return {"input_ids": self.t["input_ids"][a:b], "loss_mask": self.t["loss_mask"][a:b],
-                    "aux_hidden": self.t["aux_hidden"][a:b], "last_hidden": self.t["last_hidden"][a:b],
-                    "sample_id": f"s{i}"}
-''')
-
+SAMPLES_PER_SHARD = 16
 
 def _markov_tokens(g: torch.Generator, n: int) -> torch.Tensor:
     """Mostly-deterministic token chains, so the target's next-token behaviour is learnable from context."""
@@ -80,29 +55,28 @@ def workspace(tmp_path_factory) -> Path:
         opt.step()
     target.eval().save_pretrained(root / "target")
 
-    cols = {"input_ids": [], "loss_mask": [], "aux_hidden": [], "last_hidden": []}
-    offsets = [0]
-    for _ in range(64):
+    # Real shards (ShardWriter), read by the workers through the real HiddenStatesDataset.
+    samples = []
+    for i in range(64):
         n = int(torch.randint(12, 40, (1,), generator=g))
         ids = _markov_tokens(g, n)
         with torch.no_grad():
             hs = target(ids[None], output_hidden_states=True).hidden_states
-        mask = torch.zeros(n, dtype=torch.long)
+        mask = torch.zeros(n, dtype=torch.uint8)
         mask[n // 3 :] = 1
-        cols["input_ids"].append(ids)
-        cols["loss_mask"].append(mask)
-        cols["aux_hidden"].append(torch.cat([hs[1][0], hs[2][0], hs[3][0]], -1))
-        cols["last_hidden"].append(hs[LAYERS][0])
-        offsets.append(offsets[-1] + n)
+        samples.append((f"chains/{i}", ids, mask, torch.cat([hs[1][0], hs[2][0], hs[3][0]], -1), hs[LAYERS][0]))
     data = root / "hidden" / "v1"
-    data.mkdir(parents=True)
-    save_file({k: torch.cat(v).contiguous() for k, v in cols.items()} | {"offsets": torch.tensor(offsets)},
-              str(data / "data.safetensors"))
-    (data / "meta.json").write_text(json.dumps({"aux_layers": [1, 2, 3]}))
-    (root / "pkg").mkdir()
-    (root / "pkg" / "packed_hidden.py").write_text(DATASET_MODULE)
+    fmt = ShardFormat(hidden_size=HIDDEN, dtype="float32", aux_layers=(1, 2, 3), target_identity="chains",
+                      code_version="test")
+    for index, first in enumerate(range(0, len(samples), SAMPLES_PER_SHARD)):
+        chunk = samples[first : first + SAMPLES_PER_SHARD]
+        with ShardWriter(data, shard_key(index), fmt, [c[0] for c in chunk], [len(c[1]) for c in chunk],
+                         first_record=first) as w:
+            for sid, ids, mask, aux, last in chunk:
+                w.write_sample(sid, input_ids=ids, loss_mask=mask, aux_hidden=aux, last_hidden=last)
+    token_ids = torch.cat([c[1] for c in samples])
 
-    counts = torch.bincount(torch.cat(cols["input_ids"]), minlength=VOCAB)
+    counts = torch.bincount(token_ids, minlength=VOCAB)
     keep = torch.sort(torch.topk(counts, DRAFT_VOCAB).indices).values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[keep] = True
@@ -117,14 +91,13 @@ def _job(ws: Path, out: str, **train) -> Path:
                          vocab_mapping=str(ws / "vocab.safetensors"), out_dir=str(ws / out), serving_context=512,
                          train=TrainConfig(**(base | train)),
                          drafter=DrafterOverrides(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
-                         dataset_class="packed_hidden:PackedHidden", export_dtype="float32", eval_batches=4,
+                         export_dtype="float32", eval_batches=4,
                          metadata={"test": True})
     return job.write(ws / f"{out}.json")
 
 
 def _torchrun(ws: Path, cfg_path: Path, *worker_args: str, rdzv_endpoint: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ws / "pkg"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = build_torchrun_command(cfg_path, nproc_per_node=2, nnodes=1, rdzv_endpoint=rdzv_endpoint) + list(worker_args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
