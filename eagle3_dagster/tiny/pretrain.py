@@ -19,6 +19,8 @@ import torch
 from transformers import get_cosine_schedule_with_warmup
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from eagle3_dagster.progress import ProgressMeter
+
 PROGRESS_EVERY_S = 5.0
 LOSS_CURVE_POINTS = 200
 # DeepSeek-V3 §2.1.2: after each step, nudge each expert's routing bias by this much
@@ -121,8 +123,9 @@ def pretrain(
     balancer = _ExpertLoadBalancer(model)
     losses: list[float] = []
     imbalance = 1.0
-    started = last_report = time.monotonic()
+    started = time.monotonic()
     tokens = 0
+    meter = ProgressMeter(progress, "pretrain", "steps", steps, every_s=PROGRESS_EVERY_S) if progress else None
     try:
         for step in range(steps):
             rows = order[(torch.arange(settings.batch_size) + step * settings.batch_size) % len(order)]
@@ -136,15 +139,8 @@ def pretrain(
             imbalance = balancer.step()
             tokens += batch_BT.numel()
             losses.append(loss.item())
-            now = time.monotonic()
-            if progress and (now - last_report >= PROGRESS_EVERY_S or step == steps - 1):
-                last_report = now
-                rate = tokens / (now - started)
-                eta = (steps - step - 1) * settings.batch_size * settings.seq_len / rate
-                progress(
-                    f"pretrain step {step + 1}/{steps} loss {losses[-1]:.3f} "
-                    f"{rate:,.0f} tokens/s ETA {eta:.0f}s"
-                )
+            if meter is not None:
+                meter.update(step + 1, note=f"loss {losses[-1]:.3f}, {tokens / (time.monotonic() - started):,.0f} tokens/s")
     finally:
         balancer.close()
     model.eval()

@@ -109,7 +109,7 @@ def test_rebuild_replaces_an_existing_target_directory(micro_profile, tmp_path):
     build_tiny_target(quick, out, progress=messages.append)
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["target"]
-    assert any("pretrain step" in m for m in messages) and "ready" in messages[-1]
+    assert any(m.startswith("pretrain: ") and " steps (" in m for m in messages) and "ready" in messages[-1]
 
 
 def test_identity_of_a_rebuild_with_other_weights_differs(micro_target, micro_profile, tmp_path):
