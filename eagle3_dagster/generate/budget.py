@@ -47,6 +47,7 @@ class Budget:
         self.cap_usd = cap_usd
         self.spent_usd = already_spent_usd
         self.reserved_usd = 0.0
+        self.num_in_flight = 0  # counted, not inferred from reserved_usd (float residue is never exactly 0)
         self.max_new_tokens = max_new_tokens
         self.price_completion = price_per_completion_token or 0.0
         self.price_prompt = price_per_prompt_token
@@ -65,10 +66,12 @@ class Budget:
                     return None
                 if self.cap_usd is None or self.spent_usd + self.reserved_usd + bound <= self.cap_usd:
                     self.reserved_usd += bound
+                    self.num_in_flight += 1
                     return bound
-                if self.reserved_usd <= 0:
+                if self.num_in_flight == 0:
                     log.warning("budget of $%.4f reached ($%.4f spent); no new requests", self.cap_usd, self.spent_usd)
                     self.exhausted = True
+                    self._changed.notify_all()
                     return None
                 await self._changed.wait()  # a request in flight may settle below its bound
 
@@ -89,6 +92,7 @@ class Budget:
             log.warning("a request cost $%.6f, more than its reserved bound $%.6f: the configured prices are "
                         "below the provider's, raise generation.price_usd_per_completion_token", spent, reserved)
         async with self._changed:
-            self.reserved_usd -= reserved
+            self.num_in_flight -= 1
+            self.reserved_usd = max(0.0, self.reserved_usd - reserved) if self.num_in_flight else 0.0
             self.spent_usd += spent
             self._changed.notify_all()
