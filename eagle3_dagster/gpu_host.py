@@ -319,7 +319,7 @@ class ServerSpec:
     launcher: tuple[str, ...] | None = None  # default: (python, -m, sglang.launch_server); tests use a stand-in
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
-    trust_remote_code: bool = True
+    trust_remote_code: bool = False  # the profile's target.trust_remote_code; off unless it says so
     sglang_version: str | None = None  # extraction: the release's own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:

@@ -142,7 +142,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
                       dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers,
-                      sglang_version=report["sglang_version"])
+                      sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code)
     results = []
     try:
         with sglang_server(host, spec, on_log=server_log) as server:

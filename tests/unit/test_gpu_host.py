@@ -266,3 +266,9 @@ def test_ssh_target_that_looks_like_an_option_is_a_host_name_not_a_command(tmp_p
     assert argv[argv.index("--") + 1] == f"-oProxyCommand=touch {marker}"
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and not marker.exists()
+
+
+def test_server_runs_code_shipped_with_a_checkpoint_only_when_the_profile_says_so():
+    extraction = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version="0.5.23")
+    assert "--trust-remote-code" not in extraction.argv("python")
+    assert "--trust-remote-code" in ServerSpec("/m", trust_remote_code=True).argv("python")
