@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -128,12 +127,20 @@ def test_token_outside_the_model_vocab_names_the_sample(micro_target, tmp_path):
 
 
 _CHILD = """
-import sys, time
+import sys, threading
 from pathlib import Path
 from eagle3_dagster.hidden.extract_hf import extract_all_hf
-extract_all_hf(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), samples_per_shard={sps}, aux_layers={aux},
-               dtype="float32", batch_tokens={bt}, target_identity="micro", device="cpu",
-               progress=lambda done, total: time.sleep(0.3))
+version_dir = Path(sys.argv[3])
+
+def progress(done, total):
+    # Called after each sample is written. Once shard-00000 is committed, this is shard-00001 half-written:
+    # say so and wait there for the kill, so the crash lands mid-shard whatever the machine's speed.
+    if (version_dir / "shard-00000.manifest.json").exists():
+        print("mid-shard", flush=True)
+        threading.Event().wait()
+
+extract_all_hf(Path(sys.argv[1]), Path(sys.argv[2]), version_dir, samples_per_shard={sps}, aux_layers={aux},
+               dtype="float32", batch_tokens={bt}, target_identity="micro", device="cpu", progress=progress)
 """
 
 
@@ -145,20 +152,19 @@ def test_resume_after_kill_writes_identical_shards(micro_target, extracted, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     child = subprocess.Popen(
-        [sys.executable, "-c", code, str(micro_target), str(merged), str(version_dir)], env=env, cwd=repo
+        [sys.executable, "-c", code, str(micro_target), str(merged), str(version_dir)], env=env, cwd=repo,
+        stdout=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (version_dir / "shard-00000.manifest.json").exists():
-            assert child.poll() is None, "extraction exited before the first shard completed"
-            assert time.monotonic() < deadline, "first shard never completed"
-            time.sleep(0.05)
+        # the child's word that shard-00001 is half-written; EOF first means it died before
+        assert "mid-shard\n" in child.stdout, f"extraction exited before shard-00001 started (exit {child.wait()})"
         os.kill(child.pid, signal.SIGKILL)
     finally:
+        child.kill()
         child.wait()
-    assert not (version_dir / "shard-00002.manifest.json").exists(), "the kill came too late to test resume"
+    assert not (version_dir / "shard-00001.manifest.json").exists()
     results = _extract(micro_target, merged, version_dir)
-    assert results[0].skipped and not results[2].skipped
+    assert results[0].skipped and not results[1].skipped and not results[2].skipped
     ref = sorted(p.name for p in reference_dir.iterdir())
     assert sorted(p.name for p in version_dir.iterdir()) == ref  # no temp files left behind
     for name in ref:

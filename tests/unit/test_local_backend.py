@@ -23,6 +23,10 @@ PROMPTS = [
 ]
 
 
+# One batch of every prompt: the worker stops gathering at max_batch arrivals, long before the wait bound.
+ALL_AT_ONCE = {"max_batch": len(PROMPTS), "batch_wait_s": 120.0}
+
+
 def _messages(prompt: str) -> list[dict]:
     return [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}]
 
@@ -66,7 +70,8 @@ def _count_generate_calls(backend: LocalChatBackend) -> list[dict]:
 
 
 def test_greedy_batched_answers_equal_one_at_a_time_token_for_token(micro_target):
-    single, batched = LocalChatBackend(micro_target, max_batch=1), LocalChatBackend(micro_target, max_batch=8)
+    # ALL_AT_ONCE: the worker waits for every prompt (an arrival, not a time window), so the batch is certain
+    single, batched = LocalChatBackend(micro_target, max_batch=1), LocalChatBackend(micro_target, **ALL_AT_ONCE)
     single_rows, batched_rows = _record_rows(single), _record_rows(batched)
     batched_calls = _count_generate_calls(batched)
     expected = asyncio.run(_complete_all(single, PROMPTS))
@@ -80,7 +85,7 @@ def test_greedy_batched_answers_equal_one_at_a_time_token_for_token(micro_target
 
 
 def test_concurrent_requests_share_one_generate_call_per_max_tokens_and_temperature(micro_target):
-    backend = LocalChatBackend(micro_target, max_batch=32)
+    backend = LocalChatBackend(micro_target, **ALL_AT_ONCE)
     calls = _count_generate_calls(backend)
     results = asyncio.run(_complete_all(backend, PROMPTS, max_tokens=[8, 12] * 4))
     assert sorted((c["max_new_tokens"], c["batch"]) for c in calls) == [(8, 4), (12, 4)]
