@@ -182,9 +182,10 @@ def test_collate_right_pads_and_names_bad_sample():
 
 def test_torchrun_command_runs_the_engine_module_with_the_job_file(tmp_path):
     cmd = build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2, python="/opt/py",
-                                 extra_args=["--node-rank=1", "--rdzv-endpoint=h0:29500"])
+                                 rdzv_endpoint="h0:29500", extra_args=["--max-restarts=0"])
     assert cmd[:3] == ["/opt/py", "-m", "torch.distributed.run"]
     assert "--nproc-per-node=8" in cmd and "--nnodes=2" in cmd and "--standalone" not in cmd
+    assert cmd.index("--max-restarts=0") < cmd.index("-m", 3)  # torchrun's own arguments come before the module
     assert cmd[-4:] == ["-m", "eagle3_dagster.train", "--config", str(tmp_path / "job.json")]
     job = TrainJobConfig(hidden_version_dir="h", target_dir="t", vocab_mapping="v", out_dir="o", serving_context=8192,
                          aux_layers=(2, 30, 58))
