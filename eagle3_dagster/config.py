@@ -227,8 +227,8 @@ class HiddenConfig(_Strict):
     tp_size: int = Field(1, ge=1, le=1024, description="SGLang tensor-parallel size")
     sglang_port: int = Field(30000, ge=1, le=65535, description="port of the SGLang server on the GPU host")
     sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
-    backfill_batch: int = Field(4, ge=1, description="shard partitions the backfill schedule requests per tick")
-    backfill_cron: str = Field("*/10 * * * *", description="when the backfill schedule looks for missing shards")
+    backfill_batch: int = Field(4, ge=1, description="shard partitions the hidden_states automation requests per tick")
+    backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
 
     @field_validator("backfill_cron")
