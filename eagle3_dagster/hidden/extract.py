@@ -66,14 +66,17 @@ def extract_shard(
     spec: ShardSpec,
     merged_train: Path,
     version_dir: Path,
-    fmt: ShardFormat,
+    fmt: ShardFormat | Callable[[], ShardFormat],
     backend: Backend,
     *,
-    vocab_size: int | None = None,
+    vocab_size: int | None | Callable[[], int | None] = None,
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda _line: None,
 ) -> ShardResult:
-    """Extract one shard through `backend` unless its manifest and bytes say it is already complete."""
+    """Extract one shard through `backend` unless its manifest and bytes say it is already complete.
+
+    `fmt` and `vocab_size` may be callables, asked only when the shard has to be computed (a complete
+    shard is skipped without reading the model directory)."""
     start = time.perf_counter()
     version_dir = Path(version_dir)
     complete, distrust = verified_complete(version_dir, spec)
@@ -82,7 +85,8 @@ def extract_shard(
         return _result(spec, version_dir, entry, 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
-    records = read_shard_records(merged_train, spec, vocab_size=vocab_size)
+    fmt = fmt() if callable(fmt) else fmt
+    records = read_shard_records(merged_train, spec, vocab_size=vocab_size() if callable(vocab_size) else vocab_size)
     done = 0
     with ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w:
         for sample, aux, last in backend(records):

@@ -160,19 +160,21 @@ def extract_shard_hf(
 ) -> ShardResult:
     """One shard through the hf backend (resume, format and commit are `extract_shard`'s); the model is
     loaded only if the shard has to be computed."""
+    from functools import cache
+
     from eagle3_dagster.target import target_summary
 
-    summary = target_summary(Path(model_dir))
-    fmt = ShardFormat(
-        hidden_size=summary["hidden_size"], dtype=dtype, aux_layers=tuple(aux_layers),
-        target_identity=target_identity, code_version=code_version,
-    )
+    summary = cache(lambda: target_summary(Path(model_dir)))  # read only if the shard has to be computed
+
+    def fmt() -> ShardFormat:
+        return ShardFormat(hidden_size=summary()["hidden_size"], dtype=dtype, aux_layers=tuple(aux_layers),
+                           target_identity=target_identity, code_version=code_version)
 
     def rows(records: list[SampleRecord]) -> Rows:
         loaded = model if model is not None else load_target_hf(model_dir, dtype, device)
         yield from hf_rows(loaded, aux_layers, batch_tokens)(records)
 
-    return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=summary["vocab_size"],
+    return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=lambda: summary()["vocab_size"],
                          progress=progress, log=log)
 
 
