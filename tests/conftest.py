@@ -50,6 +50,9 @@ SLOW = {
     "tests/unit/test_extract_hf.py::test_resume_after_kill": "an extraction subprocess killed and resumed",
     "tests/unit/test_gpu_host.py": "a real sshd and server processes",
     "tests/unit/test_gpu_install.py": "every supported SGLang release's metadata",
+    "tests/unit/test_sglang_patch.py": "every supported SGLang release's wheel: generated, patched, reverted",
+    "tests/unit/test_served_bench.py": "stand-in SGLang server processes on the host",
+    "tests/unit/test_tiny_target.py::test_build_is_deterministic_for_a_seed": "two target builds",
 }
 
 
