@@ -14,7 +14,6 @@ Kimi-K2.5 convention of no `input_ids` argument (the hook reads the batch's).
 import json
 import sys
 import threading
-import time
 from enum import Enum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -89,15 +88,15 @@ def main(argv: list[str]) -> None:
         dump_hook.get_dumper().flush()
 
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    serving = threading.Thread(target=httpd.serve_forever, daemon=True)  # 503 while the model loads
+    serving.start()
     print("stand-in sglang: loading", flush=True)
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(model_path, dtype=torch.float32).eval()
     state["ready"] = True
     print("stand-in sglang: ready", flush=True)
-    while True:
-        time.sleep(3600)
+    serving.join()  # until the GPU-host code stops the process group
 
 
 if __name__ == "__main__":
