@@ -15,11 +15,11 @@ import dagster as dg
 
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.host_lease import GPU_POOL  # noqa: F401  (one slot per GPU host: `eagle3 pool-limits`)
 from eagle3_dagster.stages import StageReport
 
 PROFILE_TAG = "eagle3/profile"
 MAX_RUNTIME_TAG = "dagster/max_runtime"
-GPU_POOL = "gpu_host"
 
 
 def run_tags(profile: Profile, asset: str | None = None) -> dict[str, str]:

@@ -88,7 +88,7 @@ def build(profile: Profile) -> list:
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
         from eagle3_dagster.hidden.context import load_plan
-        from eagle3_dagster.stages.hidden import extract_stage
+        from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight
 
         tag_run(context, profile, "hidden_states")
         plan = current_plan(context.instance)
@@ -96,9 +96,12 @@ def build(profile: Profile) -> list:
         require_plan_fits(context.instance, ctx.version, str(layout(profile).hidden_root))
         require_plan_current(context.instance, ctx.merged_train_sha256)
         keys = list(context.partition_keys)
-        report, checks = extract_stage(
-            profile, plan, keys, gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context)
-        )
+        reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
+        preflight = lambda host: reports.append(extraction_preflight(profile, host, layout(profile).hidden_root))  # noqa: E731
+        with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
+            report, checks = extract_stage(profile, plan, keys, gpu_host=host, host_report=reports[-1],
+                                           progress=progress_logger(context))
+        report.metadata["gpu_host"] = host.name
         results = [
             dg.AssetCheckResult(check_name=name, passed=passed, severity=dg.AssetCheckSeverity.ERROR,
                                 description=detail, metadata=_check_numbers(name, detail, report.metadata))

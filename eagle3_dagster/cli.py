@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("preflight", "Check the GPU host: interpreter, SGLang and patch, GPUs, free disk",
         "Prints a pass/fail table; exits 1 if any check the profile needs fails.")
     add("plan", "Print the extraction plan: bytes, hours, free space, superseded versions",
-        "Exits 1 when the shards would not fit.")
+        "Hours are for the profile's GPU hosts, with 1, 2 and 4 hosts beside them. Exits 1 when the shards "
+        "would not fit.")
+    add("pool-limits", "Print the Dagster pool limits the profile implies, one 'POOL LIMIT' per line",
+        "One gpu_host slot per GPU host. scripts/ui.sh and scripts/demo.sh apply them with `dagster instance "
+        "concurrency set POOL LIMIT` before anything is queued.")
     c = add("cleanup", "Delete superseded hidden-state versions", "A dry run unless --delete is given.")
     c.add_argument("--delete", action="store_true", help="really delete (default: only list what would go)")
     e = add("export-shards", "Export the current hidden-state shards to another tool's layout")
@@ -89,6 +93,12 @@ def _run(args: argparse.Namespace) -> int:
     except ProfileError as e:
         raise UserError(str(e)) from None
     layout = ArtifactLayout.from_profile(profile)
+    if args.command == "pool-limits":
+        from eagle3_dagster.host_lease import pool_limits
+
+        for pool, limit in pool_limits(len(profile.gpu_host.all_hosts)).items():
+            print(pool, limit)
+        return 0
     try:
         if args.command == "preflight":
             return _preflight(profile, layout)
@@ -97,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
 
             report, fits, message = plan_stage(profile, layout, free_bytes=None)
             _print_metadata(report.metadata)
+            print(hours_table(report.metadata["hours_by_hosts"], report.metadata["num_hosts"]))
             print(message)
             return 0 if fits else EXIT_FAILED_CHECK
         if args.command == "cleanup":
@@ -112,10 +123,21 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_USER_ERROR
 
 
-def preflight_checks(profile, report: dict) -> list[tuple[str, str, str]]:
-    """(check, PASS|FAIL|SKIP, detail) for everything the profile needs of its GPU host."""
+def hours_table(hours_by_hosts: dict[str, float], num_hosts: int) -> str:
+    """The remaining extraction's wall hours on 1, 2, 4 and the profile's number of hosts, side by side."""
+    cells = [(f"{n} host{'s' if int(n) > 1 else ''}" + (" (profile)" if int(n) == num_hosts else ""), f"{h:,.1f} h")
+             for n, h in sorted(hours_by_hosts.items(), key=lambda kv: int(kv[0]))]
+    widths = [max(len(a), len(b)) for a, b in cells]
+    return "\n".join(["hours   " + "  ".join(a.rjust(w) for (a, _), w in zip(cells, widths)),
+                      "        " + "  ".join(b.rjust(w) for (_, b), w in zip(cells, widths))])
+
+
+def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list[tuple[str, str, str]]:
+    """(check, PASS|FAIL|SKIP, detail) for everything the profile needs of a GPU host (`num_gpus`: that
+    host's; default the profile's first host's)."""
     needs_sglang = profile.hidden.backend == "sglang"
-    min_gpus = max(profile.gpu_host.num_gpus, profile.hidden.tp_size if needs_sglang else 0)
+    host_gpus = profile.gpu_host.all_hosts[0].num_gpus if num_gpus is None else num_gpus
+    min_gpus = max(host_gpus, profile.hidden.tp_size if needs_sglang else 0)
 
     def row(name: str, needed: bool, ok: bool, detail: str) -> tuple[str, str, str]:
         return name, ("PASS" if ok else "FAIL") if needed else "SKIP", detail + ("" if needed else " (not needed)")
@@ -136,22 +158,28 @@ def preflight_checks(profile, report: dict) -> list[tuple[str, str, str]]:
 
 
 def _preflight(profile, layout) -> int:
+    """Every host of the profile, each with its own table; exits 1 when any host fails (a run would skip it)."""
     from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError
 
-    g = profile.gpu_host
-    host = GpuHost(HostSpec(g.transport, g.python, g.workdir, g.ssh_target, tuple(g.ssh_options)))
-    try:  # the probe only: each requirement is judged below, all of them, not just the first that fails
-        report = host.preflight(str(layout.hidden_root), require_sglang=False)
-    except PreflightError as e:
-        print(f"{'interpreter':<15} FAIL  {e}")
-        return EXIT_FAILED_CHECK
-    rows = preflight_checks(profile, report)
-    print(f"host {report.get('host')}")
-    for name, status, detail in rows:
-        print(f"{name:<15} {status:<5} {detail}")
-    failed = [name for name, status, _ in rows if status == "FAIL"]
-    if failed:
-        print(f"preflight failed: {', '.join(failed)}", file=sys.stderr)
+    failed_hosts = []
+    for h in profile.gpu_host.all_hosts:
+        host = GpuHost(HostSpec(h.transport, h.python, h.workdir, h.ssh_target, tuple(h.ssh_options),
+                                num_gpus=h.num_gpus, name=h.label))
+        print(f"host {host.name}")
+        try:  # the probe only: each requirement is judged below, all of them, not just the first that fails
+            report = host.preflight(str(layout.hidden_root), require_sglang=False)
+        except PreflightError as e:
+            print(f"{'interpreter':<15} FAIL  {e}")
+            failed_hosts.append(f"{host.name} (interpreter)")
+            continue
+        rows = preflight_checks(profile, report, h.num_gpus)
+        for name, status, detail in rows:
+            print(f"{name:<15} {status:<5} {detail}")
+        failed = [name for name, status, _ in rows if status == "FAIL"]
+        if failed:
+            failed_hosts.append(f"{host.name} ({', '.join(failed)})")
+    if failed_hosts:
+        print(f"preflight failed: {'; '.join(failed_hosts)}", file=sys.stderr)
         return EXIT_FAILED_CHECK
     return 0
 

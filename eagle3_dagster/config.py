@@ -187,6 +187,31 @@ class DataConfig(_Strict):
     draft_vocab_size: int = Field(32000, ge=1, description="tokens in the drafter's vocabulary")
 
 
+class HostConfig(_Strict):
+    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
+                             "the ssh target (required when two hosts would get the same name)")
+    transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
+    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
+    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
+    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
+    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
+    num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
+
+    @model_validator(mode="after")
+    def _target_for_ssh(self) -> "HostConfig":
+        if self.transport == "ssh" and not self.ssh_target:
+            raise ValueError("ssh_target is required for transport 'ssh'")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.ssh_target if self.transport == "ssh" else "local")
+
+
+# The flat fields of `gpu_host` describe its one host when `gpu_host.hosts` is not given.
+_HOST_FIELDS = tuple(HostConfig.model_fields)
+
+
 class GpuHostConfig(_Strict):
     transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
@@ -194,14 +219,35 @@ class GpuHostConfig(_Strict):
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
     num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
+    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
+                             "the ssh target")
+    hosts: list[HostConfig] | None = Field(
+        None, min_length=1, description="several GPU hosts (each with the fields above); each hidden_states run "
+        "leases one, and the gpu_host pool gets one slot per host. Unset: the one host the fields above describe")
+    lease_dir: str | None = Field(
+        None, description="where the per-host lease files are locked (flock); must be one folder seen by every "
+        "run worker of the instance. Unset: gpu_host_leases under the Dagster instance's storage")
+    lease_wait_s: float = Field(
+        600.0, ge=0, description="how long a run waits for a host leased by another run before it fails")
     sglang_version: str | None = Field(
         None, description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
         "ids are written for it; unset: ids right on every supported release that can express the aux layers")
 
     @model_validator(mode="after")
-    def _target_for_ssh(self) -> "GpuHostConfig":
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
+    def _hosts(self) -> "GpuHostConfig":
+        if self.hosts is None:
+            if self.transport == "ssh" and not self.ssh_target:
+                raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
+        else:
+            flat = sorted(set(_HOST_FIELDS) & self.model_fields_set)
+            if flat:
+                raise ValueError(f"gpu_host.hosts is given, so gpu_host.{flat[0]} belongs in each host "
+                                 f"(set {', '.join(flat)} under gpu_host.hosts[i])")
+            labels = [h.label for h in self.hosts]
+            twice = sorted({n for n in labels if labels.count(n) > 1})
+            if twice:
+                raise ValueError(f"gpu_host.hosts: names must be unique, {twice} name several hosts; give each a "
+                                 "`name`")
         if self.sglang_version is not None:
             from eagle3_dagster.sglang.releases import UnsupportedRelease, release
 
@@ -210,6 +256,13 @@ class GpuHostConfig(_Strict):
             except UnsupportedRelease as e:
                 raise ValueError(f"gpu_host.sglang_version: {e}") from None
         return self
+
+    @property
+    def all_hosts(self) -> list[HostConfig]:
+        """The hosts GPU work may lease: `hosts`, or the one the flat fields describe."""
+        if self.hosts is not None:
+            return list(self.hosts)
+        return [HostConfig(**{f: getattr(self, f) for f in _HOST_FIELDS})]
 
 
 class HiddenConfig(_Strict):

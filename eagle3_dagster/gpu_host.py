@@ -145,6 +145,8 @@ class HostSpec:
     workdir: str = ".eagle3/gpu_host"
     ssh_target: str | None = None
     ssh_options: tuple[str, ...] = ()
+    num_gpus: int = 0  # what the preflight of GPU work expects
+    name: str | None = None  # in leases, run tags and logs; default: where()
 
     def __post_init__(self) -> None:
         if self.transport not in ("local", "ssh"):
@@ -192,6 +194,14 @@ class GpuHost:
 
     def where(self) -> str:
         return "localhost" if self.spec.transport == "local" else str(self.spec.ssh_target)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or ("local" if self.spec.transport == "local" else str(self.spec.ssh_target))
+
+    def is_this_process(self, python: str) -> bool:
+        """True when a command for this host would run here with `python` (the same interpreter, no ssh)."""
+        return self.spec.transport == "local" and self.spec.python == python
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, name: str, *, cwd: str | None = None,
               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) -> "HostProcess":

@@ -15,8 +15,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import dagster as dg
 from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises (1.13)
@@ -24,6 +25,8 @@ from dagster._core.pipes.utils import extract_message_or_forward_to_file  # no p
 from pydantic import Field
 
 from eagle3_dagster.gpu_host import GpuHost, HostSpec
+
+HOST_TAG = "eagle3/gpu_host"  # the run tag naming the host a GPU step leased
 
 
 class _StderrMessageReader(dg.PipesMessageReader):
@@ -37,30 +40,89 @@ class _StderrMessageReader(dg.PipesMessageReader):
         return "The remote process wrote no Pipes messages to stderr; is dagster-pipes installed on the GPU host?"
 
 
+class GpuHostEntry(dg.Config):
+    """One GPU host of `GpuHostResource.hosts` (the profile's `gpu_host.hosts[i]`)."""
+
+    name: str | None = Field(None, description="name in leases, run tags and logs; default: local or the ssh target")
+    transport: str = Field("local", description="local or ssh")
+    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
+    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. ['-p', '2222']")
+    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
+    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
+    num_gpus: int = Field(0, description="GPUs the preflight expects on the host")
+
+    def spec(self) -> HostSpec:
+        return HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options),
+                        num_gpus=self.num_gpus, name=self.name)
+
+
 class GpuHostResource(dg.ConfigurableResource):
-    """Where GPU work runs: this machine or an SSH target, always with an explicit interpreter."""
+    """Where GPU work runs: this machine or SSH targets, always with an explicit interpreter.
+
+    The flat fields describe one host; `hosts` lists several, of which each GPU step leases one (`lease`)."""
 
     transport: str = Field("local", description="local or ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
     ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. ['-p', '2222']")
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
+    num_gpus: int = Field(0, description="GPUs the preflight expects on the host")
+    name: str | None = Field(None, description="the host's name in leases, run tags and logs")
+    hosts: list[GpuHostEntry] = Field(default_factory=list, description="several hosts; empty: the one above")
+    lease_dir: str | None = Field(None, description="folder of the per-host lease files; default: "
+                                  "gpu_host_leases under the instance's storage")
+    lease_wait_s: float = Field(600.0, description="how long a step waits for a host another run holds")
 
     @classmethod
     def from_profile(cls, profile) -> "GpuHostResource":
         g = profile.gpu_host
-        return cls(transport=g.transport, ssh_target=g.ssh_target, ssh_options=list(g.ssh_options),
-                   python=g.python if g.transport == "ssh" or g.python != "python" else sys.executable,
-                   workdir=g.workdir)
+        entries = [GpuHostEntry(name=h.label, transport=h.transport, ssh_target=h.ssh_target,
+                                ssh_options=list(h.ssh_options), workdir=h.workdir, num_gpus=h.num_gpus,
+                                python=h.python if h.transport == "ssh" or h.python != "python" else sys.executable)
+                   for h in g.all_hosts]
+        first = entries[0]
+        return cls(transport=first.transport, ssh_target=first.ssh_target, ssh_options=first.ssh_options,
+                   python=first.python, workdir=first.workdir, num_gpus=first.num_gpus, name=first.name,
+                   hosts=entries if g.hosts is not None else [], lease_dir=g.lease_dir, lease_wait_s=g.lease_wait_s)
 
     def check_output(self, argv: Sequence[str], timeout_s: float = 120.0) -> str:
         return self.host().run(list(argv), timeout=timeout_s).stdout
 
+    def all_hosts(self) -> list[GpuHost]:
+        if self.hosts:
+            return [GpuHost(h.spec()) for h in self.hosts]
+        return [GpuHost(HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options),
+                                 num_gpus=self.num_gpus, name=self.name))]
+
     def host(self) -> GpuHost:
-        return GpuHost(HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options)))
+        """The first host: for work that needs no GPU of its own (reading the target, free space)."""
+        return self.all_hosts()[0]
 
     def free_bytes(self, path: str) -> int:
         return int(self.host().preflight(path, require_sglang=False)["free_bytes"])
+
+    @contextmanager
+    def lease(self, context: dg.AssetExecutionContext | dg.OpExecutionContext, *,
+              preflight: Callable[[GpuHost], object] | None = None, shards: Sequence[str] = ()) -> Iterator[GpuHost]:
+        """Hold one free host that passes `preflight` for the block; the run is tagged with its name.
+
+        A host whose preflight raises is skipped (a warning names it and the reason); no usable host is a
+        dg.Failure naming every host."""
+        from eagle3_dagster.host_lease import GPU_POOL, NoHostError, lease_host
+
+        hosts = self.all_hosts()
+        lease_dir = self.lease_dir or str(Path(context.instance.storage_directory()) / "gpu_host_leases")
+        _warn_on_pool_size(context, len(hosts))
+        holder = {"run_id": context.run_id, "shards": list(shards)}
+        try:
+            with lease_host([(h.name, h) for h in hosts], lease_dir, holder=holder,
+                            preflight=None if preflight is None else (lambda _name, h: preflight(h)),
+                            log=lambda line: (context.log.warning if " skipped: " in line else context.log.info)(line),
+                            wait_s=self.lease_wait_s) as lease:
+                _tag(context, {HOST_TAG: lease.name})
+                yield lease.host
+        except NoHostError as e:
+            raise dg.Failure(description=f"{e} (pool {GPU_POOL})") from None
 
     def run_pipes(
         self,
@@ -71,9 +133,15 @@ class GpuHostResource(dg.ConfigurableResource):
         cwd: str | None = None,
         extras: Mapping | None = None,
         name: str = "pipes",
+        host: GpuHost | None = None,
     ) -> dg.PipesClientCompletedInvocation:
-        """Run `command` on the host inside a Pipes session; non-zero exit raises DagsterPipesExecutionError."""
-        host = self.host()
+        """Run `command` on `host` (default: a host leased for the call) inside a Pipes session; non-zero exit
+        raises DagsterPipesExecutionError."""
+        with (nullcontext(host) if host is not None else self.lease(context)) as leased:
+            return self._run_pipes(leased, context=context, command=command, env=env, cwd=cwd, extras=extras,
+                                   name=name)
+
+    def _run_pipes(self, host: GpuHost, *, context, command, env, cwd, extras, name) -> dg.PipesClientCompletedInvocation:
         with dg.open_pipes_session(
             context=context, context_injector=dg.PipesEnvContextInjector(),
             message_reader=_StderrMessageReader(), extras=dict(extras or {}),
@@ -102,3 +170,23 @@ class GpuHostResource(dg.ConfigurableResource):
 def _pump(stream, session: dg.PipesSession) -> None:
     for line in stream:
         extract_message_or_forward_to_file(session.message_handler, line.rstrip("\n"), sys.stderr)
+
+
+def _tag(context, tags: Mapping[str, str]) -> None:
+    try:
+        context.instance.add_run_tags(context.run_id, dict(tags))
+    except Exception as e:  # an ephemeral test instance may not support tags on an in-memory run
+        context.log.debug(f"could not tag the run with {sorted(tags)}: {e}")
+
+
+def _warn_on_pool_size(context, num_hosts: int) -> None:
+    """Say so when the instance's gpu_host pool limit is not the number of hosts (`eagle3 pool-limits`)."""
+    from eagle3_dagster.host_lease import GPU_POOL
+
+    try:
+        limit = context.instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count
+    except Exception:  # an instance without concurrency storage: nothing to compare
+        return
+    if limit != num_hosts:
+        context.log.warning(f"pool {GPU_POOL} has {limit} slots for {num_hosts} GPU hosts: set it with "
+                            "`eagle3 pool-limits` (scripts/ui.sh does) so each host runs one step at a time")

@@ -58,6 +58,8 @@ class ExtractionPlan:
     fits: bool
     superseded: list[VersionInfo] = field(default_factory=list)
     message: str = ""
+    num_hosts: int = 1  # estimated_hours is for this many hosts
+    hours_by_hosts: dict[int, float] = field(default_factory=dict)  # the remaining shards on 1, 2, 4 and num_hosts hosts
 
     @property
     def superseded_bytes(self) -> int:
@@ -112,6 +114,22 @@ def find_versions(root: Path, current: str) -> list[VersionInfo]:
     return out
 
 
+def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, num_hosts: int) -> float:
+    """Wall hours for these shards on `num_hosts` hosts, each extracting `throughput_tokens_per_s`.
+
+    A shard is what one run extracts on one host, so this is the one-host time divided by the number of
+    hosts rounded up to whole shards: shards go, in key order, to the first host that is free (as the
+    automation's runs lease hosts), and the time is that of the host that finishes last. Equal shards:
+    ceil(S / N) shard-times.
+    """
+    if num_hosts < 1:
+        raise ValueError(f"num_hosts must be >= 1, got {num_hosts}")
+    finish = [0] * num_hosts  # tokens each host has extracted when its current shard ends
+    for tokens in shard_tokens:
+        finish[finish.index(min(finish))] += tokens
+    return max(finish) / throughput_tokens_per_s / 3600.0
+
+
 def plan_extraction(
     shards: Sequence[ShardSpec],
     fmt: ShardFormat,
@@ -120,11 +138,13 @@ def plan_extraction(
     *,
     throughput_tokens_per_s: float,
     free_bytes: int | None = None,
+    num_hosts: int = 1,
 ) -> ExtractionPlan:
     """Bytes and time for the whole version and for what is still missing, and whether it fits."""
     root = Path(root)
     version_dir = root / version
     total_shard = total_manifest = remaining = remaining_tokens = 0
+    remaining_shard_tokens: list[int] = []  # per remaining shard, in key order
     for spec in shards:
         s, m = shard_bytes(spec, fmt), shard_manifest_bytes(spec, fmt)
         total_shard += s
@@ -132,6 +152,7 @@ def plan_extraction(
         if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
             remaining += s + m
             remaining_tokens += spec.num_tokens
+            remaining_shard_tokens.append(spec.num_tokens)
     free = free_bytes_at(root) if free_bytes is None else int(free_bytes)
     superseded = find_versions(root, version)
     fits = remaining <= free
@@ -145,13 +166,14 @@ def plan_extraction(
             names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
+    hours = {n: hours_on_hosts(remaining_shard_tokens, throughput_tokens_per_s, n) for n in sorted({1, 2, 4, num_hosts})}
     return ExtractionPlan(
         version=version, version_dir=version_dir, num_shards=len(shards),
         num_samples=sum(s.num_records for s in shards), num_tokens=sum(s.num_tokens for s in shards),
         shard_bytes=total_shard, manifest_bytes=total_manifest, total_bytes=total_shard + total_manifest,
         remaining_bytes=remaining, remaining_tokens=remaining_tokens,
-        estimated_hours=remaining_tokens / throughput_tokens_per_s / 3600.0, free_bytes=free, fits=fits,
-        superseded=superseded, message=message,
+        estimated_hours=hours[num_hosts], free_bytes=free, fits=fits,
+        superseded=superseded, message=message, num_hosts=num_hosts, hours_by_hosts=hours,
     )
 
 

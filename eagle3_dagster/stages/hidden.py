@@ -7,6 +7,7 @@ extracts into a new version and the old one shows up as superseded in the plan.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -28,6 +29,7 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
     plan = plan_extraction(
         ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
         throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
+        num_hosts=len(profile.gpu_host.all_hosts),
     )
     report = StageReport(metadata={
         "version": plan.version,
@@ -38,7 +40,9 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "total_bytes": plan.total_bytes,
         "total_human": _human(plan.total_bytes),
         "remaining_bytes": plan.remaining_bytes,
-        "estimated_hours": round(plan.estimated_hours, 3),
+        "num_hosts": plan.num_hosts,
+        "estimated_hours": round(plan.estimated_hours, 3),  # on num_hosts hosts
+        "hours_by_hosts": {str(n): round(h, 3) for n, h in plan.hours_by_hosts.items()},
         "free_bytes": plan.free_bytes,
         "free_human": _human(plan.free_bytes),
         "fits": plan.fits,
@@ -52,9 +56,28 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
     return report, plan.fits, plan.message
 
 
+def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) -> dict:
+    """What a host needs to extract shards, checked in seconds before it is used (a lease's preflight): its
+    interpreter runs, its GPUs are there, and SGLang is patched (sglang backend) or this project is importable
+    (hf backend run on the host). Raises PreflightError naming the host and what is missing."""
+    import sys
+
+    from eagle3_dagster.gpu_host import PreflightError
+
+    sglang = profile.hidden.backend == "sglang"
+    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, profile.hidden.tp_size if sglang else 0),
+                            require_sglang=sglang, require_patch=sglang)
+    if not sglang and not host.is_this_process(sys.executable) and not report["eagle3_dagster"]:
+        raise PreflightError(f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
+                             "runs the hf extraction there; install this project on the host")
+    return report
+
+
 def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
+                  host_report: dict | None = None,
                   progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
-    """Extract the named shards of the plan contract at `plan` (extraction_plan's output)."""
+    """Extract the named shards of the plan contract at `plan` (extraction_plan's output) on `gpu_host`
+    (`host_report`: its preflight, when the caller already ran it)."""
     ctx = load_plan(plan)
     by_key = {s.key: s for s in ctx.shards}
     unknown = [k for k in keys if k not in by_key]
@@ -64,10 +87,9 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
     specs = [by_key[k] for k in keys]
     extra: dict = {}
     if profile.hidden.backend == "hf":
-        results = [{"skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt}
-                   for r in _extract_hf(profile, ctx, specs, progress)]
+        results = _extract_hf(profile, plan, ctx, specs, gpu_host, progress)
     else:
-        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, progress)
+        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, host_report, progress)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
@@ -102,41 +124,74 @@ def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[
     }
 
 
-def _extract_hf(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], progress: Progress) -> list:
+def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: list[ShardSpec],
+                host: "GpuHost | None", progress: Progress) -> list[dict]:
+    """In this process when the host is this process's own interpreter on this machine; otherwise the
+    hf driver on the host (`python -m eagle3_dagster.hidden.hf_driver`), one process for the shards."""
+    import sys
+
+    if host is None or host.is_this_process(sys.executable):
+        return extract_shards_hf(ctx, specs, dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
+                                 progress=progress)
+    argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),
+            "--dtype", profile.hidden.dtype, "--batch-tokens", str(profile.hidden.batch_tokens),
+            *(a for s in specs for a in ("--shard", s.key))]
+    returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
+    if returncode != 0:
+        raise RuntimeError(f"hidden_states{[s.key for s in specs]}: the hf driver exited {returncode} on "
+                           f"{host.where()}.\n--- driver output (last {len(out)} lines) ---\n" + "\n".join(out))
+    return [json.loads(line) for line in out if line.startswith('{"shard"')]
+
+
+def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str, batch_tokens: int,
+                      progress: Progress) -> list[dict]:
+    """The hf backend over some shards of a plan, with one loaded model."""
     from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
 
-    model = load_target_hf(ctx.target.path, profile.hidden.dtype)
+    model = load_target_hf(ctx.target.path, dtype)
     results = []
     for spec in specs:
         # extract_shard_hf counts tokens as progress(done, total): a meter turns that into the contract's line
         meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
-        results.append(extract_shard_hf(
+        r = extract_shard_hf(
             ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
-            dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens, code_version=ctx.fmt.code_version,
-            log=progress,
+            dtype=dtype, batch_tokens=batch_tokens, code_version=ctx.fmt.code_version, log=progress,
             target_identity=ctx.target.identity, progress=meter, model=model,
-        ))
-        if getattr(results[-1], "skipped", False):
+        )
+        if r.skipped:
             progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
+        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt})
     return results
 
 
+def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress) -> tuple[int, list[str]]:
+    """A driver process on the host, its output streamed to `progress`; (exit code, its last 200 lines)."""
+    from collections import deque
+
+    proc = host.spawn(argv, {}, name)
+    out: deque[str] = deque(maxlen=200)
+    for line in proc.proc.stdout:
+        out.append(line.rstrip("\n"))
+        progress(line.rstrip("\n"))
+    returncode = proc.proc.wait()
+    proc.release()
+    return returncode, list(out)
+
+
 def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
-                    progress: Progress) -> list:
+                    host_report: dict | None, progress: Progress) -> list:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder.
 
     The server's log goes to a file under the hidden-states root (its path is in the metadata) and the
     run log; on failure the error carries its last 200 lines and the driver's own output (traceback
     included), so nothing that explains it passes through a throttle."""
     import time
-    from collections import deque
 
     from eagle3_dagster.gpu_host import LogTail, ServerSpec, sglang_server
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
-    report = host.preflight(str(ctx.version_dir.parent), min_gpus=profile.hidden.tp_size, require_sglang=True,
-                            require_patch=True)
+    report = host_report or extraction_preflight(profile, host, ctx.version_dir.parent)
     dump_dir = ctx.version_dir.parent / ".dumps" / ctx.version
     log_path = ctx.version_dir.parent / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
@@ -156,13 +211,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
                         "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
                         "--target-identity", ctx.target.identity, "--code-version", ctx.fmt.code_version,
                         "--concurrency", str(profile.hidden.sglang_concurrency)]
-                proc = host.spawn(argv, {}, f"driver-{shard.key}")
-                driver_out: deque[str] = deque(maxlen=200)
-                for line in proc.proc.stdout:
-                    driver_out.append(line.rstrip("\n"))
-                    progress(line.rstrip("\n"))
-                returncode = proc.proc.wait()
-                proc.release()
+                returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
                 if returncode != 0:
                     raise RuntimeError(
                         f"hidden_states[{shard.key}]: the SGLang driver exited {returncode} on {host.where()}.\n"
@@ -183,7 +232,6 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
 
 def _driver_result(lines) -> dict:
     """The driver's last stdout line is its JSON summary (skipped, re-extracted, bytes, ...)."""
-    import json
 
     for line in reversed(lines):
         if line.startswith("{"):

@@ -1,0 +1,44 @@
+"""The hf backend on a GPU host: `python -m eagle3_dagster.hidden.hf_driver --plan PLAN --shard KEY ...`.
+
+The `hidden_states` asset runs this over the leased host's transport when that
+host is not the Dagster worker's own interpreter (an SSH host, or another local
+environment). It reads the plan contract (extraction_plan's output, on storage
+the host sees), extracts the named shards with the same function the in-process
+path uses (`stages.hidden.extract_shards_hf`), prints progress lines and, per
+shard, one JSON summary line starting with `{"shard"`. Resume is the engine's:
+a shard complete in its manifest is skipped, a half-written one is redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_dagster.hidden.hf_driver", description=__doc__)
+    parser.add_argument("--plan", required=True, help="the plan contract (plan.json) of extraction_plan")
+    parser.add_argument("--shard", action="append", required=True, help="a shard key of the plan (repeatable)")
+    parser.add_argument("--dtype", required=True, help="hidden.dtype")
+    parser.add_argument("--batch-tokens", type=int, required=True, help="hidden.batch_tokens")
+    args = parser.parse_args(argv)
+
+    from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.stages.hidden import extract_shards_hf
+
+    ctx = load_plan(args.plan)
+    by_key = {s.key: s for s in ctx.shards}
+    unknown = [k for k in args.shard if k not in by_key]
+    if unknown:
+        print(f"shards {unknown} are not in the plan {args.plan} ({len(by_key)} shards)", file=sys.stderr)
+        return 2
+    results = extract_shards_hf(ctx, [by_key[k] for k in args.shard], dtype=args.dtype,
+                                batch_tokens=args.batch_tokens, progress=lambda line: print(line, flush=True))
+    for r in results:
+        print(json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

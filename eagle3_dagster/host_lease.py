@@ -1,0 +1,154 @@
+"""Leases on GPU hosts: one run per host at a time, released by the kernel when the holder dies.
+
+Owns: the lease files (one per host, `<lease_dir>/<host>.lease`), taking a free
+host for the length of a `with` block, skipping hosts that fail their preflight
+(logged with the host and the reason, never retried by the same run), and the
+one-slot-per-host size of the Dagster pool `gpu_host` (`pool_limits`).
+
+A lease is an exclusive, non-blocking `fcntl.flock` on the host's file, held by
+the process that runs the step. The kernel drops the lock when that process
+exits, kill -9 included, so a dead worker never keeps a host. The file also
+holds the holder's run id, pid and shards as JSON (written after the lock is
+taken), for the UI, the logs and `who_holds`. The lock needs one file system
+seen by every run worker that can lease these hosts: local disk when runs are
+processes on one machine (Dagster's default run launcher), otherwise a shared
+file system with working flock (NFSv4, CephFS, Lustre with `flock`).
+
+The pool keeps more runs than hosts from starting; the lease decides which host
+a started run gets. Both are needed: the pool alone cannot say which host is
+free, the lease alone would start runs that only wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+GPU_POOL = "gpu_host"  # the Dagster pool of every asset that runs on a GPU host
+
+H = TypeVar("H")
+
+
+class NoHostError(RuntimeError):
+    """No host could be leased: every one failed its preflight, or the usable ones stayed leased."""
+
+
+@dataclass(frozen=True)
+class Lease(Generic[H]):
+    name: str
+    host: H
+    path: Path
+    holder: dict
+    skipped: dict[str, str]  # hosts this run passed over, with the reason
+
+
+def pool_limits(num_hosts: int) -> dict[str, int]:
+    """The Dagster pool limits a profile implies: one gpu_host slot per host."""
+    return {GPU_POOL: num_hosts}
+
+
+def lease_path(lease_dir: Path | str, name: str) -> Path:
+    # A host name is usually user@host; keep the file name readable and safe.
+    return Path(lease_dir) / (re.sub(r"[^A-Za-z0-9_.@-]", "_", name) + ".lease")
+
+
+def try_lock(path: Path) -> int | None:
+    """An fd holding the exclusive lock on `path`, or None when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # CLOEXEC: children never hold the lease
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def who_holds(lease_dir: Path | str, name: str) -> dict | None:
+    """The holder recorded in the host's lease file if the lease is held now, else None."""
+    path = lease_path(lease_dir, name)
+    if not path.exists():
+        return None
+    fd = try_lock(path)
+    if fd is not None:  # free: whatever the file says is a past holder
+        os.close(fd)
+        return None
+    try:
+        return json.loads(path.read_text() or "{}")
+    except ValueError:  # the holder is between taking the lock and writing its record
+        return {}
+
+
+def _write_holder(fd: int, holder: Mapping) -> None:
+    data = json.dumps(holder, sort_keys=True).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+@contextlib.contextmanager
+def lease_host(
+    hosts: Sequence[tuple[str, H]],
+    lease_dir: Path | str,
+    *,
+    holder: Mapping,
+    preflight: Callable[[str, H], object] | None = None,
+    log: Callable[[str], None] = print,
+    wait_s: float = 600.0,
+    poll_s: float = 2.0,
+) -> Iterator[Lease[H]]:
+    """Hold one free host that passes `preflight` for the `with` block.
+
+    Hosts are tried in order. One whose preflight raises is skipped for the rest of this call (logged
+    with the reason). When every host that is left is leased by someone else, wait up to `wait_s` for
+    one; when none is left, raise NoHostError naming every host and why.
+    """
+    skipped: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    said_waiting = False
+    while True:
+        busy: dict[str, dict | None] = {}
+        for name, host in hosts:
+            if name in skipped:
+                continue
+            path = lease_path(lease_dir, name)
+            fd = try_lock(path)
+            if fd is None:
+                busy[name] = who_holds(lease_dir, name)
+                continue
+            try:
+                if preflight is not None:
+                    try:
+                        preflight(name, host)
+                    except Exception as e:  # the host, not this run, is at fault: say why and try the next
+                        skipped[name] = str(e) or type(e).__name__
+                        log(f"gpu host {name} skipped: {skipped[name]}")
+                        continue
+                record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
+                _write_holder(fd, record)
+                log(f"gpu host {name} leased ({path})")
+                yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
+                return
+            finally:
+                os.close(fd)  # releases the lock (also on kill -9: the kernel closes it)
+        if not busy:
+            reasons = "; ".join(f"{n}: {r}" for n, r in skipped.items())
+            raise NoHostError(f"no usable GPU host among {len(hosts)}: {reasons}")
+        holders = ", ".join(f"{n} (run {(h or {}).get('run_id', '?')}, pid {(h or {}).get('pid', '?')})"
+                            for n, h in busy.items())
+        if time.monotonic() >= deadline:
+            raise NoHostError(f"every usable GPU host stayed leased for {wait_s:.0f} s: {holders}"
+                              + (f"; skipped: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}" if skipped else "")
+                              + f". Is the {GPU_POOL} pool limit larger than the number of hosts?")
+        if not said_waiting:
+            log(f"waiting for a GPU host: leased {holders}")
+            said_waiting = True
+        time.sleep(poll_s)

@@ -1,0 +1,169 @@
+"""Leases on GPU hosts: exclusive, released by the kernel when the holder is killed, preflight failures skipped
+once, a clear error when no host is usable; the profile's host list; hours on several hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
+from eagle3_dagster.gpu_host import PreflightError
+from eagle3_dagster.hidden.plan import hours_on_hosts
+from eagle3_dagster.host_lease import NoHostError, lease_host, lease_path, pool_limits, try_lock, who_holds
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A lease holder in another process: takes host `a`, says so, and holds it until its stdin closes.
+HOLDER = """
+import sys
+from eagle3_dagster.host_lease import lease_host
+with lease_host([("a", None)], sys.argv[1], holder={"run_id": "run-in-child"}, log=lambda _l: None):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Start a child holding host `a`'s lease; yields the Popen once the lease is held."""
+    procs = []
+
+    def start() -> subprocess.Popen:
+        child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "leases")], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        procs.append(child)
+        assert child.stdout.readline() == "held\n", f"the holder exited {child.wait()} before taking the lease"
+        return child
+
+    yield start
+    for child in procs:
+        child.kill()
+        child.wait()
+
+
+def test_a_held_host_is_not_leased_twice_and_names_its_holder(tmp_path, holder):
+    holder()
+    assert try_lock(lease_path(tmp_path / "leases", "a")) is None
+    assert who_holds(tmp_path / "leases", "a")["run_id"] == "run-in-child"
+    with lease_host([("a", "A"), ("b", "B")], tmp_path / "leases", holder={"run_id": "r2"}, log=lambda _l: None) as got:
+        assert got.name == "b" and got.host == "B"
+        assert json.loads(got.path.read_text())["run_id"] == "r2"
+
+
+def test_a_lease_is_released_when_its_holder_is_killed(tmp_path, holder):
+    child = holder()
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert who_holds(tmp_path / "leases", "a") is None
+    with lease_host([("a", "A")], tmp_path / "leases", holder={"run_id": "next"}, wait_s=0) as got:
+        assert got.name == "a"
+
+
+def test_a_lease_is_released_when_its_block_ends_or_raises(tmp_path):
+    with pytest.raises(ValueError, match="boom"):
+        with lease_host([("a", "A")], tmp_path, holder={}, log=lambda _l: None):
+            raise ValueError("boom")
+    assert who_holds(tmp_path, "a") is None
+    with lease_host([("a", "A")], tmp_path, holder={}, log=lambda _l: None):
+        assert who_holds(tmp_path, "a") is not None
+    assert who_holds(tmp_path, "a") is None
+
+
+def test_a_host_failing_preflight_is_skipped_with_its_reason_and_never_retried(tmp_path, holder):
+    child = holder()  # `a` is busy; `b` is unreachable: the run must wait for `a` without probing `b` again
+    probes, lines = [], []
+
+    def preflight(name, _host):
+        probes.append(name)
+        if name == "b":
+            raise PreflightError("b: ssh: connect to host 127.0.0.1 port 1: Connection refused")
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("waiting for a GPU host"):
+            child.stdin.close()  # the holder ends its run: `a` comes free
+
+    with lease_host([("a", "A"), ("b", "B")], tmp_path / "leases", holder={}, preflight=preflight, log=log,
+                    wait_s=60, poll_s=0.05) as got:
+        assert got.name == "a" and got.skipped == {"b": "b: ssh: connect to host 127.0.0.1 port 1: Connection refused"}
+    assert probes == ["b", "a"]
+    assert "gpu host b skipped: b: ssh: connect to host 127.0.0.1 port 1: Connection refused" in lines
+    assert any(line.startswith("waiting for a GPU host: leased a (run run-in-child") for line in lines)
+
+
+def test_no_usable_host_fails_naming_every_host_and_reason(tmp_path):
+    def preflight(name, _host):
+        raise PreflightError(f"{name}: 0 GPUs visible, 8 needed")
+
+    with pytest.raises(NoHostError, match=r"no usable GPU host among 2: a: a: 0 GPUs visible, 8 needed; "
+                                          r"b: b: 0 GPUs visible, 8 needed"):
+        with lease_host([("a", 1), ("b", 2)], tmp_path, holder={}, preflight=preflight, log=lambda _l: None):
+            pass
+    assert who_holds(tmp_path, "a") is None and who_holds(tmp_path, "b") is None
+
+
+def test_a_host_held_past_the_wait_fails_naming_its_holder(tmp_path, holder):
+    holder()
+    with pytest.raises(NoHostError, match=r"stayed leased for 0 s: a \(run run-in-child"):
+        with lease_host([("a", "A")], tmp_path / "leases", holder={}, wait_s=0, log=lambda _l: None):
+            pass
+
+
+def _profile(tmp_path: Path, gpu_host: dict) -> Path:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "configs" / "micro.yaml").read_text())
+    raw["gpu_host"] = gpu_host
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_single_host_form_is_one_host_and_one_pool_slot():
+    for name in ("demo", "micro", "production"):
+        g = load_profile(name).gpu_host
+        assert len(g.all_hosts) == 1 and pool_limits(len(g.all_hosts)) == {"gpu_host": 1}
+    prod = load_profile("production").gpu_host.all_hosts[0]
+    assert (prod.label, prod.transport, prod.python, prod.num_gpus) == \
+        ("eagle@gpu-host-0", "ssh", "/opt/sglang/.venv/bin/python", 8)
+
+
+def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(tmp_path):
+    g = load_profile_file(_profile(tmp_path, {"hosts": [
+        {"transport": "ssh", "ssh_target": "eagle@h0", "python": "/opt/a/python", "num_gpus": 8},
+        {"name": "h1", "transport": "ssh", "ssh_target": "eagle@h1", "workdir": "/w1", "num_gpus": 4},
+        {"transport": "local"}]})).gpu_host
+    assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.all_hosts] == [
+        ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8), ("h1", "python", "/w1", 4),
+        ("local", "python", ".eagle3/gpu_host", 0)]
+    assert pool_limits(len(g.all_hosts)) == {"gpu_host": 3}
+
+
+@pytest.mark.parametrize("gpu_host, message", [
+    ({"hosts": [{"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2201"]},
+                {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2202"]}]},
+     "gpu_host: Value error, gpu_host.hosts: names must be unique, ['u@127.0.0.1'] name several hosts"),
+    ({"python": "/x/python", "hosts": [{"transport": "local"}]},
+     "gpu_host.hosts is given, so gpu_host.python belongs in each host"),
+    ({"hosts": [{"transport": "ssh"}]}, "gpu_host.hosts.0: Value error, ssh_target is required for transport 'ssh'"),
+    ({"hosts": []}, "gpu_host.hosts: List should have at least 1 item"),
+])
+def test_a_bad_host_list_names_the_field(tmp_path, gpu_host, message):
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(_profile(tmp_path, gpu_host))
+    assert message in str(e.value)
+
+
+def test_hours_on_hosts_round_up_to_whole_shards():
+    # 5 equal shards of one hour each: 2 hosts need 3 hours (not 2.5), 4 hosts 2, more hosts than shards 1
+    one_hour = [3600] * 5
+    assert [hours_on_hosts(one_hour, 1.0, n) for n in (1, 2, 4, 8)] == [5.0, 3.0, 2.0, 1.0]
+    # unequal shards go in key order to the first free host: 2 + 1 on one, 2 on the other
+    assert hours_on_hosts([7200, 7200, 3600], 1.0, 2) == 3.0
+    assert hours_on_hosts([], 1.0, 4) == 0.0
