@@ -40,11 +40,11 @@ def build(profile: Profile) -> list:
         "where the shards go, and every superseded hidden-state version with its size.",
     )
     def extraction_plan(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        from eagle3_dagster.stages.hidden import plan_stage
+        from eagle3_dagster.stages.hidden import free_space_location, plan_stage
 
         tag_run(context, profile)
         root = layout(profile).hidden_root
-        free = context.resources.gpu_host.free_bytes(str(root))
+        free = context.resources.gpu_host.free_bytes(str(free_space_location(layout(profile))))
         report, fits, message = plan_stage(profile, layout(profile), free_bytes=free)
         meta = report.metadata
         check = dg.AssetCheckResult(
@@ -88,7 +88,7 @@ def build(profile: Profile) -> list:
     def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
         from eagle3_dagster.hidden.context import load_plan
-        from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight
+        from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight, free_space_location
 
         tag_run(context, profile, "hidden_states")
         plan = current_plan(context.instance)
@@ -97,7 +97,7 @@ def build(profile: Profile) -> list:
         require_plan_current(context.instance, ctx.merged_train_sha256)
         keys = list(context.partition_keys)
         reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
-        preflight = lambda host: reports.append(extraction_preflight(profile, host, layout(profile).hidden_root))  # noqa: E731
+        preflight = lambda host: reports.append(extraction_preflight(profile, host, free_space_location(layout(profile))))  # noqa: E731
         with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
             report, checks = extract_stage(profile, plan, keys, gpu_host=host, host_report=reports[-1],
                                            progress=progress_logger(context))

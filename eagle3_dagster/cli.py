@@ -160,6 +160,7 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
 def _preflight(profile, layout) -> int:
     """Every host of the profile, each with its own table; exits 1 when any host fails (a run would skip it)."""
     from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError
+    from eagle3_dagster.stages.hidden import free_space_location
 
     failed_hosts = []
     for h in profile.gpu_host.all_hosts:
@@ -167,7 +168,7 @@ def _preflight(profile, layout) -> int:
                                 num_gpus=h.num_gpus, name=h.label))
         print(f"host {host.name}")
         try:  # the probe only: each requirement is judged below, all of them, not just the first that fails
-            report = host.preflight(str(layout.hidden_root), require_sglang=False)
+            report = host.preflight(str(free_space_location(layout)), require_sglang=False)
         except PreflightError as e:
             print(f"{'interpreter':<15} FAIL  {e}")
             failed_hosts.append(f"{host.name} (interpreter)")
@@ -188,10 +189,11 @@ def _export(profile, layout, fmt: str, out: Path) -> int:
     from tqdm import tqdm
 
     from eagle3_dagster.hidden.export_formats import export_specforge, export_speculators, load_final_norm_weight
+    from eagle3_dagster import storage
     from eagle3_dagster.hidden.context import hidden_context
 
     ctx = hidden_context(profile, layout)
-    if not ctx.version_dir.exists():
+    if not storage.exists(ctx.version_dir):
         raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
     with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
         if fmt == "specforge":

@@ -273,7 +273,11 @@ class HiddenConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"] = Field(
         "float32", description="dtype of the stored states; float8_e4m3fn stores fp8 with one scale per token row "
         "of each state, about half the bytes of bfloat16")
-    root: str = Field(description="hidden-states root; one folder per version below it")
+    root: str = Field(description="hidden-states root, one folder per version below it: a local path or an "
+                      "fsspec URL (s3://bucket/prefix, gs://…; credentials and endpoint from the environment)")
+    staging_dir: str | None = Field(
+        None, description="local folder where shards are written and checked before upload when hidden.root is a "
+        "URL (holds only the shards in flight); default <run_root>/hidden_staging")
     samples_per_shard: int = Field(256, ge=1, description="samples per shard (one partition each)")
     batch_tokens: int = Field(4096, ge=16, description="hf backend: tokens per length-bucketed batch")
     throughput_tokens_per_s: float = Field(2000.0, gt=0, description="for the plan's time estimate")
@@ -283,6 +287,23 @@ class HiddenConfig(_Strict):
     backfill_batch: int = Field(4, ge=1, description="shard partitions the hidden_states automation requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _local_staging(cls, value: str | None) -> str | None:
+        from eagle3_dagster.storage import is_remote
+
+        if value is not None and is_remote(value):
+            raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}")
+        return value
+
+    @field_validator("root")
+    @classmethod
+    def _root_location(cls, value: str) -> str:
+        from eagle3_dagster.storage import location
+
+        location(value)  # a URL carrying credentials is refused
+        return value
 
     @field_validator("backfill_cron")
     @classmethod

@@ -43,10 +43,18 @@ class TokenizedRecord(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class ArtifactLayout:
-    """Paths of every artifact under one profile's run root (and the hidden-states root)."""
+    """Paths of every artifact under one profile's run root (and the hidden-states root).
+
+    `hidden_root` is a local `Path` or, for an object store, an fsspec URL string (`storage.Location`);
+    `hidden_staging` is the local folder shards are written in before upload (default under run_root)."""
 
     run_root: Path
-    hidden_root: Path
+    hidden_root: Path | str
+    hidden_staging: Path | None = None
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.hidden_staging if self.hidden_staging is not None else self.run_root / "hidden_staging"
 
     @property
     def target_dir(self) -> Path:
@@ -72,8 +80,10 @@ class ArtifactLayout:
     def vocab_mapping(self) -> Path:
         return self.run_root / "vocab" / "vocab_mapping.safetensors"
 
-    def hidden_version_dir(self, version: str) -> Path:
-        return self.hidden_root / version
+    def hidden_version_dir(self, version: str) -> Path | str:
+        from eagle3_dagster.storage import join
+
+        return join(self.hidden_root, version)
 
     @property
     def drafter_dir(self) -> Path:
@@ -85,9 +95,9 @@ class ArtifactLayout:
 
     @classmethod
     def from_profile(cls, profile) -> "ArtifactLayout":
-        hidden = Path(profile.hidden.root)
-        if not hidden.is_absolute():
-            from eagle3_dagster.config import PROJECT_ROOT
+        from eagle3_dagster.config import PROJECT_ROOT
+        from eagle3_dagster.storage import location
 
-            hidden = PROJECT_ROOT / hidden
-        return cls(run_root=profile.path(), hidden_root=hidden)
+        staging = profile.hidden.staging_dir
+        return cls(run_root=profile.path(), hidden_root=location(profile.hidden.root, PROJECT_ROOT),
+                   hidden_staging=None if staging is None else location(staging, PROJECT_ROOT))

@@ -2,8 +2,9 @@
 
 `hidden_context` is the one computation that parses and hashes merged_train for
 extraction (shard specs, version, format); `write_plan` stores it once in the
-version folder and `load_plan` is how every later stage (shard runs, training,
-cleanup) gets it back. Keys and the contract version are in `contracts.py`.
+version folder (local or on the object store, like the shards) and `load_plan`
+is how every later stage (shard runs, training, cleanup) gets it back. Keys and
+the contract version are in `contracts.py`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle3_dagster import storage
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import BACKEND_CODE_VERSIONS, PLAN_CONTRACT, PLAN_CONTRACT_VERSION, ArtifactLayout
 from eagle3_dagster.hidden.sharding import ShardSpec, hidden_version, plan_shards
 from eagle3_dagster.hidden.shards import ShardFormat
-from eagle3_dagster.io import atomic_write_json, read_json, sha256_file
+from eagle3_dagster.io import sha256_file
 from eagle3_dagster.target import TargetFacts, target_facts
 
 
@@ -25,16 +27,16 @@ class HiddenContext:
     shards: list[ShardSpec]
     fmt: ShardFormat
     version: str
-    version_dir: Path
+    version_dir: storage.Location  # a local Path, or a URL string on an object store
     merged_train: Path
     merged_train_sha256: str = ""
+    staging_dir: Path | None = None  # local folder shards are written in before upload; only for a store
 
 
-def write_plan(ctx: HiddenContext) -> Path:
+def write_plan(ctx: HiddenContext) -> storage.Location:
     """extraction_plan's contract: everything later stages need, computed once."""
-    path = ctx.version_dir / PLAN_CONTRACT
-    ctx.version_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {
+    path = storage.join(ctx.version_dir, PLAN_CONTRACT)
+    storage.write_json(path, {
         "contract_version": PLAN_CONTRACT_VERSION,
         "version": ctx.version,
         "version_dir": str(ctx.version_dir),
@@ -43,16 +45,18 @@ def write_plan(ctx: HiddenContext) -> Path:
         "target": {**asdict(ctx.target), "path": str(ctx.target.path)},
         "format": asdict(ctx.fmt),
         "shards": [asdict(s) for s in ctx.shards],
+        "staging_dir": None if ctx.staging_dir is None else str(ctx.staging_dir),
     })
     return path
 
 
-def load_plan(path: Path | str) -> HiddenContext:
+def load_plan(path: storage.Location) -> HiddenContext:
     """The HiddenContext extraction_plan wrote; an error names the file when it is missing or foreign."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"extraction plan {path} not found; materialize extraction_plan first")
-    raw = read_json(path)
+    path = storage.location(path)
+    try:
+        raw = storage.read_json(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"extraction plan {path} not found; materialize extraction_plan first") from None
     if raw.get("contract_version") != PLAN_CONTRACT_VERSION:
         raise ValueError(f"{path}: plan contract version {raw.get('contract_version')!r}, this code reads "
                          f"{PLAN_CONTRACT_VERSION}; materialize extraction_plan again")
@@ -61,8 +65,9 @@ def load_plan(path: Path | str) -> HiddenContext:
     fmt = ShardFormat(**{**raw["format"], "aux_layers": tuple(raw["format"]["aux_layers"])})
     shards = [ShardSpec(**{**s, "sample_ids": tuple(s["sample_ids"]), "lengths": tuple(s["lengths"])})
               for s in raw["shards"]]
-    return HiddenContext(target, shards, fmt, raw["version"], Path(raw["version_dir"]), Path(raw["merged_train"]),
-                         raw["merged_train_sha256"])
+    return HiddenContext(target, shards, fmt, raw["version"], storage.location(raw["version_dir"]),
+                         Path(raw["merged_train"]), raw["merged_train_sha256"],
+                         None if raw.get("staging_dir") is None else Path(raw["staging_dir"]))
 
 
 def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
@@ -83,4 +88,5 @@ def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
         hidden_size=target.hidden_size, dtype=profile.hidden.dtype, aux_layers=target.aux_layers,
         target_identity=target.identity, code_version=backend_version,
     )
-    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged, merged_sha)
+    staging = layout.staging_dir if storage.is_remote(layout.hidden_root) else None
+    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged, merged_sha, staging)

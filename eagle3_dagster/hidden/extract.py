@@ -9,7 +9,12 @@ samples into `(sample, aux_hidden [T, 3H], last_hidden [T, H])` rows, in any ord
 - the shard format (`ShardFormat`, whose code version comes from the plan, so the
   bytes are exactly the ones the plan predicted) and the commit protocol
   (`ShardWriter`: temporary name, rename, manifest last);
-- progress as (tokens done, tokens in the shard) and the `ShardResult`.
+- progress as (tokens done, tokens in the shard) and the `ShardResult`;
+- a version folder on an object store (`storage`): the shard is written and committed
+  in the local staging folder as above, then `publish_shard` uploads it, reads it
+  back to check its sha256 and writes its manifest on the store last. A run killed
+  mid-upload leaves no manifest on the store; the next run finds the shard complete
+  in staging and only uploads it again (nothing is extracted twice).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_dagster import storage
 from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, read_shard_records
 from eagle3_dagster.hidden.shards import (
     ShardCorruptError,
@@ -28,6 +34,7 @@ from eagle3_dagster.hidden.shards import (
     ShardWriter,
     is_shard_complete,
     load_shard_manifest,
+    manifest_path,
     shard_path,
     verify_shard,
 )
@@ -40,7 +47,7 @@ Backend = Callable[[list[SampleRecord]], Iterable[tuple[SampleRecord, torch.Tens
 @dataclass(frozen=True)
 class ShardResult:
     key: str
-    path: Path
+    path: storage.Location
     num_samples: int
     num_tokens: int
     num_bytes: int
@@ -48,9 +55,10 @@ class ShardResult:
     seconds: float
     skipped: bool  # already complete and verified; nothing was computed
     reextracted_corrupt: bool = False  # a manifest entry existed but the file failed its checksum
+    uploaded_from_staging: bool = False  # a store's shard found complete in staging: only uploaded, not computed
 
 
-def verified_complete(version_dir: Path, spec: ShardSpec) -> tuple[bool, str | None]:
+def verified_complete(version_dir: storage.Location, spec: ShardSpec) -> tuple[bool, str | None]:
     """(complete, why not trusted): complete only if the manifest names the right samples and the bytes match it."""
     if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
         entry = load_shard_manifest(version_dir, spec.key)
@@ -65,20 +73,67 @@ def verified_complete(version_dir: Path, spec: ShardSpec) -> tuple[bool, str | N
 def extract_shard(
     spec: ShardSpec,
     merged_train: Path,
-    version_dir: Path,
+    version_dir: storage.Location,
     fmt: ShardFormat | Callable[[], ShardFormat],
     backend: Backend,
     *,
     vocab_size: int | None | Callable[[], int | None] = None,
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda _line: None,
+    staging_dir: Path | None = None,
 ) -> ShardResult:
     """Extract one shard through `backend` unless its manifest and bytes say it is already complete.
 
     `fmt` and `vocab_size` may be callables, asked only when the shard has to be computed (a complete
-    shard is skipped without reading the model directory)."""
+    shard is skipped without reading the model directory). A `version_dir` on a store needs
+    `staging_dir`, the local folder the shard is written in before it is uploaded."""
+    version_dir = storage.location(version_dir)
+    if storage.is_remote(version_dir):
+        return _extract_to_store(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size,
+                                 progress=progress, log=log, staging_dir=staging_dir)
+    return _extract_local(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size, progress=progress,
+                          log=log)
+
+
+def _extract_to_store(spec: ShardSpec, merged_train: Path, version_dir: str, fmt, backend: Backend, *, vocab_size,
+                      progress, log, staging_dir: Path | None) -> ShardResult:
+    if staging_dir is None:
+        raise ValueError(f"{version_dir} is on an object store: hidden.staging_dir (a local folder) is needed to "
+                         "write shards before they are uploaded")
     start = time.perf_counter()
-    version_dir = Path(version_dir)
+    complete, distrust = verified_complete(version_dir, spec)
+    if complete:
+        return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
+    if distrust:
+        log(f"{distrust}; extracting it again")
+    local = Path(staging_dir) / storage.name(version_dir)
+    staged, _ = verified_complete(local, spec)
+    if staged:
+        log(f"shard {spec.key}: complete in staging {local}, uploading it again")
+    result = _extract_local(spec, merged_train, local, fmt, backend, vocab_size=vocab_size, progress=progress,
+                            log=log)
+    entry = publish_shard(local, version_dir, spec.key, log=log)
+    return _result(spec, version_dir, entry, time.perf_counter() - start, skipped=False,
+                   reextracted_corrupt=distrust is not None or result.reextracted_corrupt,
+                   uploaded_from_staging=result.skipped)
+
+
+def publish_shard(local_dir: Path, version_dir: str, key: str, *, log: Callable[[str], None]) -> dict:
+    """Upload a shard committed in `local_dir` to the store; its manifest goes up only after the object's
+    bytes, read back from the store, hash to the manifest's sha256. The staged copy is then deleted."""
+    entry = load_shard_manifest(local_dir, key)
+    storage.remove(manifest_path(version_dir, key))  # an old entry must not vouch for the bytes being replaced
+    log(f"shard {key}: uploading {entry['bytes']} bytes to {version_dir}")
+    storage.upload_file(Path(shard_path(local_dir, key)), shard_path(version_dir, key), entry["sha256"])
+    storage.write_json(manifest_path(version_dir, key), entry)
+    for p in (manifest_path(local_dir, key), shard_path(local_dir, key)):  # manifest first: never a bare entry
+        Path(p).unlink(missing_ok=True)
+    return entry
+
+
+def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, backend: Backend, *, vocab_size,
+                   progress, log) -> ShardResult:
+    start = time.perf_counter()
     complete, distrust = verified_complete(version_dir, spec)
     if complete:
         entry = load_shard_manifest(version_dir, spec.key)
@@ -100,10 +155,10 @@ def extract_shard(
                    reextracted_corrupt=distrust is not None)
 
 
-def _result(spec: ShardSpec, version_dir: Path, entry: dict, seconds: float, *, skipped: bool,
-            reextracted_corrupt: bool = False) -> ShardResult:
+def _result(spec: ShardSpec, version_dir: storage.Location, entry: dict, seconds: float, *, skipped: bool,
+            reextracted_corrupt: bool = False, uploaded_from_staging: bool = False) -> ShardResult:
     return ShardResult(
         key=spec.key, path=shard_path(version_dir, spec.key), num_samples=entry["num_samples"],
         num_tokens=entry["num_tokens"], num_bytes=entry["bytes"], sha256=entry["sha256"], seconds=seconds,
-        skipped=skipped, reextracted_corrupt=reextracted_corrupt,
+        skipped=skipped, reextracted_corrupt=reextracted_corrupt, uploaded_from_staging=uploaded_from_staging,
     )

@@ -157,6 +157,7 @@ def extract_shard_hf(
     device: str | None = None,
     code_version: str = HF_BACKEND_CODE_VERSION,
     log=lambda _line: None,
+    staging_dir: Path | None = None,
 ) -> ShardResult:
     """One shard through the hf backend (resume, format and commit are `extract_shard`'s); the model is
     loaded only if the shard has to be computed."""
@@ -175,7 +176,7 @@ def extract_shard_hf(
         yield from hf_rows(loaded, aux_layers, batch_tokens)(records)
 
     return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=lambda: summary()["vocab_size"],
-                         progress=progress, log=log)
+                         progress=progress, log=log, staging_dir=staging_dir)
 
 
 def extract_all_hf(
@@ -191,6 +192,7 @@ def extract_all_hf(
     max_seq_len: int | None = None,
     device: str | None = None,
     progress: Progress | None = None,
+    staging_dir: Path | None = None,
 ) -> list[ShardResult]:
     """Every shard of merged_train with one loaded model (tests, benchmarks, single-host runs)."""
     specs = plan_shards(merged_train, samples_per_shard, max_seq_len=max_seq_len)
@@ -203,6 +205,7 @@ def extract_all_hf(
             extract_shard_hf(
                 model_dir, merged_train, spec, version_dir, aux_layers=aux_layers, dtype=dtype,
                 batch_tokens=batch_tokens, target_identity=target_identity, progress=progress, model=model,
+                staging_dir=staging_dir,
             )
         )
     return results

@@ -8,6 +8,11 @@ superseded versions is a separate, explicit, logged step (`cleanup_superseded`),
 dry-run unless asked otherwise.
 
 Free bytes on a remote GPU host are measured by the host resource and passed in.
+When hidden.root is on an object store (`storage`), the store is not what can run
+out: the plan checks the local staging folder instead, which holds only the shard
+in flight (written, checked, uploaded, then deleted), so it needs the largest
+remaining shard, not the version. Superseded versions are listed and deleted on
+the store the same way as on disk.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_dagster import storage
 from eagle3_dagster.hidden.sharding import ShardSpec
 from eagle3_dagster.hidden.shards import (
     ShardFormat,
-    is_shard_complete,
+    load_manifest,
     manifest_bytes,
     manifest_entry,
     manifest_path,
@@ -37,14 +43,14 @@ TIB = 1024**4
 @dataclass(frozen=True)
 class VersionInfo:
     version: str
-    path: Path
+    path: storage.Location
     num_bytes: int
 
 
 @dataclass(frozen=True)
 class ExtractionPlan:
     version: str
-    version_dir: Path
+    version_dir: storage.Location
     num_shards: int
     num_samples: int
     num_tokens: int
@@ -60,6 +66,8 @@ class ExtractionPlan:
     message: str = ""
     num_hosts: int = 1  # estimated_hours is for this many hosts
     hours_by_hosts: dict[int, float] = field(default_factory=dict)  # the remaining shards on 1, 2, 4 and num_hosts hosts
+    needed_bytes: int = 0  # what must fit in free_bytes: remaining_bytes, or for a store the largest shard in flight
+    free_at: str = ""  # where free_bytes was measured: hidden.root, or the staging folder for a store
 
     @property
     def superseded_bytes(self) -> int:
@@ -101,8 +109,25 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
-def find_versions(root: Path, current: str) -> list[VersionInfo]:
+def complete_keys(version_dir: storage.Location, shards: Sequence[ShardSpec]) -> set[str]:
+    """Keys whose manifest names the planned samples and whose file has the recorded size
+    (`shards.is_shard_complete` for every shard, from one listing and one manifest read)."""
+    sizes = storage.file_sizes(version_dir)
+    manifest = load_manifest(version_dir) if sizes else {}
+    done = set()
+    for spec in shards:
+        entry = manifest.get(spec.key)
+        if entry is not None and sizes.get(storage.name(shard_path(version_dir, spec.key))) == entry["bytes"] \
+                and [s["id"] for s in entry["samples"]] == list(spec.sample_ids):
+            done.add(spec.key)
+    return done
+
+
+def find_versions(root: storage.Location, current: str) -> list[VersionInfo]:
     """Every hidden-state version folder under root other than `current` (real folders named like a version)."""
+    if storage.is_remote(root):
+        return [VersionInfo(version=n, path=storage.join(root, n), num_bytes=storage.tree_bytes(storage.join(root, n)))
+                for n in storage.subfolders(root) if n != current and VERSION_PATTERN.match(n)]
     root = Path(root)
     if not root.is_dir():
         return []
@@ -133,36 +158,48 @@ def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, 
 def plan_extraction(
     shards: Sequence[ShardSpec],
     fmt: ShardFormat,
-    root: Path,
+    root: storage.Location,
     version: str,
     *,
     throughput_tokens_per_s: float,
     free_bytes: int | None = None,
     num_hosts: int = 1,
+    staging_dir: Path | None = None,
 ) -> ExtractionPlan:
-    """Bytes and time for the whole version and for what is still missing, and whether it fits."""
-    root = Path(root)
-    version_dir = root / version
-    total_shard = total_manifest = remaining = remaining_tokens = 0
+    """Bytes and time for the whole version and for what is still missing, and whether it fits.
+
+    For a root on an object store, `free_bytes` (or a measurement) is the staging folder's, and what must
+    fit there is the largest remaining shard with its manifest."""
+    root = storage.location(root)
+    remote = storage.is_remote(root)
+    if remote and staging_dir is None:
+        raise ValueError(f"hidden.root {root} is on an object store: the plan needs the local staging folder")
+    version_dir = storage.join(root, version)
+    done = complete_keys(version_dir, shards)
+    total_shard = total_manifest = remaining = remaining_tokens = largest = 0
     remaining_shard_tokens: list[int] = []  # per remaining shard, in key order
     for spec in shards:
         s, m = shard_bytes(spec, fmt), shard_manifest_bytes(spec, fmt)
         total_shard += s
         total_manifest += m
-        if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
+        if spec.key not in done:
             remaining += s + m
             remaining_tokens += spec.num_tokens
             remaining_shard_tokens.append(spec.num_tokens)
-    free = free_bytes_at(root) if free_bytes is None else int(free_bytes)
+            largest = max(largest, s + m)
+    free_at = staging_dir if remote else root
+    free = free_bytes_at(free_at) if free_bytes is None else int(free_bytes)
+    needed = largest if remote else remaining
     superseded = find_versions(root, version)
-    fits = remaining <= free
+    fits = needed <= free
     reclaim = sum(v.num_bytes for v in superseded)
+    where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if remote else str(root)
     if fits:
-        message = f"needs {_human(remaining)} of {_human(free)} free at {root}"
+        message = f"needs {_human(needed)} of {_human(free)} free at {where}"
     else:
-        short = remaining - free
-        message = f"does not fit: needs {_human(remaining)}, {_human(free)} free at {root}, short by {_human(short)}"
-        if superseded:
+        short = needed - free
+        message = f"does not fit: needs {_human(needed)}, {_human(free)} free at {where}, short by {_human(short)}"
+        if superseded and not remote:
             names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
@@ -173,18 +210,15 @@ def plan_extraction(
         shard_bytes=total_shard, manifest_bytes=total_manifest, total_bytes=total_shard + total_manifest,
         remaining_bytes=remaining, remaining_tokens=remaining_tokens,
         estimated_hours=hours[num_hosts], free_bytes=free, fits=fits,
-        superseded=superseded, message=message, num_hosts=num_hosts, hours_by_hosts=hours,
+        superseded=superseded, message=message, num_hosts=num_hosts, hours_by_hosts=hours, needed_bytes=needed, free_at=str(free_at),
     )
 
 
-def actual_bytes(version_dir: Path, shard_keys: Sequence[str]) -> int:
-    """Bytes on disk of these shards and their manifests, to compare with the plan's prediction."""
-    total = 0
-    for key in shard_keys:
-        for p in (shard_path(version_dir, key), manifest_path(version_dir, key)):
-            if p.exists():
-                total += p.stat().st_size
-    return total
+def actual_bytes(version_dir: storage.Location, shard_keys: Sequence[str]) -> int:
+    """Bytes on disk (or on the store) of these shards and their manifests, to compare with the plan's prediction."""
+    sizes = storage.file_sizes(version_dir)
+    return sum(sizes.get(storage.name(p), 0) for key in shard_keys
+               for p in (shard_path(version_dir, key), manifest_path(version_dir, key)))
 
 
 @dataclass(frozen=True)
@@ -195,23 +229,26 @@ class CleanupResult:
 
 
 def cleanup_superseded(
-    root: Path, current_version: str, *, dry_run: bool = True, log: Callable[[str], None] = print
+    root: storage.Location, current_version: str, *, dry_run: bool = True, log: Callable[[str], None] = print
 ) -> CleanupResult:
     """Delete (or, by default, only list) version folders under root that are not the current one.
 
     Symlinked entries are skipped, not followed; `rmtree` unlinks links inside a
     folder without descending into them; every path is checked to lie inside root.
+    On an object store (no links there) a version is every object under its prefix.
     """
-    root = Path(root)
-    real_root = root.resolve()
+    root = storage.location(root)
+    remote = storage.is_remote(root)
+    real_root = None if remote else Path(root).resolve()
     removed: list[VersionInfo] = []
     for v in find_versions(root, current_version):
-        if v.version == current_version or v.path.resolve().parent != real_root:
+        inside = storage.parent(v.path) == root if remote else Path(v.path).resolve().parent == real_root
+        if v.version == current_version or not inside:
             log(f"skip {v.path}: not a version folder directly under {root}")
             continue
         log(f"{'would delete' if dry_run else 'deleting'} {v.path} ({v.num_bytes} bytes)")
         if not dry_run:
-            shutil.rmtree(v.path)
+            storage.remove(v.path, recursive=True)  # locally shutil.rmtree: unlinks links, never follows them
         removed.append(v)
     freed = sum(v.num_bytes for v in removed)
     log(f"{'would free' if dry_run else 'freed'} {freed} bytes in {len(removed)} superseded versions under {root}")

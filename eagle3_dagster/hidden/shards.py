@@ -29,6 +29,12 @@ Commit protocol: a shard is written to `.{key}.safetensors.{pid}.tmp`, fsynced,
 renamed, and only then its manifest `{key}.manifest.json` is written (atomic).
 Resume trusts manifests, never file existence. One manifest per shard means
 partition runs can finish in any order, concurrently, without a shared file.
+
+A version folder may be on an object store (`storage`: an fsspec URL). The writer
+always writes a local folder; `extract.publish_shard` uploads a committed shard,
+reads it back to check its sha256 and only then writes its manifest on the store.
+Everything that reads (manifests, completeness, checksums, `HiddenStatesDataset`)
+takes either kind of location.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ from pathlib import Path
 import orjson
 import torch
 
-from eagle3_dagster.io import atomic_write_json, read_json, sha256_file
+from eagle3_dagster import storage
+from eagle3_dagster.hidden.ranged import RangedSafetensors
+from eagle3_dagster.io import atomic_write_json, sha256_file
 from eagle3_dagster.layers import CANONICAL_NUMBERING
 
 SHARD_FORMAT = "eagle3-hidden-states"
@@ -105,12 +113,12 @@ class ShardFormat:
         return self.dtype in SCALED_DTYPES
 
 
-def shard_path(version_dir: Path, key: str) -> Path:
-    return Path(version_dir) / f"{key}.safetensors"
+def shard_path(version_dir: storage.Location, key: str) -> storage.Location:
+    return storage.join(version_dir, f"{key}.safetensors")
 
 
-def manifest_path(version_dir: Path, key: str) -> Path:
-    return Path(version_dir) / f"{key}{MANIFEST_SUFFIX}"
+def manifest_path(version_dir: storage.Location, key: str) -> storage.Location:
+    return storage.join(version_dir, f"{key}{MANIFEST_SUFFIX}")
 
 
 def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_tokens: int) -> dict[str, str]:
@@ -215,6 +223,9 @@ class ShardWriter:
     ) -> None:
         if len(sample_ids) != len(lengths) or not sample_ids:
             raise ValueError(f"{key}: need one length per sample id and at least one sample")
+        if storage.is_remote(version_dir):
+            raise ValueError(f"{key}: ShardWriter writes a local folder, not {version_dir}; shards for a store are "
+                             "written in the staging folder and published (extract.extract_shard does both)")
         self.version_dir, self.key, self.fmt = Path(version_dir), key, fmt
         self.sample_ids, self.lengths, self.first_record = list(sample_ids), [int(n) for n in lengths], first_record
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
@@ -335,19 +346,23 @@ class ShardCorruptError(RuntimeError):
     """A shard whose bytes differ from what its manifest recorded."""
 
 
-def load_shard_manifest(version_dir: Path, key: str) -> dict | None:
-    path = manifest_path(version_dir, key)
-    return read_json(path) if path.exists() else None
+def load_shard_manifest(version_dir: storage.Location, key: str) -> dict | None:
+    try:
+        return storage.read_json(manifest_path(version_dir, key))
+    except FileNotFoundError:
+        return None
 
 
-def load_manifest(version_dir: Path) -> dict[str, dict]:
+def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     """The version's manifest: shard key -> entry, aggregated from the per-shard files (sorted by key)."""
-    version_dir = Path(version_dir)
+    version_dir = storage.location(version_dir)
+    names = sorted(n for n in storage.file_sizes(version_dir) if n.endswith(MANIFEST_SUFFIX) and not n.startswith("."))
     out: dict[str, dict] = {}
-    for p in sorted(version_dir.glob(f"*{MANIFEST_SUFFIX}")):
-        entry = read_json(p)
-        if entry.get("shard") != p.name[: -len(MANIFEST_SUFFIX)]:
-            raise ValueError(f"{p}: manifest names shard {entry.get('shard')!r}, not its own file name")
+    for n, blob in zip(names, storage.read_many([storage.join(version_dir, n) for n in names]), strict=True):
+        entry = orjson.loads(blob)
+        if entry.get("shard") != n[: -len(MANIFEST_SUFFIX)]:
+            raise ValueError(f"{storage.join(version_dir, n)}: manifest names shard {entry.get('shard')!r}, "
+                             "not its own file name")
         out[entry["shard"]] = entry
     return out
 
@@ -363,28 +378,26 @@ def sample_index(manifest: dict[str, dict]) -> dict[str, tuple[str, int, int]]:
     return out
 
 
-def is_shard_complete(version_dir: Path, key: str, expected_ids: Sequence[str] | None = None) -> bool:
+def is_shard_complete(version_dir: storage.Location, key: str, expected_ids: Sequence[str] | None = None) -> bool:
     """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
     entry = load_shard_manifest(version_dir, key)
-    if entry is None:
-        return False
-    path = shard_path(version_dir, key)
-    if not path.exists() or path.stat().st_size != entry["bytes"]:
+    if entry is None or storage.size(shard_path(version_dir, key)) != entry["bytes"]:
         return False
     return expected_ids is None or [s["id"] for s in entry["samples"]] == list(expected_ids)
 
 
-def verify_shard(path: Path, manifest_entry: dict) -> None:
-    """Recompute size and sha256; a mismatch is a `ShardCorruptError` naming the shard."""
-    path = Path(path)
-    if not path.exists():
+def verify_shard(path: storage.Location, manifest_entry: dict) -> None:
+    """Recompute size and sha256 (on a store: read back in full); a mismatch is a `ShardCorruptError` naming
+    the shard."""
+    path = storage.location(path)
+    size = storage.size(path)
+    if size is None:
         raise ShardCorruptError(f"shard {manifest_entry.get('shard')} ({path}): file is missing")
-    size = path.stat().st_size
     if size != manifest_entry["bytes"]:
         raise ShardCorruptError(
             f"shard {manifest_entry['shard']} ({path}): {size} bytes on disk, manifest says {manifest_entry['bytes']}"
         )
-    digest = sha256_file(path)
+    digest = storage.sha256(path)
     if digest != manifest_entry["sha256"]:
         raise ShardCorruptError(
             f"shard {manifest_entry['shard']} ({path}): sha256 {digest} does not match the manifest's "
@@ -397,11 +410,14 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
 
     Only complete shards (those with a manifest entry) are visible. Samples are
     ordered by shard key then merged_train order. File handles open lazily per
-    process, so the dataset can be handed to DataLoader workers.
+    process, so the dataset can be handed to DataLoader workers. A version on an
+    object store is read with range requests (`ranged.RangedSafetensors`): each
+    shard's header once per process, then one concurrent fetch of a sample's rows.
     """
 
-    def __init__(self, version_dir: Path, shard_keys: Sequence[str] | None = None) -> None:
-        self.version_dir = Path(version_dir)
+    def __init__(self, version_dir: storage.Location, shard_keys: Sequence[str] | None = None) -> None:
+        self.version_dir = storage.location(version_dir)
+        self._remote = storage.is_remote(self.version_dir)
         manifest = load_manifest(self.version_dir)
         keys = sorted(manifest) if shard_keys is None else list(shard_keys)
         missing = [k for k in keys if k not in manifest]
@@ -410,13 +426,14 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         if not keys:
             raise FileNotFoundError(f"{self.version_dir}: no complete shards")
         self._files = [shard_path(self.version_dir, k) for k in keys]
+        self._sizes = [int(manifest[k]["bytes"]) for k in keys]
         self._rows: list[tuple[int, int, int, str]] = []
         for f, key in enumerate(keys):
             for s in manifest[key]["samples"]:
                 self._rows.append((f, s["rows"][0], s["rows"][1], s["id"]))
-        self.metadata = self._read_metadata(keys)
         self._handles: dict[int, object] = {}
         self._pid = os.getpid()
+        self.metadata = self._read_metadata(keys)
 
     def _read_metadata(self, keys: list[str]) -> dict:
         from safetensors import safe_open
@@ -424,16 +441,19 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         common = ("format", "format_version", "target_identity", "aux_layers", "aux_layer_numbering", "dtype",
                   "hidden_size", "last_hidden_post_norm")
         first: dict[str, str] | None = None
-        for key, path in zip(keys, self._files, strict=True):
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
+        for f_index, path in enumerate(self._files):
+            if self._remote:
+                meta = self._handle(f_index).metadata()
+            else:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
             if meta.get("format") != SHARD_FORMAT:
                 raise ValueError(f"{path}: not an {SHARD_FORMAT} shard (header format={meta.get('format')!r})")
             if first is None:
                 first = meta
             elif any(meta.get(k) != first.get(k) for k in common):
                 diff = [k for k in common if meta.get(k) != first.get(k)]
-                raise ValueError(f"{path}: header differs from {self._files[0].name} in {diff}")
+                raise ValueError(f"{path}: header differs from {storage.name(self._files[0])} in {diff}")
         assert first is not None
         return {
             "format_version": int(first["format_version"]),
@@ -463,12 +483,15 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             self._handles, self._pid = {}, os.getpid()
         h = self._handles.get(f)
         if h is None:
-            h = self._handles[f] = safe_open(str(self._files[f]), framework="pt")
+            h = self._handles[f] = RangedSafetensors(self._files[f], self._sizes[f]) if self._remote \
+                else safe_open(str(self._files[f]), framework="pt")
         return h
 
     def __getitem__(self, i: int) -> dict:
         f, start, end, sid = self._rows[i]
         h = self._handle(f)
+        if self._remote:
+            return self._remote_item(h, start, end, sid)
         aux, last = h.get_slice("aux_hidden")[start:end], h.get_slice("last_hidden")[start:end]
         if self.metadata["dtype"] in SCALED_DTYPES:
             aux = dequantize(aux, h.get_slice("aux_scale")[start:end])
@@ -480,6 +503,16 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
             "last_hidden": last,
             "sample_id": sid,
         }
+
+    def _remote_item(self, h: RangedSafetensors, start: int, end: int, sid: str) -> dict:
+        scaled = self.metadata["dtype"] in SCALED_DTYPES
+        names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden", *(["aux_scale", "last_scale"] if scaled else [])]
+        got = dict(zip(names, h.rows([(n, start, end) for n in names]), strict=True))
+        aux, last = got["aux_hidden"], got["last_hidden"]
+        if scaled:
+            aux, last = dequantize(aux, got["aux_scale"]), dequantize(last, got["last_scale"])
+        return {"input_ids": got["input_ids"].long(), "loss_mask": got["loss_mask"].long(), "aux_hidden": aux,
+                "last_hidden": last, "sample_id": sid}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

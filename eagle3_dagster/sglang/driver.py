@@ -182,12 +182,13 @@ def extract_shard_sglang(
     code_version: str = SGLANG_BACKEND_CODE_VERSION,
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda _line: None,
+    staging_dir: Path | None = None,
 ) -> ShardResult:
-    """One shard through the server (resume, format and commit are `extract_shard`'s)."""
+    """One shard through the server (resume, format, commit and upload to a store are `extract_shard`'s)."""
     fmt = ShardFormat(hidden_size=hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
                       target_identity=target_identity, code_version=code_version)
     return extract_shard(spec, merged_train, version_dir, fmt, sglang_rows(settings, aux_layers, hidden_size),
-                         progress=progress, log=log)
+                         progress=progress, log=log, staging_dir=staging_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", required=True)
     p.add_argument("--dump-dir", required=True, type=Path)
     p.add_argument("--merged-train", required=True, type=Path)
-    p.add_argument("--version-dir", required=True, type=Path)
+    p.add_argument("--version-dir", required=True, help="local folder or object-store URL (s3://…)")
+    p.add_argument("--staging-dir", type=Path, default=None, help="local folder for shards before upload to a store")
     p.add_argument("--shard", required=True, help="shard key, e.g. shard-00003")
     p.add_argument("--samples-per-shard", required=True, type=int)
     p.add_argument("--aux-layers", required=True, help="canonical ids, e.g. 2,30,58")
@@ -224,12 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
         a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
         dtype=a.dtype, target_identity=a.target_identity, code_version=a.code_version, progress=progress,
-        log=lambda line: print(line, flush=True),
+        log=lambda line: print(line, flush=True), staging_dir=a.staging_dir,
     )
     print(orjson.dumps({
         "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
         "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
-        "reextracted_corrupt": result.reextracted_corrupt,
+        "reextracted_corrupt": result.reextracted_corrupt, "uploaded_from_staging": result.uploaded_from_staging,
     }).decode(), flush=True)
     return 0
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from eagle3_dagster import storage
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import PLAN_CONTRACT_KEY, ArtifactLayout
 from eagle3_dagster.hidden.context import HiddenContext, hidden_context, load_plan, write_plan
@@ -22,14 +23,21 @@ from eagle3_dagster.stages import Progress, ProgressMeter, StageReport, no_progr
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
 
+def free_space_location(layout: ArtifactLayout) -> Path:
+    """Where extraction needs free disk: hidden.root, or the staging folder when the root is on a store."""
+    return layout.staging_dir if storage.is_remote(layout.hidden_root) else Path(layout.hidden_root)
+
+
 def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
-    """The only stage that reads and hashes merged_train for extraction; it writes the plan contract."""
+    """The only stage that reads and hashes merged_train for extraction; it writes the plan contract.
+    `free_bytes` is measured at `free_space_location(layout)`."""
     ctx = hidden_context(profile, layout)
     contract = write_plan(ctx)
     plan = plan_extraction(
         ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
         throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
         num_hosts=len(profile.gpu_host.all_hosts),
+        staging_dir=layout.staging_dir,
     )
     report = StageReport(metadata={
         "version": plan.version,
@@ -45,6 +53,8 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "hours_by_hosts": {str(n): round(h, 3) for n, h in plan.hours_by_hosts.items()},
         "free_bytes": plan.free_bytes,
         "free_human": _human(plan.free_bytes),
+        "free_at": plan.free_at,
+        "needed_bytes": plan.needed_bytes,
         "fits": plan.fits,
         "superseded_versions": [{"version": v.version, "path": str(v.path), "bytes": v.num_bytes}
                                 for v in plan.superseded],
@@ -101,6 +111,7 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
         "bytes_written": actual_bytes(ctx.version_dir, keys),
         "resumed_shards": sum(1 for r in results if r.get("skipped")),
         "reextracted_corrupt_shards": sum(1 for r in results if r.get("reextracted_corrupt")),
+        "uploaded_from_staging_shards": sum(1 for r in results if r.get("uploaded_from_staging")),
         **extra,
         "backend": profile.hidden.backend,
     })
@@ -115,7 +126,7 @@ def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[
     bad = []
     for key in keys:
         try:
-            verify_shard(ctx.version_dir / manifest[key]["file"], manifest[key])
+            verify_shard(storage.join(ctx.version_dir, manifest[key]["file"]), manifest[key])
         except Exception as e:  # a missing or corrupted shard: name it in the check
             bad.append(f"{key}: {e}")
     return {
@@ -156,11 +167,12 @@ def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str,
         r = extract_shard_hf(
             ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
             dtype=dtype, batch_tokens=batch_tokens, code_version=ctx.fmt.code_version, log=progress,
-            target_identity=ctx.target.identity, progress=meter, model=model,
+            target_identity=ctx.target.identity, progress=meter, model=model, staging_dir=ctx.staging_dir,
         )
         if r.skipped:
             progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
-        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt})
+        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt,
+                        "uploaded_from_staging": r.uploaded_from_staging})
     return results
 
 
@@ -191,9 +203,10 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
-    report = host_report or extraction_preflight(profile, host, ctx.version_dir.parent)
-    dump_dir = ctx.version_dir.parent / ".dumps" / ctx.version
-    log_path = ctx.version_dir.parent / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    local_root = ctx.staging_dir or ctx.version_dir.parent  # dumps and logs stay on the host's disk
+    report = host_report or extraction_preflight(profile, host, local_root)
+    dump_dir = local_root / ".dumps" / ctx.version
+    log_path = local_root / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
                       dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers,
@@ -205,6 +218,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
                 argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--base-url", server.base_url,
                         "--dump-dir", str(dump_dir), "--merged-train", str(ctx.merged_train),
                         "--version-dir", str(ctx.version_dir), "--shard", shard.key,
+                        *(["--staging-dir", str(ctx.staging_dir)] if ctx.staging_dir else []),
                         "--samples-per-shard", str(profile.hidden.samples_per_shard),
                         "--max-seq-len", str(profile.data.max_seq_len),
                         "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),

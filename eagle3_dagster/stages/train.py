@@ -47,7 +47,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | s
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 
     ctx = load_plan(plan) if plan is not None else hidden_context(profile, layout)
-    done = load_manifest(ctx.version_dir) if ctx.version_dir.exists() else {}
+    done = load_manifest(ctx.version_dir)  # empty when the version folder does not exist
     missing = [s.key for s in ctx.shards if s.key not in done]
     if missing:
         raise RuntimeError(

@@ -49,7 +49,7 @@ def _init_distributed(backend: str) -> tuple[int, int, torch.device]:
 def _load_dataset(job: TrainJobConfig):
     from eagle3_dagster.hidden.shards import HiddenStatesDataset
 
-    return HiddenStatesDataset(Path(job.hidden_version_dir))
+    return HiddenStatesDataset(job.hidden_version_dir)  # a local folder or an object-store URL
 
 
 def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Tensor]:
