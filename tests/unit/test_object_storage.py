@@ -2,7 +2,8 @@
 
 The store is a real S3-compatible server (moto's, a separate thread serving HTTP on loopback) reached
 through s3fs with credentials and endpoint from the environment, as in production; nothing is mocked
-between the engine and the HTTP requests.
+between the engine and the HTTP requests. The tests that extract from the micro target are in the full
+tier (`scripts/test.sh`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ VERSION = "hs-000000000000"
 @pytest.fixture(scope="module")
 def s3_server():
     """A moto S3 server on a free loopback port; the environment points s3fs at it (no other network)."""
-    pytest.importorskip("s3fs")
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -99,6 +99,7 @@ def on_store(s3_server, micro_target, reference, tmp_path_factory):
     return url, staging, results
 
 
+@pytest.mark.slow  # extracts from the micro target
 def test_extraction_to_the_store_writes_the_bytes_a_local_run_writes(reference, on_store):
     _, local = reference
     url, staging, results = on_store
@@ -108,6 +109,7 @@ def test_extraction_to_the_store_writes_the_bytes_a_local_run_writes(reference, 
     assert not any(p.is_file() for p in staging.rglob("*"))  # staged shards are deleted once uploaded
 
 
+@pytest.mark.slow  # extracts from the micro target
 def test_plan_of_a_store_checks_the_staging_space_for_one_shard_in_flight(reference, on_store, tmp_path):
     merged, _ = reference
     url, _, _ = on_store
@@ -128,6 +130,7 @@ def test_plan_of_a_store_checks_the_staging_space_for_one_shard_in_flight(refere
     assert done.remaining_bytes == 0 and done.needed_bytes == 0 and done.fits
 
 
+@pytest.mark.slow  # extracts from the micro target
 def test_training_reads_from_the_store_exactly_the_tensors_of_a_local_copy(reference, on_store, monkeypatch):
     _, local = reference
     url, _, _ = on_store
@@ -173,6 +176,7 @@ def test_fp8_shards_read_from_the_store_equal_the_local_read(s3_server, tmp_path
             assert torch.equal(remote[i][k], mapped[i][k]) and remote[i][k].dtype == mapped[i][k].dtype
 
 
+@pytest.mark.slow  # extracts from the micro target
 def test_a_corrupted_object_on_the_store_is_refused_and_extracted_again(s3_server, micro_target, reference, tmp_path):
     merged, local = reference
     url = f"s3://eagle3-test/corrupt/{VERSION}"
