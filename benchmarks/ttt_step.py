@@ -77,10 +77,10 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
         def loss_fn():
             return ttt_baseline.objective(drafter, lm_head, ttt_steps, ids, mask, aux, last)[0]
     else:
-        from eagle3_dagster.train.loop import TTTObjective, return_freed_cpu_memory
+        from eagle3_dagster.train.loop import TTTObjective, tune_cpu_allocator
 
         if impl == "new":  # what Trainer does on CPU; "new_default_malloc" leaves glibc as it is
-            return_freed_cpu_memory()
+            tune_cpu_allocator(length)
         objective = TTTObjective(drafter, lm_head, ttt_steps)
 
         def loss_fn():

@@ -105,15 +105,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotary(x_BNTD: torch.Tensor, position_ids_BT: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama default RoPE (rotate-half layout), computed from positions on the fly."""
-    d = x_BNTD.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x_BNTD.device, dtype=torch.float32) / d))
-    freqs = position_ids_BT[:, None, :, None].float() * inv_freq  # [B,1,T,D/2]
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama default RoPE angles (rotate-half layout) at `position_ids`: cos, sin of shape [*position_ids.shape, D], fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(x_BNTD.dtype), emb.sin().to(x_BNTD.dtype)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x_BNTD: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor) -> torch.Tensor:
+    d = x_BNTD.shape[-1]
+    cos, sin = cos_B1TD.to(x_BNTD.dtype), sin_B1TD.to(x_BNTD.dtype)
     x1, x2 = x_BNTD[..., : d // 2], x_BNTD[..., d // 2 :]
     return x_BNTD * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def rotary(x_BNTD: torch.Tensor, position_ids_BT: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama default RoPE (rotate-half layout), computed from positions on the fly."""
+    cos, sin = rope_cos_sin(position_ids_BT[:, None, :], x_BNTD.shape[-1], theta)
+    return apply_rotary(x_BNTD, cos, sin)
 
 
 class Attention(nn.Module):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eagle3_dagster.drafter.model import Eagle3Drafter, repeat_kv
+from eagle3_dagster.drafter.model import Eagle3Drafter, apply_rotary, repeat_kv, rope_cos_sin
 
 DEFAULT_BLOCK = 512
 RECOMPUTE_MLP_FROM_TOKENS = 4096
@@ -179,14 +179,6 @@ def ttt_attention(
     return out.to(q_BNTD.dtype)
 
 
-def shift_left(x_BT: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
-    """x[:, t + n] at position t, `fill` past the end."""
-    if n == 0:
-        return x_BT
-    pad = torch.full_like(x_BT[:, :n], fill)
-    return torch.cat([x_BT[:, n:], pad], dim=1)
-
-
 def ttt_unroll(
     model: Eagle3Drafter,
     input_ids_BT: torch.Tensor,
@@ -218,20 +210,35 @@ def ttt_unroll(
     if recompute_mlp is None:
         recompute_mlp = b * t >= RECOMPUTE_MLP_FROM_TOKENS
     recompute_mlp = recompute_mlp and torch.is_grad_enabled()
-    nq = model.cfg.num_attention_heads
+    cfg, layer = model.cfg, model.midlayer
+    nq, head_dim = cfg.num_attention_heads, cfg.head_dim
+    widths = [nq * head_dim, cfg.num_key_value_heads * head_dim, cfg.num_key_value_heads * head_dim]
     hidden = model.project_aux(aux_hidden_BT3H)
+    # What `MidLayer.qkv` computes, with the work that does not depend on the step done once. The
+    # projection of cat(norm(embeds), norm(hidden)) is split into its embedding half and its hidden
+    # half. Step j's tokens are window j of ids[1:] + num_steps pad ids, so one pass over that
+    # window's T-1+k rows replaces k passes over T (embedding, input norm and half the q/k/v
+    # matmul forward and backward). RoPE angles come from one table.
+    a = layer.self_attn
+    w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+    w_embed, w_hidden = w_qkv[:, : cfg.hidden_size], w_qkv[:, cfg.hidden_size :]
+    ids_all = torch.cat([input_ids_BT[:, 1:], input_ids_BT.new_zeros(b, num_steps)], dim=1)
+    embed_proj = F.linear(layer.input_layernorm(model.embed_tokens(ids_all).to(hidden.dtype)), w_embed)
+    positions = torch.arange(int(position_ids_BT.max()) + num_steps, device=input_ids_BT.device)
+    cos_table, sin_table = rope_cos_sin(positions, head_dim, cfg.rope_theta)
     k0 = v0 = None
     extra_k: list[torch.Tensor] = []
     extra_v: list[torch.Tensor] = []
 
     def tail(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model.midlayer.mlp_block(h)
+        out = layer.mlp_block(h)
         return out, model.norm(out)
 
     for j in range(num_steps):
-        ids = shift_left(input_ids_BT, 1 + j)
-        embeds = model.embed_tokens(ids).to(hidden.dtype)
-        q, k, v = model.midlayer.qkv(embeds, hidden, position_ids_BT + j)
+        qkv = embed_proj[:, j : j + t] + F.linear(layer.hidden_norm(hidden), w_hidden)
+        q, k, v = (x.view(b, t, -1, head_dim).transpose(1, 2) for x in qkv.split(widths, dim=-1))
+        cos, sin = cos_table[position_ids_BT + j][:, None], sin_table[position_ids_BT + j][:, None]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k, v = repeat_kv(k, nq), repeat_kv(v, nq)
         if j == 0:
             k0, v0 = k, v
@@ -239,6 +246,6 @@ def ttt_unroll(
             extra_k.append(k)
             extra_v.append(v)
         attn = ttt_attention(q, k0, v0, extra_k, extra_v, block, fused)
-        h = model.midlayer.attn_residual(attn, hidden)
+        h = layer.attn_residual(attn, hidden)
         hidden, normed = checkpoint(tail, h, use_reentrant=False) if recompute_mlp else tail(h)
         yield normed

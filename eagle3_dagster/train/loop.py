@@ -25,7 +25,7 @@ from torch import nn
 
 from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, draft_rows, step_weights, ttt_loss
 from eagle3_dagster.drafter.model import Eagle3Drafter
-from eagle3_dagster.drafter.ttt import ttt_unroll
+from eagle3_dagster.drafter.ttt import RECOMPUTE_MLP_FROM_TOKENS, ttt_unroll
 from eagle3_dagster.train.checkpoint import Checkpointer
 from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate
 
@@ -99,14 +99,25 @@ class History:
     steps: list[dict[str, float]] = field(default_factory=list)
 
 
-def return_freed_cpu_memory(threshold_bytes: int = 1 << 20) -> bool:
+# glibc's mmap threshold for CPU training (see `return_freed_cpu_memory`): measured with
+# benchmarks/ttt_step.py's shapes, 4 MiB keeps 8k-token peaks as low as 1 MiB did (1.36 GB) for a quarter
+# of the page-fault time at 1k tokens; 16 MiB lets the peak back up to 2.1 GB.
+MMAP_THRESHOLD_BYTES = 4 << 20
+# Below this many tokens per micro-batch a step's peak is well under a GB and compute bounds the step:
+# the allocator is left alone (its page faults would cost ~10% there). The same length as
+# `ttt.RECOMPUTE_MLP_FROM_TOKENS`, where memory starts to bound the step.
+RETURN_MEMORY_FROM_TOKENS = RECOMPUTE_MLP_FROM_TOKENS
+
+
+def return_freed_cpu_memory(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Make glibc hand freed blocks of `threshold_bytes` or more straight back to the OS (CPU training).
 
     glibc raises its mmap threshold to the size of each freed mmapped block (up to 32 MiB), so after
     the first step a TTT step's many 8–32 MiB activations come from the heap, whose freed holes
-    stay resident: peak RSS at 8k tokens was ~1.8× the live tensors (benchmarks/ttt_step.py).
-    A fixed threshold (what MALLOC_MMAP_THRESHOLD_ sets) stops that; no measurable speed cost
-    there. Returns False where there is no glibc (then nothing changes).
+    stay resident: peak RSS at 8k tokens was ~1.5× the live tensors (benchmarks/ttt_step.py).
+    A fixed threshold (what MALLOC_MMAP_THRESHOLD_ sets) stops that, at the price of a page fault
+    on every fresh page of a block above it. Returns False where there is no glibc (then nothing
+    changes).
     """
     import ctypes
     import ctypes.util
@@ -123,6 +134,13 @@ def return_freed_cpu_memory(threshold_bytes: int = 1 << 20) -> bool:
     return bool(mallopt(m_mmap_threshold, int(threshold_bytes)))
 
 
+def tune_cpu_allocator(max_micro_batch_tokens: int) -> bool:
+    """What Trainer does on CPU: return freed memory only where memory, not compute, bounds a step."""
+    if max_micro_batch_tokens < RETURN_MEMORY_FROM_TOKENS:
+        return False
+    return return_freed_cpu_memory()
+
+
 class Trainer:
     def __init__(self, objective: nn.Module, drafter: Eagle3Drafter, dataset: HiddenSamples, sampler: BucketedSampler,
                  cfg: LoopConfig, checkpointer: Checkpointer, device: torch.device,
@@ -137,7 +155,7 @@ class Trainer:
         self.history = History()
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         if device.type == "cpu":
-            return_freed_cpu_memory()
+            tune_cpu_allocator(max([sampler.batch_tokens, *sampler.lengths]))
 
     def resume_if_possible(self) -> bool:
         path = self.checkpointer.latest()

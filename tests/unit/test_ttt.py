@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_dagster.drafter.model import DraftKVCache, DrafterConfig, Eagle3Drafter
+from eagle3_dagster.drafter.model import DraftKVCache, DrafterConfig, Eagle3Drafter, repeat_kv
 from eagle3_dagster.drafter.ttt import (
     causal_attention_with_lse,
     has_fused_causal,
-    shift_left,
     ttt_attention,
     ttt_unroll,
 )
@@ -133,7 +132,39 @@ def test_recomputing_the_mlp_in_backward_changes_nothing(fused):
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-12, atol=1e-12)
 
 
-def test_shift_left_pads_past_the_end():
-    x = torch.tensor([[1, 2, 3, 4]])
-    assert shift_left(x, 2).tolist() == [[3, 4, 0, 0]]
-    assert shift_left(x, 0) is x
+def reference_unroll(model, ids, aux, num_steps):
+    """TTT spelled out with the serve-time layer (`MidLayer.qkv`, per-step ids and RoPE) and a dense mask."""
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    hidden = model.project_aux(aux)
+    keys, values = [], []
+    for j in range(num_steps):
+        step_ids = torch.cat([ids[:, 1 + j :], torch.zeros_like(ids[:, : 1 + j])], 1)  # token t+1+j, 0 past the end
+        q, k, v = model.midlayer.qkv(model.embed_tokens(step_ids), hidden, pos + j)
+        keys.append(repeat_kv(k, model.cfg.num_attention_heads))
+        values.append(repeat_kv(v, model.cfg.num_attention_heads))
+        attn = naive_ttt_attention(q, keys[0], values[0], keys[1:], values[1:])
+        hidden = model.midlayer.finish(attn, hidden)
+        yield model.norm(hidden)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_ttt_unroll_equals_the_step_by_step_reference_in_outputs_and_gradients(fused):
+    """The unroll precomputes the embedding half of q/k/v for every step and one RoPE table: nothing changes."""
+    model, _ = _drafter()
+    ids = torch.randint(0, 40, (2, 13))
+    ids[:, -1] = 7  # a real token id at the end: the pad (id 0) is not the last token's neighbour by accident
+    aux = torch.randn(2, 13, 36, dtype=torch.float64)
+    results = []
+    for unroll in (reference_unroll, lambda *a: ttt_unroll(*a, fused=fused)):
+        model.zero_grad()
+        outs = list(unroll(model, ids, aux, 4))
+        sum((o * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
+        results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                     if p.grad is not None}))
+    (want_outs, want_grads), (got_outs, got_grads) = results
+    for got, want in zip(got_outs, want_outs):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert got_grads.keys() == want_grads.keys() and "midlayer.input_layernorm.weight" in got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-10, msg=name)
