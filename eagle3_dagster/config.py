@@ -339,6 +339,19 @@ class TrainConfig(_Strict):
         "unset: a standalone single-node rendezvous")
     rdzv_id: str = Field("eagle3-drafter", min_length=1, description="rendezvous id shared by the nodes of one run")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend")
+    export_location: str | None = Field(
+        None, description="where the checked drafter export is also published, one folder per training run: a "
+        "local path or an fsspec URL (s3://bucket/prefix; credentials from the environment); unset: the run "
+        "folder only")
+
+    @field_validator("export_location")
+    @classmethod
+    def _export_location(cls, value: str | None) -> str | None:
+        from eagle3_dagster.storage import location
+
+        if value is not None:
+            location(value)  # a URL carrying credentials is refused
+        return value
 
     @model_validator(mode="after")
     def _rendezvous(self) -> "TrainConfig":

@@ -193,12 +193,8 @@ def sha256(loc: Location) -> str:
     """sha256 of the bytes as stored: a store's object is read back in full, never taken from metadata."""
     if not is_remote(loc):
         return sha256_file(loc)
-    fs, path = filesystem(loc)
-    h = hashlib.sha256()
-    with fs.open(path, "rb", block_size=HASH_BLOCK, cache_type="none") as f:
-        while block := f.read(HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
+    with open(os.devnull, "wb") as sink:
+        return download_to(loc, sink)[1]
 
 
 def read_ranges(loc: Location, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
@@ -212,6 +208,22 @@ def read_ranges(loc: Location, ranges: Sequence[tuple[int, int]]) -> list[bytes]
         return out
     fs, path = filesystem(loc)
     return fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+
+
+def download_to(loc: Location, out) -> tuple[int, str]:
+    """Stream a file or object into the open binary file `out`; returns (bytes, sha256) of what was written."""
+    h, n = hashlib.sha256(), 0
+    if is_remote(loc):
+        fs, path = filesystem(loc)
+        src = fs.open(path, "rb", block_size=HASH_BLOCK, cache_type="none")
+    else:
+        src = open(loc, "rb")
+    with src:
+        while block := src.read(HASH_BLOCK):
+            out.write(block)
+            h.update(block)
+            n += len(block)
+    return n, h.hexdigest()
 
 
 class UploadMismatch(RuntimeError):

@@ -118,12 +118,21 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     if not check.ok:
         raise ValueError(f"drafter_checkpoint: the export in {export_dir} is refused: {check}")
     detail = "ok"
+    published = {}
+    if profile.train.export_location:
+        from eagle3_dagster import storage
+        from eagle3_dagster.drafter.publish import publish_export
+
+        dest = storage.join(storage.location(profile.train.export_location, PROJECT_ROOT), plan.out_dir.name)
+        publish_export(export_dir, dest, log=lambda _line: None)
+        published = {"export_location": str(dest)}
     final = metrics["final"]
     initial = metrics.get("initial_eval") or {}
     report = StageReport(
         metadata={
             "run_dir": plan.out_dir,
             "export_dir": export_dir,
+            **published,
             "steps": metrics["steps"],
             "tokens_per_s": round(float(metrics["tokens_per_s"]), 1),
             "final_loss": round(float(final["loss"]), 5),

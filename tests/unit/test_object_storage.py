@@ -31,6 +31,7 @@ from eagle3_dagster.hidden.shards import (
     verify_shard,
 )
 from eagle3_dagster.io import write_jsonl
+from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
 AUX = [1, 2, 3]
 LENGTHS = [5, 17, 9, 30, 2, 12, 3]
@@ -263,3 +264,28 @@ def test_upload_killed_mid_way_resumes_by_uploading_only_what_is_missing(s3_serv
     assert [(r.skipped, r.uploaded_from_staging) for r in results] == [(True, False), (False, True), (False, False)]
     assert _store_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
     assert not any(p.is_file() for p in staging.rglob("*"))
+
+
+def test_drafter_export_published_to_the_store_comes_back_identical_and_checked(s3_server, tmp_path, target_dir):
+    from eagle3_dagster.drafter.export import export_drafter
+    from eagle3_dagster.drafter.publish import EXPORT_MANIFEST, fetch_export, publish_export
+
+    export = export_drafter(_drafter(target_dir), tmp_path / "run" / "export", serving_context=4096)
+    dest = "s3://eagle3-test/drafters/run-0123456789ab"
+    lines: list[str] = []
+    manifest = publish_export(export, dest, log=lines.append)
+    assert sorted(manifest["files"]) == sorted(p.name for p in export.iterdir())
+    assert publish_export(export, dest, log=lines.append) == manifest and lines[-1].endswith("already published at "
+                                                                                             f"{dest}")
+    back = fetch_export(dest, tmp_path / "fetched")
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in export.iterdir()}
+
+    weights = storage.join(dest, "model.safetensors")
+    good = storage.read_bytes(weights)
+    storage.write_bytes(weights, good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ValueError, match="model.safetensors.*published export is corrupted"):
+        fetch_export(dest, tmp_path / "corrupt")
+    assert not (tmp_path / "corrupt" / "model.safetensors").exists()  # nothing failing its checksum is kept
+    storage.remove(storage.join(dest, EXPORT_MANIFEST))  # a publish that died before its manifest
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        fetch_export(dest, tmp_path / "unfinished")
