@@ -289,3 +289,35 @@ def test_drafter_export_published_to_the_store_comes_back_identical_and_checked(
     storage.remove(storage.join(dest, EXPORT_MANIFEST))  # a publish that died before its manifest
     with pytest.raises(FileNotFoundError, match="did not finish"):
         fetch_export(dest, tmp_path / "unfinished")
+
+
+@pytest.mark.slow  # extracts from the micro target
+def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, reference, tmp_path):
+    import shutil
+
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.contracts import PLAN_CONTRACT_KEY, ArtifactLayout
+    from eagle3_dagster.stages.hidden import cleanup_stage, extract_stage, plan_stage
+
+    merged, _ = reference
+    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
+                                               "hidden": {"root": "s3://eagle3-test/stages/", "samples_per_shard": 3}})
+    layout = ArtifactLayout.from_profile(profile)
+    shutil.copytree(micro_target, layout.target_dir)
+    layout.merged_train.parent.mkdir(parents=True)
+    shutil.copyfile(merged, layout.merged_train)
+    report, fits, message = plan_stage(profile, layout, free_bytes=None)
+    meta = report.metadata
+    assert fits and meta["free_at"] == str(layout.staging_dir) == str(tmp_path / "run" / "hidden_staging")
+    contract = meta[PLAN_CONTRACT_KEY]
+    assert contract == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.exists(contract)
+    keys = [f"shard-0000{i}" for i in range(meta["num_shards"])]
+    extracted, checks = extract_stage(profile, contract, keys)
+    assert all(passed for passed, _ in checks.values()), checks
+    assert extracted.metadata["bytes_written"] == meta["total_bytes"]
+    again, _ = extract_stage(profile, contract, keys)
+    assert again.metadata["resumed_shards"] == len(keys)
+    storage.write_bytes("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors", b"old")
+    cleaned = cleanup_stage(profile, layout, dry_run=False, plan=contract, log=lambda _line: None)
+    assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
+    assert storage.subfolders("s3://eagle3-test/stages") == [meta["version"]]
