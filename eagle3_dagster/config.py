@@ -398,6 +398,15 @@ class Profile(_Strict):
     train: TrainConfig = Field(TrainConfig(), description="drafter training")
     bench: BenchConfig = Field(BenchConfig(), description="benchmark_report")
 
+    @field_validator("run_root")
+    @classmethod
+    def _local_run_root(cls, value: str) -> str:
+        from eagle3_dagster.storage import is_remote
+
+        if is_remote(value):  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
+            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
+        return value
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "Profile":
         names = [d.name for d in self.datasets]

@@ -321,3 +321,30 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     cleaned = cleanup_stage(profile, layout, dry_run=False, plan=contract, log=lambda _line: None)
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
     assert storage.subfolders("s3://eagle3-test/stages") == [meta["version"]]
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"run_root": "s3://bucket/run"}, "run_root"),
+    ({"hidden": {"root": "s3://bucket/hidden", "staging_dir": "s3://bucket/staging"}}, "hidden.staging_dir"),
+    ({"hidden": {"root": "s3://AKIAEXAMPLE:supersecret@bucket/hidden"}}, "hidden.root"),
+    ({"train": {"export_location": "s3://AKIAEXAMPLE:supersecret@bucket/drafters"}}, "train.export_location"),
+])
+def test_storage_fields_are_checked_when_the_profile_loads(overrides, field):
+    from eagle3_dagster.config import ProfileError, load_profile
+
+    with pytest.raises(ProfileError, match=rf"\b{field}: ") as e:
+        load_profile("micro", overrides=overrides)
+    assert "supersecret" not in str(e.value)
+
+
+def test_a_store_root_plans_its_staging_folder_under_run_root_by_default():
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.contracts import ArtifactLayout
+    from eagle3_dagster.stages.hidden import free_space_location
+
+    profile = load_profile("micro", overrides={"run_root": "/data/run", "hidden": {"root": "s3://bucket/hidden/"}})
+    layout = ArtifactLayout.from_profile(profile)
+    assert layout.hidden_root == "s3://bucket/hidden" and layout.hidden_version_dir("hs-1") == "s3://bucket/hidden/hs-1"
+    assert free_space_location(layout) == Path("/data/run/hidden_staging")
+    local = ArtifactLayout.from_profile(load_profile("micro", overrides={"hidden": {"root": "/data/hidden"}}))
+    assert free_space_location(local) == Path("/data/hidden") == local.hidden_root
