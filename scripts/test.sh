@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything the tests need, then the tests. Debian packages (chromium for the UI
-# test, openssh-server for the SSH transport test) are installed when missing.
+# test, openssh-server for the SSH transport test, postgresql for the Postgres
+# instance test) are installed when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v shuf >/dev/null || need+=(coreutils)
+# PostgreSQL for the Postgres instance test; Debian keeps initdb/pg_ctl in /usr/lib/postgresql/<ver>/bin
+command -v initdb >/dev/null || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null

@@ -41,6 +41,7 @@ def micro_target(tmp_path_factory, micro_profile) -> Path:
 SLOW = {
     "tests/assets/test_micro_pipeline.py": "the demo pipeline end to end in a subprocess",
     "tests/assets/test_packaging.py": "builds and installs the wheel",
+    "tests/assets/test_postgres_instance.py": "a PostgreSQL server and the micro pipeline through extraction on it",
     "tests/assets/test_sglang_stage.py": "a patched SGLang site and stand-in servers on the host",
     "tests/assets/test_definitions.py::test_dagster_cli_validates_the_workspace": "the dagster CLI in a subprocess",
     "tests/unit/test_train.py::test_two_rank_gloo_training": "torchrun, 2 ranks",
