@@ -50,6 +50,7 @@ SLOW = {
     "tests/unit/test_merge.py::test_peak_memory_stays_bounded": "a 150 MB corpus",
     "tests/unit/test_extract_hf.py::test_resume_after_kill": "an extraction subprocess killed and resumed",
     "tests/unit/test_gpu_host.py": "a real sshd and server processes",
+    "tests/unit/test_deploy_configs.py::test_launcher_samples_pass": "installs dagster-k8s and dagster-docker into .cache/",
     "tests/unit/test_gpu_install.py": "every supported SGLang release's metadata",
     "tests/unit/test_sglang_patch.py": "every supported SGLang release's wheel: generated, patched, reverted",
     "tests/unit/test_served_bench.py": "stand-in SGLang server processes on the host",

@@ -1,0 +1,158 @@
+"""The production instance configs in deploy/postgres/ load through Dagster's own validation.
+
+The instance config is validated against Dagster's instance schema and its storage resolved to
+dagster-postgres with the connection from the environment; the run-launcher samples (Kubernetes,
+Docker) are validated as instance configs here and, in the full tier, against the launchers' own
+config schemas from the real dagster-k8s / dagster-docker releases, which are not project
+dependencies: they are installed into `.cache/dagster-launchers/` (gitignored) for that test only.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from dagster._config import process_config
+from dagster._core.instance.config import dagster_instance_config
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.config import pg_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "postgres"
+LAUNCHERS = {"run_launcher.k8s.yaml": ("dagster_k8s", "K8sRunLauncher"),
+             "run_launcher.docker.yaml": ("dagster_docker", "DockerRunLauncher")}
+LAUNCHER_PINS = ["dagster-k8s==0.29.27", "dagster-docker==0.29.27"]  # the newest on PyPI for dagster 1.13.x
+LAUNCHER_DEPS = ["kubernetes<37", "docker", "docker-image-py"]  # what those two import
+CONNECTION = {"DAGSTER_PG_HOST": "db.internal", "DAGSTER_PG_PORT": "6543", "DAGSTER_PG_USER": "eagle3",
+              "DAGSTER_PG_PASSWORD": "not-in-any-file", "DAGSTER_PG_DB": "eagle3_prod"}
+
+
+def home_with(tmp_path: Path, *parts: str) -> Path:
+    """A DAGSTER_HOME whose dagster.yaml is deploy/postgres/dagster.yaml with `parts` appended, as the README says."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    text = "\n".join((DEPLOY / name).read_text() for name in ("dagster.yaml", *parts))
+    (home / "dagster.yaml").write_text(text)
+    return home
+
+
+def test_postgres_instance_reads_its_connection_and_password_from_the_environment(tmp_path, monkeypatch) -> None:
+    from dagster_postgres.utils import pg_url_from_config
+
+    for key, value in CONNECTION.items():
+        monkeypatch.setenv(key, value)
+    home = home_with(tmp_path)
+    config, _ = dagster_instance_config(str(home))
+    assert config["storage"]["postgres"]["postgres_db"]["password"] == {"env": "DAGSTER_PG_PASSWORD"}
+    ref = InstanceRef.from_dir(str(home))
+    assert (ref.storage_data.module_name, ref.storage_data.class_name) == ("dagster_postgres", "DagsterPostgresStorage")
+    assert ref.run_launcher_data.class_name == "DefaultRunLauncher"  # a run: a subprocess beside the daemon
+    storage_config = process_config(pg_config(), ref.storage_data.config_dict)
+    assert storage_config.success, storage_config.errors
+    assert pg_url_from_config(storage_config.value) == (
+        "postgresql+psycopg2://eagle3:not-in-any-file@db.internal:6543/eagle3_prod")
+    assert "not-in-any-file" not in "".join(p.read_text() for p in DEPLOY.iterdir())
+
+
+def test_postgres_instance_keeps_every_setting_of_the_local_instance() -> None:
+    """Only where runs are stored differs: the pools, run monitoring and retries are the same."""
+    local = yaml.safe_load((ROOT / "dagster_home" / "dagster.yaml").read_text())
+    production = yaml.safe_load((DEPLOY / "dagster.yaml").read_text())
+    assert set(production.pop("storage")) == {"postgres"}
+    assert production == local
+
+
+@pytest.mark.parametrize("sample", sorted(LAUNCHERS))
+def test_launcher_sample_is_a_valid_instance_config(tmp_path, sample) -> None:
+    home = home_with(tmp_path, sample)
+    config, _ = dagster_instance_config(str(home))
+    assert (config["run_launcher"]["module"], config["run_launcher"]["class"]) == LAUNCHERS[sample]
+    assert "storage" in config and "run_coordinator" in config
+
+
+def launcher_site() -> Path:
+    """dagster-k8s and dagster-docker with what they import, installed once into .cache/ (not the venv)."""
+    site = ROOT / ".cache" / "dagster-launchers"
+    done = site / ".installed"
+    if done.exists() and done.read_text() == " ".join(LAUNCHER_PINS + LAUNCHER_DEPS):
+        return site
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(site), "--upgrade",
+           "-c", str(ROOT / "constraints.txt")]
+    # The libraries pin dagster==1.13.27 (no 0.29.28 on PyPI): without their pins, on this dagster.
+    for args in (["--no-deps", *LAUNCHER_PINS], LAUNCHER_DEPS):
+        proc = subprocess.run(pip + args, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pip install {' '.join(args)} failed: {proc.stderr[-2000:]}")
+    done.write_text(" ".join(LAUNCHER_PINS + LAUNCHER_DEPS))
+    return site
+
+
+# Run in a child with the launcher site *after* the venv on sys.path, so the venv's dagster is the one used.
+VALIDATE = r"""
+import json, sys
+sys.path.append(sys.argv[1])
+from dagster._config import process_config
+from dagster._serdes.config_class import ConfigurableClassData
+
+def launcher_class(module, name):
+    return getattr(__import__(module), name)
+
+out = {}
+for name, (module, cls_name, config) in json.loads(sys.argv[2]).items():
+    cls = launcher_class(module, cls_name)
+    result = process_config(cls.config_type(), config)
+    out[name] = {"ok": result.success, "errors": [e.message for e in result.errors or []]}
+    if not result.success:
+        continue
+    value = result.value
+    if cls_name == "DockerRunLauncher":
+        from dagster_docker.utils import validate_docker_image
+        launcher = ConfigurableClassData(module, cls_name, json.dumps(config)).rehydrate(as_type=cls)
+        validate_docker_image(launcher.image)
+    else:  # the Job a run gets, built the way K8sRunLauncher builds it (no cluster is contacted)
+        from dagster_k8s.job import DagsterK8sJobConfig, UserDefinedDagsterK8sConfig, construct_dagster_k8s_job
+        fields = ["job_image", "dagster_home", "image_pull_policy", "image_pull_secrets", "service_account_name",
+                  "instance_config_map", "postgres_password_secret", "env_config_maps", "env_secrets", "env_vars",
+                  "volume_mounts", "volumes", "labels", "resources", "scheduler_name", "security_context"]
+        job_config = DagsterK8sJobConfig(**{k: value[k] for k in fields if k in value})
+        job = construct_dagster_k8s_job(job_config, ["dagster", "api", "execute_run", "{}"], "dagster-run-test",
+                                        UserDefinedDagsterK8sConfig.from_dict(value.get("run_k8s_config", {})))
+        pod = job.spec.template.spec
+        container = pod.containers[0]
+        out[name]["job"] = {
+            "claims": [v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim],
+            "mounts": [m.mount_path for m in container.volume_mounts],
+            "password_env": [e.value_from.secret_key_ref.name for e in container.env
+                             if e.name == "DAGSTER_PG_PASSWORD" and e.value_from],
+            "config_maps": [s.config_map_ref.name for s in container.env_from if s.config_map_ref],
+        }
+print(json.dumps(out))
+"""
+
+
+def validate_launchers(configs: dict[str, tuple[str, str, dict]]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", VALIDATE, str(launcher_site()), json.dumps(configs)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_launcher_samples_pass_the_launchers_own_schemas_and_a_typo_does_not() -> None:
+    samples = {name: yaml.safe_load((DEPLOY / name).read_text())["run_launcher"] for name in LAUNCHERS}
+    configs = {name: (s["module"], s["class"], s["config"]) for name, s in samples.items()}
+    k8s, docker = samples["run_launcher.k8s.yaml"]["config"], samples["run_launcher.docker.yaml"]["config"]
+    configs["k8s typo"] = ("dagster_k8s", "K8sRunLauncher", {**k8s, "job_namespce": k8s["job_namespace"]})
+    configs["docker typo"] = ("dagster_docker", "DockerRunLauncher", {**docker, "env_var": docker["env_vars"]})
+    result = validate_launchers(configs)
+    assert result["run_launcher.k8s.yaml"]["ok"], result["run_launcher.k8s.yaml"]
+    assert result["run_launcher.docker.yaml"]["ok"], result["run_launcher.docker.yaml"]
+    job = result["run_launcher.k8s.yaml"]["job"]
+    assert job["claims"] == ["eagle3-data"] and "/data/eagle3" in job["mounts"]
+    assert job["password_env"] == [k8s["postgres_password_secret"]]
+    assert job["config_maps"] == k8s["env_config_maps"]
+    assert not result["k8s typo"]["ok"] and "job_namespce" in " ".join(result["k8s typo"]["errors"])
+    assert not result["docker typo"]["ok"] and "env_var" in " ".join(result["docker typo"]["errors"])
