@@ -37,6 +37,7 @@ from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate.budget import Budget
 from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult
 from eagle3_dagster.generate.store import ResponseStore
+from eagle3_dagster.progress import ProgressMeter, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -232,17 +233,14 @@ def _history_message(response: dict) -> dict:
     return msg
 
 
-def _format_progress(run: _Run, total: int | None, started: float) -> str:
+def _report_progress(meter: ProgressMeter, run: _Run, *, finished: bool = False) -> None:
+    """The shared progress line, counted in conversations, with the requests and the money spent so far.
+
+    `total` is the dataset's cap (max_conversations) until the source runs out: then it is what it held."""
     st = run.stats
-    elapsed = time.monotonic() - started
     done = st.num_conversations_complete + st.num_conversations_failed + st.num_conversations_interrupted
-    rate = st.num_requests / elapsed if elapsed > 0 else 0.0
-    line = f"{run.dataset}: {done}/{total if total is not None else '?'} conversations, " \
-           f"{st.num_requests} requests ({rate:.2f}/s), ${st.cost_usd:.4f}"
-    if total and done:
-        eta = elapsed / done * max(0, total - done)
-        line += f", ETA {eta:.0f}s"
-    return line
+    total = done if finished and not run.stop else None
+    meter.update(done, total, note=f"{st.num_requests:,} requests, ${st.cost_usd:.4f}", force=True)
 
 
 async def regenerate_dataset(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,
@@ -252,6 +250,8 @@ async def regenerate_dataset(conversations: Iterable[Conversation], store_path: 
     if total is None and hasattr(conversations, "__len__"):
         total = len(conversations)  # type: ignore[arg-type]
     started = time.monotonic()
+    meter = ProgressMeter(progress or no_progress, f"raw_responses[{dataset}]", "conversations", total,
+                          every_s=settings.progress_every_s)
     with ResponseStore(store_path) as store:
         run = _Run(store, backend, settings, dataset)
         slots = asyncio.Semaphore(settings.concurrency)
@@ -266,7 +266,7 @@ async def regenerate_dataset(conversations: Iterable[Conversation], store_path: 
         async def report() -> None:
             while True:
                 await asyncio.sleep(settings.progress_every_s)
-                progress(_format_progress(run, total, started))
+                _report_progress(meter, run)
 
         reporter = asyncio.create_task(report()) if progress else None
         try:
@@ -287,7 +287,7 @@ async def regenerate_dataset(conversations: Iterable[Conversation], store_path: 
         run.stats.attempt_failures_by_kind = dict(run.attempt_failures)
         run.stats.wall_s = time.monotonic() - started
         if progress:
-            progress(_format_progress(run, total, started))
+            _report_progress(meter, run, finished=True)
     _check_failures(run.stats, settings.max_failure_fraction, store_path)
     return run.stats
 

@@ -150,7 +150,8 @@ def test_long_stages_log_progress_by_the_contract(pipeline_run) -> None:
     home, proc = pipeline_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        for job, unit in [("target_job", "steps"), ("extract_job", "tokens"), ("train_job", "steps")]:
+        for job, unit in [("target_job", "steps"), ("data_job", "conversations"), ("extract_job", "tokens"),
+                          ("train_job", "steps")]:
             runs = [r for r in instance.get_runs() if r.job_name == job and r.status == dg.DagsterRunStatus.SUCCESS]
             assert runs, job
             measured = 0

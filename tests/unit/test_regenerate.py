@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,8 +45,13 @@ def _lines(path: Path) -> list[dict]:
 
 def test_every_assistant_turn_is_replaced_and_fed_back_as_history(tmp_path):
     store = tmp_path / "raw.jsonl"
+    lines: list[str] = []
     with FakeOpenRouter() as server:
-        stats = regenerate_dataset_sync(_convs(1), store, _backend(server), SETTINGS, dataset="ds")
+        stats = regenerate_dataset_sync(_convs(1), store, _backend(server), SETTINGS, dataset="ds",
+                                        progress=lines.append)
+    # the shared progress contract (eagle3_dagster.progress), with the requests and money so far
+    assert re.fullmatch(r"raw_responses\[ds\]: 1/1 conversations \(100\.0%\), [\d.,]+ conversations/s, "
+                        r"ETA 0:00:00, 2 requests, \$0\.0020", lines[-1]), lines
     second = server.bodies[1]["messages"]
     assert second == [
         {"role": "system", "content": "be brief"},
