@@ -9,7 +9,9 @@ A lease is an exclusive, non-blocking `fcntl.flock` on the host's file, held by
 the process that runs the step. The kernel drops the lock when that process
 exits, kill -9 included, so a dead worker never keeps a host. The file also
 holds the holder's run id, pid and shards as JSON (written after the lock is
-taken), for the UI, the logs and `who_holds`. The lock needs one file system
+taken), for the UI, the logs and `who_holds`; `<lease_dir>/history.jsonl` gets a
+line when a lease is taken and one just before it is given back (none when the
+holder is killed), so which host ran what, when, can be read afterwards. The lock needs one file system
 seen by every run worker that can lease these hosts: local disk when runs are
 processes on one machine (Dagster's default run launcher), otherwise a shared
 file system with working flock (NFSv4, CephFS, Lustre with `flock`).
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 GPU_POOL = "gpu_host"  # the Dagster pool of every asset that runs on a GPU host
+HISTORY = "history.jsonl"
 
 H = TypeVar("H")
 
@@ -87,6 +90,21 @@ def who_holds(lease_dir: Path | str, name: str) -> dict | None:
         return {}
 
 
+def history(lease_dir: Path | str) -> list[dict]:
+    """Every `leased` / `released` record written under `lease_dir`, oldest first."""
+    path = Path(lease_dir) / HISTORY
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _append_history(lease_dir: Path | str, record: Mapping) -> None:
+    # One short write with O_APPEND: lines from concurrent holders do not interleave.
+    fd = os.open(Path(lease_dir) / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def _write_holder(fd: int, holder: Mapping) -> None:
     data = json.dumps(holder, sort_keys=True).encode()
     os.ftruncate(fd, 0)
@@ -134,8 +152,12 @@ def lease_host(
                         continue
                 record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
                 _write_holder(fd, record)
+                _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
                 log(f"gpu host {name} leased ({path})")
-                yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
+                try:
+                    yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
+                finally:  # recorded while the lock is still held: the next holder's `leased` comes after it
+                    _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
                 return
             finally:
                 os.close(fd)  # releases the lock (also on kill -9: the kernel closes it)

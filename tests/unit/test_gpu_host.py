@@ -8,11 +8,8 @@ as the launcher, and check that the whole process group is gone afterwards.
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +25,7 @@ from eagle3_dagster.sglang import patch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import sglang_wheels  # noqa: E402
+from sshd_server import free_port, start_sshd  # noqa: E402
 from resources.gpu_host import GpuHostResource  # noqa: E402
 
 FAKE_SERVER = r'''
@@ -60,12 +58,6 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -87,35 +79,12 @@ def _wait_gone(pids, timeout=10.0) -> bool:
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     """A real sshd on a loopback port, accepting a throwaway key for the current user."""
-    sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
-    assert Path(sshd_bin).exists(), "openssh-server is required: apt-get install -y openssh-server"
-    d = tmp_path_factory.mktemp("sshd")
-    for name in ("host_key", "user_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
-    os.chmod(d / "authorized_keys", 0o600)
-    port = _free_port()
-    (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
-        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
-    )
-    with __import__("contextlib").suppress(OSError):
-        os.makedirs("/run/sshd", exist_ok=True)
-    proc = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
-    options = ("-i", str(d / "user_key"), "-p", str(port), "-o", "StrictHostKeyChecking=no",
-               "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR")
-    target = f"{getpass.getuser()}@127.0.0.1"
-    for _ in range(100):
-        if subprocess.run(["ssh", "-o", "BatchMode=yes", *options, target, "true"], capture_output=True).returncode == 0:
-            break
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"sshd did not accept connections: {proc.stderr.read1().decode()}")
-    yield target, options
-    proc.terminate()
-    proc.wait(timeout=10)
+    try:
+        server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.fail(str(e))
+    yield server.target, server.options
+    server.stop()
 
 
 def _hosts(tmp_path, sshd):
@@ -180,7 +149,7 @@ def _fake_spec(tmp_path, port, **kw) -> ServerSpec:
 @pytest.mark.parametrize("transport", ["local", "ssh"])
 def test_server_lifecycle_health_wait_log_stream_and_group_killed_on_exception(tmp_path, sshd, transport):
     host = _hosts(tmp_path, sshd)[transport]
-    port = _free_port()
+    port = free_port()
     logs: list[str] = []
     with pytest.raises(KeyError, match="boom"):
         with sglang_server(host, _fake_spec(tmp_path, port), on_log=logs.append) as server:
@@ -198,7 +167,7 @@ def test_server_lifecycle_health_wait_log_stream_and_group_killed_on_exception(t
 
 def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
     host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
-    port = _free_port()
+    port = free_port()
     with pytest.raises(ServerError, match=r"exited with 7(.|\n)*CUDA out of memory"):
         with sglang_server(host, _fake_spec(tmp_path, port, FAKE_CRASH="1"), on_log=lambda line: None):
             pass
@@ -207,7 +176,7 @@ def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
 
 def test_stale_server_from_a_dead_worker_is_stopped_before_the_next_start(tmp_path):
     host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
-    port = _free_port()
+    port = free_port()
     spec = _fake_spec(tmp_path, port)
     orphan = host.spawn(spec.argv(sys.executable), spec.environment(), f"sglang-{port}")
     deadline = time.monotonic() + 10

@@ -15,7 +15,7 @@ import pytest
 from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
 from eagle3_dagster.gpu_host import PreflightError
 from eagle3_dagster.hidden.plan import hours_on_hosts
-from eagle3_dagster.host_lease import NoHostError, lease_host, lease_path, pool_limits, try_lock, who_holds
+from eagle3_dagster.host_lease import NoHostError, history, lease_host, lease_path, pool_limits, try_lock, who_holds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,9 +70,13 @@ def test_a_lease_is_released_when_its_block_ends_or_raises(tmp_path):
         with lease_host([("a", "A")], tmp_path, holder={}, log=lambda _l: None):
             raise ValueError("boom")
     assert who_holds(tmp_path, "a") is None
-    with lease_host([("a", "A")], tmp_path, holder={}, log=lambda _l: None):
-        assert who_holds(tmp_path, "a") is not None
+    with lease_host([("a", "A")], tmp_path, holder={"run_id": "r2"}, log=lambda _l: None):
+        assert who_holds(tmp_path, "a")["run_id"] == "r2"
     assert who_holds(tmp_path, "a") is None
+    events = [(e["event"], e["host"], e.get("run_id")) for e in history(tmp_path)]
+    assert events == [("leased", "a", None), ("released", "a", None), ("leased", "a", "r2"), ("released", "a", "r2")]
+    times = [e["time"] for e in history(tmp_path)]
+    assert times == sorted(times)
 
 
 def test_a_host_failing_preflight_is_skipped_with_its_reason_and_never_retried(tmp_path, holder):

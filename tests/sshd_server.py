@@ -1,0 +1,65 @@
+"""A real OpenSSH server (Debian `openssh-server`) on a loopback port, for tests that need an SSH "host".
+
+It accepts a throwaway key for the current user; every connection runs on this
+machine, so a test can start several and treat each as a GPU host of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Sshd:
+    proc: subprocess.Popen  # the listening sshd (-D: it never daemonizes)
+    target: str  # user@127.0.0.1
+    options: tuple[str, ...]  # ssh arguments: key, port, no host-key prompts
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_sshd(d: Path) -> Sshd:
+    """Start sshd with its keys and config in `d`; returns once it accepts a connection."""
+    sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not Path(sshd_bin).exists():
+        raise FileNotFoundError("openssh-server is required: apt-get install -y openssh-server")
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    os.chmod(d / "authorized_keys", 0o600)
+    port = free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+    )
+    with contextlib.suppress(OSError):
+        os.makedirs("/run/sshd", exist_ok=True)
+    proc = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
+    options = ("-i", str(d / "user_key"), "-p", str(port), "-o", "StrictHostKeyChecking=no",
+               "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR")
+    target = f"{getpass.getuser()}@127.0.0.1"
+    for _ in range(100):
+        if subprocess.run(["ssh", "-o", "BatchMode=yes", *options, target, "true"], capture_output=True).returncode == 0:
+            return Sshd(proc, target, options)
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"sshd did not accept connections: {proc.stderr.read1().decode()}")
