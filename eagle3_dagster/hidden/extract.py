@@ -101,17 +101,17 @@ def _extract_to_store(spec: ShardSpec, merged_train: Path, version_dir: str, fmt
         raise ValueError(f"{version_dir} is on an object store: hidden.staging_dir (a local folder) is needed to "
                          "write shards before they are uploaded")
     start = time.perf_counter()
+    local = Path(staging_dir) / storage.name(version_dir)
     complete, distrust = verified_complete(version_dir, spec)
     if complete:
+        _remove_staged(local, spec.key)  # left by a run killed after its manifest went up
         return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
-    local = Path(staging_dir) / storage.name(version_dir)
-    staged, _ = verified_complete(local, spec)
-    if staged:
-        log(f"shard {spec.key}: complete in staging {local}, uploading it again")
     result = _extract_local(spec, merged_train, local, fmt, backend, vocab_size=vocab_size, progress=progress,
                             log=log)
+    if result.skipped:
+        log(f"shard {spec.key}: complete in staging {local} (an upload was interrupted), uploading it again")
     entry = publish_shard(local, version_dir, spec.key, log=log)
     return _result(spec, version_dir, entry, time.perf_counter() - start, skipped=False,
                    reextracted_corrupt=distrust is not None or result.reextracted_corrupt,
@@ -126,9 +126,13 @@ def publish_shard(local_dir: Path, version_dir: str, key: str, *, log: Callable[
     log(f"shard {key}: uploading {entry['bytes']} bytes to {version_dir}")
     storage.upload_file(Path(shard_path(local_dir, key)), shard_path(version_dir, key), entry["sha256"])
     storage.write_json(manifest_path(version_dir, key), entry)
+    _remove_staged(local_dir, key)
+    return entry
+
+
+def _remove_staged(local_dir: Path, key: str) -> None:
     for p in (manifest_path(local_dir, key), shard_path(local_dir, key)):  # manifest first: never a bare entry
         Path(p).unlink(missing_ok=True)
-    return entry
 
 
 def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, backend: Backend, *, vocab_size,

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ from eagle3_dagster.hidden.plan import actual_bytes, plan_extraction
 from eagle3_dagster.hidden.sharding import SampleRecord, plan_shards
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_manifest, verify_shard
 from eagle3_dagster.io import write_jsonl
+from tests.child_process import kill_when_it_says
 
 AUX = [1, 2, 3]
 LENGTHS = [5, 17, 9, 30, 2, 12, 3]
@@ -148,20 +145,9 @@ def test_resume_after_kill_writes_identical_shards(micro_target, extracted, tmp_
     merged, reference_dir, _ = extracted
     version_dir = tmp_path / "hs-000000000000"
     code = _CHILD.format(sps=SAMPLES_PER_SHARD, aux=AUX, bt=BATCH_TOKENS)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(micro_target), str(merged), str(version_dir)], env=env, cwd=repo,
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        # the child's word that shard-00001 is half-written; EOF first means it died before
-        assert "mid-shard\n" in child.stdout, f"extraction exited before shard-00001 started (exit {child.wait()})"
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    # the child's word that shard-00001 is half-written
+    kill_when_it_says(code, [str(micro_target), str(merged), str(version_dir)], "mid-shard",
+                      "before shard-00001 started")
     assert not (version_dir / "shard-00001.manifest.json").exists()
     results = _extract(micro_target, merged, version_dir)
     assert results[0].skipped and not results[1].skipped and not results[2].skipped

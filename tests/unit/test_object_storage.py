@@ -8,10 +8,6 @@ tier (`scripts/test.sh`).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,6 @@ import torch
 
 from eagle3_dagster import storage
 from eagle3_dagster.hidden.extract import publish_shard, verified_complete
-from eagle3_dagster.hidden.extract_hf import extract_all_hf
 from eagle3_dagster.hidden.plan import cleanup_superseded, find_versions, plan_extraction
 from eagle3_dagster.hidden.sharding import plan_shards
 from eagle3_dagster.hidden.shards import (
@@ -30,13 +25,13 @@ from eagle3_dagster.hidden.shards import (
     load_manifest,
     verify_shard,
 )
-from eagle3_dagster.io import write_jsonl
+from tests.child_process import kill_when_it_says
+from tests.unit import test_extract_hf as extract_hf_test
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
-AUX = [1, 2, 3]
-LENGTHS = [5, 17, 9, 30, 2, 12, 3]
-SAMPLES_PER_SHARD = 3
-BATCH_TOKENS = 40
+AUX, BATCH_TOKENS, LENGTHS, SAMPLES_PER_SHARD = (extract_hf_test.AUX, extract_hf_test.BATCH_TOKENS,
+                                                 extract_hf_test.LENGTHS, extract_hf_test.SAMPLES_PER_SHARD)
+
 VERSION = "hs-000000000000"
 
 
@@ -50,30 +45,17 @@ def s3_server():
     host, port = server.get_host_and_port()
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    fs, _ = storage.filesystem("s3://eagle3-test")
-    fs.mkdir("eagle3-test")
-    yield env
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        fs, _ = storage.filesystem("s3://eagle3-test")
+        fs.mkdir("eagle3-test")
+        yield env
     server.stop()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-
-
-def _merged_train(path: Path, vocab: int) -> Path:
-    g = torch.Generator().manual_seed(0)
-    write_jsonl(path, [
-        {"id": f"sharegpt/{i}", "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
-         "loss_mask": [int(j >= n // 2) for j in range(n)]}
-        for i, n in enumerate(LENGTHS)
-    ])
-    return path
 
 
 def _extract(micro_target: Path, merged: Path, version_dir, staging: Path | None = None):
-    return extract_all_hf(micro_target, merged, version_dir, samples_per_shard=SAMPLES_PER_SHARD, aux_layers=AUX,
-                          dtype="float32", batch_tokens=BATCH_TOKENS, target_identity="micro", device="cpu",
-                          staging_dir=staging)
+    return extract_hf_test._extract(micro_target, merged, version_dir, staging_dir=staging)
 
 
 def _store_files(url: str) -> dict[str, bytes]:
@@ -85,7 +67,7 @@ def _store_files(url: str) -> dict[str, bytes]:
 def reference(micro_target, tmp_path_factory):
     """The same shards extracted to a local folder: what every store copy must equal byte for byte."""
     root = tmp_path_factory.mktemp("store_reference")
-    merged = _merged_train(root / "merged_train.jsonl", vocab=512)
+    merged = extract_hf_test._merged_train(root / "merged_train.jsonl", vocab=512)
     local = root / "hidden" / VERSION
     _extract(micro_target, merged, local)
     return merged, local
@@ -246,18 +228,9 @@ def test_upload_killed_mid_way_resumes_by_uploading_only_what_is_missing(s3_serv
     merged, local = reference
     url = f"s3://eagle3-test/killed/{VERSION}"
     staging = tmp_path / "staging"
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     code = _CHILD.format(sps=SAMPLES_PER_SHARD, aux=AUX, bt=BATCH_TOKENS)
-    child = subprocess.Popen([sys.executable, "-c", code, str(micro_target), str(merged), url, str(staging)],
-                             env=env, cwd=repo, stdout=subprocess.PIPE, text=True)
-    try:
-        assert "mid-upload\n" in child.stdout, f"extraction exited before uploading shard-00001 (exit {child.wait()})"
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    kill_when_it_says(code, [str(micro_target), str(merged), url, str(staging)], "mid-upload",
+                      "before uploading shard-00001")
     assert sorted(load_manifest(url)) == ["shard-00000"]  # the half object is not vouched for
     assert storage.size(storage.join(url, "shard-00001.safetensors")) is not None
     results = _extract(micro_target, merged, url, staging)
