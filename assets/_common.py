@@ -131,10 +131,29 @@ def report_metadata(report: StageReport) -> dict[str, Any]:
             meta[k] = v
     for k, text in report.markdown.items():
         meta[k] = dg.MetadataValue.md(text)
+    for k, (values, x_axis) in report.series.items():
+        if values:
+            meta[k] = dg.MetadataValue.md(sparkline(values, x_axis))
     for k, png in report.images.items():
         if Path(png).exists():
             meta[k] = dg.MetadataValue.md(png_markdown(Path(png), k))
     return meta
+
+
+SPARK_LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], x_axis: str, width: int = 48) -> str:
+    """A series as one line of block characters between its first and last value, short enough (< 1,000
+    characters) for Dagster's asset page to render inline; longer series are averaged into `width` buckets."""
+    n = len(values)
+    buckets = [values[i * n // width:(i + 1) * n // width] for i in range(width)] if n > width else [[v] for v in values]
+    means = [sum(b) / len(b) for b in buckets if b]
+    lo, hi = min(means), max(means)
+    span = (hi - lo) or 1.0
+    line = "".join(SPARK_LEVELS[min(len(SPARK_LEVELS) - 1, int((v - lo) / span * len(SPARK_LEVELS)))] for v in means)
+    return (f"`{round_value(values[0])}` {line} `{round_value(values[-1])}` — {n:,} points by {x_axis}, "
+            f"min {round_value(min(values))}, max {round_value(max(values))}")
 
 
 def materialize_result(report: StageReport, profile: Profile, asset: str, *, data_version: str | None = None,

@@ -55,6 +55,8 @@ SLOW = {
     "tests/unit/test_sglang_patch.py": "every supported SGLang release's wheel: generated, patched, reverted",
     "tests/unit/test_served_bench.py": "stand-in SGLang server processes on the host",
     "tests/unit/test_tiny_target.py::test_build_is_deterministic_for_a_seed": "two target builds",
+    "tests/unit/test_stages_in_process.py::test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report":
+        "speculative decoding of the micro target, twice",
 }
 
 

@@ -24,6 +24,9 @@ class StageReport:
     metadata: dict[str, Any] = field(default_factory=dict)  # plain values, dicts/lists (json), Paths
     images: dict[str, Path] = field(default_factory=dict)  # PNG files shown in the UI
     markdown: dict[str, str] = field(default_factory=dict)
+    # name → (values, what the x axis is): drawn as an inline sparkline on the asset page, where the
+    # PNGs in `images` sit behind "Show Markdown" (Dagster renders markdown inline below 1,000 characters)
+    series: dict[str, tuple[list[float], str]] = field(default_factory=dict)
     data_version: str | None = None
 
 

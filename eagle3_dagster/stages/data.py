@@ -216,8 +216,18 @@ def merge_partitions(profile: Profile, layout: ArtifactLayout, progress: Progres
     return StageReport(
         metadata={"path": out, "sha256": sha, "num_shards": num_shards, **stats.as_dict()},
         images={"sequence_lengths": histogram},
+        series={"records_by_length": (length_counts(stats.lengths, profile.data.max_seq_len),
+                                      f"tokens per record, 48 bins up to {profile.data.max_seq_len}")},
         data_version=sha,
     )
+
+
+def length_counts(lengths, max_seq_len: int, bins: int = 48) -> list[float]:
+    """Records per length bin (equal bins from 0 to max_seq_len): the histogram's bars as numbers."""
+    import numpy as np
+
+    counts, _ = np.histogram(np.asarray(lengths), bins=bins, range=(0, max_seq_len))
+    return [float(c) for c in counts]
 
 
 def build_vocab(profile: Profile, layout: ArtifactLayout) -> StageReport:

@@ -24,5 +24,6 @@ def build_target(profile: Profile, layout: ArtifactLayout, progress: Progress = 
             "identity": report.identity,
         },
         images={"loss_curve": out / "loss_curve.png"},
+        series={"loss_by_step": (list(report.loss_curve), "pre-training step")},
         data_version=report.identity,
     )

@@ -141,6 +141,8 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
             **{k: round(float(v), 4) for k, v in final.items() if k.startswith("acc_")},
         },
         images={"curves": plan.out_dir / "curves.png"},
+        series={"loss_by_step": (list(metrics["curves"]["loss"]), "training step"),
+                "acc_0_by_step": (list(metrics["curves"]["acc_0"]), "training step")},
     )
     return report, check.ok, detail
 

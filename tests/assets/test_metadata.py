@@ -28,3 +28,15 @@ def test_floats_are_rounded_to_four_significant_digits_and_stay_numbers():
     assert meta["final_loss"] == dg.MetadataValue.float(4.32)
     assert isinstance(meta["rows"], dg.TableMetadataValue)
     assert rounded({"loss": dg.MetadataValue.float(0.123456789)})["loss"] == dg.MetadataValue.float(0.1235)
+
+
+def test_a_series_is_an_inline_sparkline_from_its_first_to_its_last_value():
+    """Dagster's asset page renders markdown inline only below 1,000 characters; a PNG never is."""
+    loss = [5.0 - 4.0 * i / 999 for i in range(1000)]  # falls from 5 to 1 over 1,000 steps
+    meta = report_metadata(StageReport(series={"loss_by_step": (loss, "training step"), "empty": ([], "x")}))
+    text = meta["loss_by_step"].value
+    assert isinstance(meta["loss_by_step"], dg.MarkdownMetadataValue) and len(text) < 1000
+    assert text.startswith("`5.0` █") and "▁ `1.0` — 1,000 points by training step, min 1.0, max 5.0" in text
+    bars = text.split(" ")[1]
+    assert len(bars) == 48 and list(bars) == sorted(bars, reverse=True)  # a falling curve draws falling bars
+    assert "empty" not in meta
