@@ -321,3 +321,26 @@ def test_a_store_root_plans_its_staging_folder_under_run_root_by_default():
     assert free_space_location(layout) == Path("/data/run/hidden_staging")
     local = ArtifactLayout.from_profile(load_profile("micro", overrides={"hidden": {"root": "/data/hidden"}}))
     assert free_space_location(local) == Path("/data/hidden") == local.hidden_root
+
+
+def test_finished_training_publishes_its_checked_export_to_the_export_location(s3_server, tmp_path, target_dir):
+    import orjson
+
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.contracts import ArtifactLayout
+    from eagle3_dagster.drafter.export import export_drafter
+    from eagle3_dagster.drafter.publish import fetch_export
+    from eagle3_dagster.stages.train import TrainPlan, finish_training
+
+    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
+                                               "train": {"export_location": "s3://eagle3-test/drafters"}})
+    run = tmp_path / "run" / "drafter" / "run-0123456789ab"
+    export_drafter(_drafter(target_dir), run / "export", serving_context=4096)
+    final = {"loss": 1.0, "sim_accept_length": 1.5, "acc_0": 0.5}
+    (run / "metrics.json").write_bytes(orjson.dumps({"final": final, "steps": 3, "tokens_per_s": 10.0,
+                                                     "curves": {"loss": [1.0], "acc_0": [0.5]}}))
+    plan = TrainPlan(command=[], env={}, cwd=str(tmp_path), job_path=run / "job.json", out_dir=run)
+    report, ok, _ = finish_training(profile, ArtifactLayout.from_profile(profile), plan)
+    assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
+    back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in (run / "export").iterdir()}
