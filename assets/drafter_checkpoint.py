@@ -78,11 +78,11 @@ def build(profile: Profile) -> list:
 
         tag_run(context, profile)
         previous = _previous_results_path(context)
-        report = benchmark_stage(
-            profile, layout(profile), export_dir=_drafter_export(context), previous_results=previous,
-            run_id=context.run_id,
-            gpu_host=context.resources.gpu_host.host(), progress=progress_logger(context),
-        )
+        with context.resources.gpu_host.lease(context) as host:  # a host of its own while it serves
+            report = benchmark_stage(
+                profile, layout(profile), export_dir=_drafter_export(context), previous_results=previous,
+                run_id=context.run_id, gpu_host=host, progress=progress_logger(context),
+            )
         results = report.metadata["results_json"]
         report.metadata.update(results_metadata(results))
         return materialize_result(report, profile, "benchmark_report", data_version=file_version(results))

@@ -188,14 +188,16 @@ class DataConfig(_Strict):
 
 
 class HostConfig(_Strict):
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
-                             "the ssh target (required when two hosts would get the same name)")
+    """One GPU host: where its commands run and with which interpreter."""
+
     transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
     ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
     num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
+    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
+                             "the ssh target (required when two hosts would get the same name)")
 
     @model_validator(mode="after")
     def _target_for_ssh(self) -> "HostConfig":
@@ -212,15 +214,9 @@ class HostConfig(_Strict):
 _HOST_FIELDS = tuple(HostConfig.model_fields)
 
 
-class GpuHostConfig(_Strict):
-    transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
-    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
-    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
-    num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
-                             "the ssh target")
+class GpuHostConfig(HostConfig):
+    """The GPU hosts: the one the inherited fields describe, or the list in `hosts`."""
+
     hosts: list[HostConfig] | None = Field(
         None, min_length=1, description="several GPU hosts (each with the fields above); each hidden_states run "
         "leases one, and the gpu_host pool gets one slot per host. Unset: the one host the fields above describe")
@@ -235,10 +231,7 @@ class GpuHostConfig(_Strict):
 
     @model_validator(mode="after")
     def _hosts(self) -> "GpuHostConfig":
-        if self.hosts is None:
-            if self.transport == "ssh" and not self.ssh_target:
-                raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
-        else:
+        if self.hosts is not None:
             flat = sorted(set(_HOST_FIELDS) & self.model_fields_set)
             if flat:
                 raise ValueError(f"gpu_host.hosts is given, so gpu_host.{flat[0]} belongs in each host "

@@ -8,6 +8,11 @@ them back line by line: JSON Pipes messages go to the session's handler
 (structured logs, materializations, checks), every other line to the run's
 compute log. The command runs in its own process group on the host (pid file in
 the workdir); interruption, failure or a dying worker's next run stop it.
+
+With several hosts (`hosts`), a GPU step takes one with `lease` (engine:
+eagle3_dagster/host_lease.py): the first free host whose preflight passes, held
+until the step ends, and named in the run tag `eagle3/gpu_host`. `run_pipes`
+leases one itself unless it is handed a host.
 """
 
 from __future__ import annotations
@@ -56,18 +61,11 @@ class GpuHostEntry(dg.Config):
                         num_gpus=self.num_gpus, name=self.name)
 
 
-class GpuHostResource(dg.ConfigurableResource):
+class GpuHostResource(dg.ConfigurableResource, GpuHostEntry):
     """Where GPU work runs: this machine or SSH targets, always with an explicit interpreter.
 
-    The flat fields describe one host; `hosts` lists several, of which each GPU step leases one (`lease`)."""
+    The inherited fields describe one host; `hosts` lists several, of which each GPU step leases one (`lease`)."""
 
-    transport: str = Field("local", description="local or ssh")
-    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. ['-p', '2222']")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
-    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
-    num_gpus: int = Field(0, description="GPUs the preflight expects on the host")
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs")
     hosts: list[GpuHostEntry] = Field(default_factory=list, description="several hosts; empty: the one above")
     lease_dir: str | None = Field(None, description="folder of the per-host lease files; default: "
                                   "gpu_host_leases under the instance's storage")
@@ -80,19 +78,14 @@ class GpuHostResource(dg.ConfigurableResource):
                                 ssh_options=list(h.ssh_options), workdir=h.workdir, num_gpus=h.num_gpus,
                                 python=h.python if h.transport == "ssh" or h.python != "python" else sys.executable)
                    for h in g.all_hosts]
-        first = entries[0]
-        return cls(transport=first.transport, ssh_target=first.ssh_target, ssh_options=first.ssh_options,
-                   python=first.python, workdir=first.workdir, num_gpus=first.num_gpus, name=first.name,
-                   hosts=entries if g.hosts is not None else [], lease_dir=g.lease_dir, lease_wait_s=g.lease_wait_s)
+        return cls(**entries[0].model_dump(), hosts=entries if g.hosts is not None else [], lease_dir=g.lease_dir,
+                   lease_wait_s=g.lease_wait_s)
 
     def check_output(self, argv: Sequence[str], timeout_s: float = 120.0) -> str:
         return self.host().run(list(argv), timeout=timeout_s).stdout
 
     def all_hosts(self) -> list[GpuHost]:
-        if self.hosts:
-            return [GpuHost(h.spec()) for h in self.hosts]
-        return [GpuHost(HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options),
-                                 num_gpus=self.num_gpus, name=self.name))]
+        return [GpuHost(h.spec()) for h in self.hosts] if self.hosts else [GpuHost(self.spec())]
 
     def host(self) -> GpuHost:
         """The first host: for work that needs no GPU of its own (reading the target, free space)."""

@@ -9,6 +9,7 @@ Tests talk to it only as a user would: GraphQL over HTTP and a browser.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -48,6 +49,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_file(path: Path, timeout_s: float, what: str) -> dict:
+    """The JSON a process under test writes (atomically) to say where it is."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {path} not written within {timeout_s} s")
+        time.sleep(0.2)
+    return json.loads(path.read_text())
 
 
 def write_instance_yaml(home: Path, monitoring: dict[str, Any] = FAST_MONITORING) -> Path:

@@ -19,13 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import REPO, dagster_dev, write_instance_yaml
+from tests.e2e.conftest import REPO, dagster_dev, wait_for_file, write_instance_yaml
 
 sys.path.insert(0, str(REPO / "tests"))
 from sshd_server import start_sshd  # noqa: E402
@@ -95,15 +94,6 @@ def kill_host(sshd_proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     sshd_proc.wait(timeout=10)
-
-
-def wait_for_file(path: Path, timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: {path} not written within {timeout_s} s")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
 
 
 def sha256s(folder: Path) -> dict[str, str]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import wait_for_file
+
 pytestmark = pytest.mark.e2e
 
 DEAD_WITHIN_S = 15
@@ -21,15 +23,6 @@ DEAD_WITHIN_S = 15
 
 def sleep_config(asset: str, seconds: float, record: Path) -> dict:
     return {"ops": {asset: {"config": {"seconds": seconds, "record": str(record)}}}}
-
-
-def wait_for_file(path: Path, timeout_s: float, what: str) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: {path} not written within {timeout_s} s")
-        time.sleep(0.2)
-    return json.loads(path.read_text())
 
 
 def process_state(pid: int) -> str | None:
