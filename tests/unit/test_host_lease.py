@@ -171,3 +171,30 @@ def test_hours_on_hosts_round_up_to_whole_shards():
     # unequal shards go in key order to the first free host: 2 + 1 on one, 2 on the other
     assert hours_on_hosts([7200, 7200, 3600], 1.0, 2) == 3.0
     assert hours_on_hosts([], 1.0, 4) == 0.0
+
+
+def test_pool_limits_command_prints_one_gpu_host_slot_per_host(tmp_path):
+    two = _profile(tmp_path, {"hosts": [{"name": "h0"}, {"name": "h1"}]})
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    for profile, expected in ((str(two), "gpu_host 2\n"), ("production", "gpu_host 1\n")):
+        out = subprocess.run([sys.executable, "-m", "eagle3_dagster.cli", "--profile", profile, "pool-limits"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert (out.returncode, out.stdout) == (0, expected), out.stderr
+
+
+def test_the_plan_gives_hours_on_the_profiles_hosts_and_on_1_2_4_in_whole_shards(tmp_path):
+    from eagle3_dagster.cli import hours_table
+    from eagle3_dagster.hidden.plan import plan_extraction
+    from eagle3_dagster.hidden.sharding import ShardSpec, shard_key
+    from eagle3_dagster.hidden.shards import ShardFormat
+
+    fmt = ShardFormat(hidden_size=8, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
+    specs = [ShardSpec(key=shard_key(i), index=i, first_record=i, num_records=1, num_tokens=3600, byte_offset=0,
+                       sample_ids=(f"d/{i}",), lengths=(3600,)) for i in range(5)]
+    plan = plan_extraction(specs, fmt, tmp_path, "hs-000000000000", throughput_tokens_per_s=1.0, free_bytes=1 << 40,
+                           num_hosts=3)
+    assert plan.hours_by_hosts == {1: 5.0, 2: 3.0, 3: 2.0, 4: 2.0}
+    assert plan.estimated_hours == 2.0 and plan.num_hosts == 3
+    assert hours_table({str(n): h for n, h in plan.hours_by_hosts.items()}, 3).splitlines() == [
+        "hours   1 host  2 hosts  3 hosts (profile)  4 hosts",
+        "         5.0 h    3.0 h              2.0 h    2.0 h"]
