@@ -5,8 +5,9 @@ unprivileged user when run as root, since postgres refuses root), runs the micro
 `scripts/run_pipeline.py` the way tests/assets/test_micro_pipeline.py does, with DAGSTER_HOME
 holding a copy of the checked-in production config, then reads PostgreSQL itself: the runs,
 the materializations and the shard partitions are rows there, and nothing fell back to SQLite.
-The pool limits the scripts set (`dagster instance concurrency set`) live in the same store and
-hold a queued GPU run back while another is in progress.
+The pool limits the scripts set (`dagster instance concurrency set`) live in the same store, and
+a code server and a daemon started as the README's production section says run two queued GPU
+runs from it one at a time.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANCE_YAML = ROOT / "deploy" / "postgres" / "dagster.yaml"
@@ -190,41 +194,84 @@ def workspace_origin(job_name: str):
     return RemoteJobOrigin(RemoteRepositoryOrigin(location, "__repository__"), job_name)
 
 
-def test_pool_limits_live_in_postgres_and_hold_a_second_gpu_run(postgres, pipeline_on_postgres) -> None:
-    """What scripts/ui.sh sets, on this instance; then the queue daemon's own pool counter: with one
-    gpu_host run in progress, a queued one is held back; once it ends, the queued one may start."""
-    from dagster._core.op_concurrency_limits_counter import GlobalOpConcurrencyLimitsCounter
-    from dagster._core.instance.config import PoolGranularity
+@contextmanager
+def process_group(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
+    """A Dagster process in its own session, output to `log`; SIGTERM to the group on exit."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
+
+def wait_until(what: str, ready, timeout_s: float, logs: list[Path]):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = ready()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
+            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s\n{tails}")
+        time.sleep(0.5)
+
+
+def code_server_serves(port: int) -> bool:
+    from dagster._grpc.client import DagsterGrpcClient
+
+    try:
+        return bool(DagsterGrpcClient(port=port, host="127.0.0.1").list_repositories())
+    except Exception:  # not listening yet, or still loading definitions.py
+        return False
+
+
+def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, pipeline_on_postgres, tmp_path) -> None:
+    """The README's production processes: the pool limits set as scripts/ui.sh sets them land in Postgres;
+    `dagster code-server start` and `dagster-daemon run` with deploy/postgres/workspace.yaml (pointed at the
+    test's port) then take two shard runs queued together (both complete in the manifest, so each is short):
+    both succeed, one after the other, the daemon's queue holding the second on the gpu_host limit."""
     from definitions import build_definitions
     from eagle3_dagster.config import load_profile_file
 
     home, env, _ = pipeline_on_postgres
-    cli = [str(Path(sys.executable).parent / "dagster"), "instance", "concurrency", "set"]
-    for pool, limit in [("gpu_host", "1"), ("raw_responses", "1")]:
-        subprocess.run(cli + [pool, limit], env=env, check=True, capture_output=True, timeout=300)
+    bin_dir = Path(sys.executable).parent
+    # What scripts/ui.sh sets on the local instance: the profile's pool limits, and raw_responses 1.
+    implied = subprocess.run([str(bin_dir / "eagle3"), "pool-limits"], env=env, check=True, capture_output=True,
+                             text=True, timeout=300).stdout.split("\n")
+    for pool, limit in [line.split() for line in implied if line.strip()] + [["raw_responses", "1"]]:
+        subprocess.run([str(bin_dir / "dagster"), "instance", "concurrency", "set", pool, limit],
+                       env=env, check=True, capture_output=True, timeout=300)
     with postgres.connect(user="postgres", dbname="eagle3") as conn, conn.cursor() as cur:
         cur.execute('SELECT concurrency_key, "limit" FROM concurrency_limits')
-        assert dict(cur.fetchall()) == {"gpu_host": 1, "raw_responses": 1}
-
+        assert dict(cur.fetchall()) == {"gpu_host": 1, "raw_responses": 1}  # the micro profile has one GPU host
+    port = free_port()
+    workspace = yaml.safe_load((ROOT / "deploy" / "postgres" / "workspace.yaml").read_text())
+    workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=port)
+    (tmp_path / "workspace.yaml").write_text(yaml.safe_dump(workspace))
+    logs = [tmp_path / "code_server.log", tmp_path / "daemon.log"]
+    code_server = [str(bin_dir / "dagster"), "code-server", "start", "-h", "127.0.0.1", "-p", str(port),
+                   "-f", "definitions.py", "-d", str(ROOT), "--location-name", "eagle3_dagster"]
     job = build_definitions(load_profile_file(Path(env["EAGLE3_PROFILE"]))).resolve_job_def("extract_job")
-    with instance_in(home, env) as instance:
-        assert instance.event_log_storage.get_concurrency_info("gpu_host").slot_count == 1
+    with process_group(code_server, env, logs[0]):
+        wait_until("the code server", lambda: code_server_serves(port), 300, logs)
+        with instance_in(home, env) as instance:
+            runs = [instance.create_run_for_job(job, status=dg.DagsterRunStatus.QUEUED,
+                                                tags={"dagster/partition": key},
+                                                remote_job_origin=workspace_origin(job.name))
+                    for key in ["shard-00000", "shard-00001"]]
+            with process_group([str(bin_dir / "dagster-daemon"), "run", "-w", str(tmp_path / "workspace.yaml")],
+                               env, logs[1]):
+                def finished():
+                    records = [instance.get_run_record_by_id(r.run_id) for r in runs]
+                    return records if all(r.dagster_run.is_finished for r in records) else None
 
-        def gpu_run(status: dg.DagsterRunStatus) -> dg.DagsterRun:
-            return instance.create_run_for_job(job, status=status, tags={"dagster/partition": "shard-00000"},
-                                               remote_job_origin=workspace_origin(job.name))
-
-        running, queued = gpu_run(dg.DagsterRunStatus.STARTED), gpu_run(dg.DagsterRunStatus.QUEUED)
-        assert "gpu_host" in (queued.run_op_concurrency.all_pools or set())
-
-        def blocked() -> bool:
-            in_progress = instance.get_run_records(dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
-            counter = GlobalOpConcurrencyLimitsCounter(
-                instance, [queued], in_progress, concurrency_keys=instance.event_log_storage.get_concurrency_keys(),
-                pool_limits=instance.event_log_storage.get_pool_limits(), pool_granularity=PoolGranularity.RUN)
-            return counter.is_blocked(queued)
-
-        assert blocked()
-        instance.report_run_canceled(running)
-        assert not blocked()
+                records = wait_until("both queued runs", finished, 600, logs)
+    assert [r.dagster_run.status for r in records] == [dg.DagsterRunStatus.SUCCESS] * 2, logs[1].read_text()[-3000:]
+    first, second = sorted(records, key=lambda r: r.start_time)
+    assert first.end_time <= second.start_time, f"gpu_host let two runs overlap: {first.end_time} > {second.start_time}"
