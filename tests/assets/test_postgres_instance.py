@@ -80,14 +80,18 @@ def postgres() -> Iterator[Server]:
         for path in (base, sock):
             os.chown(path, entry.pw_uid, entry.pw_gid)
         prefix = ["runuser", "-u", SERVER_USER, "--"]
+
+    def as_server(*argv: str) -> None:
+        proc = subprocess.run(prefix + list(argv), capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            server_log = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-3000:]}\n{server_log}")
+
     port = free_port()
-    subprocess.run(prefix + [postgres_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth-local=trust",
-                             "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C"],
-                   check=True, capture_output=True, timeout=120)
+    as_server(postgres_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth-local=trust",
+              "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C")
     options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={sock} -c fsync=off"
-    # -w: pg_ctl returns once the server accepts connections
-    subprocess.run(prefix + [postgres_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start"],
-                   check=True, capture_output=True, timeout=120)
+    as_server(postgres_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start")  # -w: until it accepts connections
     password = secrets.token_urlsafe(24)
     server = Server(port, sock, {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": str(port),
                                  "DAGSTER_PG_USER": "eagle3", "DAGSTER_PG_PASSWORD": password,
