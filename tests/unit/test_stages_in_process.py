@@ -241,3 +241,20 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
     assert "| heldout_sharegpt | eagle3 | 2,1,3 | acceptance_length |" in compared
     assert Path(second.metadata["results_json"]).name == "results-r2.json"
 
+
+
+def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path, micro_target):
+    """The UI's "Add partition" cannot be hidden (Dagster 1.13): such a key's run names the plan's shards."""
+    from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.stages.data import merge_partitions, tokenize_partition
+    from eagle3_dagster.stages.hidden import extract_stage
+
+    profile, layout = _two_partitions(tmp_path, micro_target)
+    for name in ("a", "b"):
+        tokenize_partition(profile, name, layout)
+    merge_partitions(profile, layout)
+    ctx = hidden_context(profile, layout)
+    plan = write_plan(ctx)
+    with pytest.raises(KeyError, match=r"partitions \['my-shard'\] are not shards of the plan .*\(4 shards\)"):
+        extract_stage(profile, plan, ["shard-00000", "my-shard"])
+    assert not [p for p in Path(ctx.version_dir).iterdir() if p.name != "plan.json"]  # nothing extracted
