@@ -12,9 +12,11 @@ single prompt. `complete()` therefore only queues its request; one worker thread
 (the only one that touches the model) gathers whatever is pending, waiting
 `batch_wait_s` after each arrival for more, up to `max_batch`, and runs one
 left-padded `generate` per (max_tokens, temperature) group. The event loop stays
-free while it runs. Greedy answers do not depend on the batch; sampled answers
-are seeded from the batch's request ids, so they repeat when the same requests
-are batched together again (batch composition itself depends on timing).
+free while it runs. Greedy answers do not depend on the batch, and neither do
+sampled ones: each row draws from its own random stream, seeded by its request id
+(`RowSampler`), so an answer repeats whichever requests share its batch (batch
+composition depends on timing, and a seed per batch made two demo runs train on
+different corpora).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from itertools import groupby
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from eagle3_dagster.chat.kimi import parse_completion, stop_token_ids
 from eagle3_dagster.generate.client import ChatRequestError, ChatResult
@@ -156,15 +158,15 @@ class LocalChatBackend:
         padded = self.tokenizer.pad({"input_ids": [r.prompt_ids for r in batch]}, padding=True, return_tensors="pt")
         input_ids = padded["input_ids"].to(self.device)
         temperature, max_tokens = batch[0].temperature, batch[0].max_tokens
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        # generate() samples a whole batch from one global generator; sampling is done here instead, row by
+        # row, and generate() only takes the argmax of what the sampler returns.
+        processors = LogitsProcessorList(
+            [RowSampler([self.seed ^ _ids_hash([r.request_id]) for r in batch], temperature)] if temperature > 0 else [])
         with torch.inference_mode():
-            if temperature > 0:
-                # generate() takes no torch.Generator: the global one is seeded, only this thread samples.
-                torch.manual_seed(self.seed ^ _ids_hash(r.request_id for r in batch))
             out = self.model.generate(
                 input_ids, attention_mask=padded["attention_mask"].to(self.device), max_new_tokens=max_tokens,
                 eos_token_id=self._stop_ids, pad_token_id=self.tokenizer.pad_token_id, top_k=None, top_p=None,
-                **sampling,
+                temperature=None, do_sample=False, logits_processor=processors,
             )
         rows = []
         for row in out[:, input_ids.shape[1]:].tolist():
@@ -183,6 +185,21 @@ class LocalChatBackend:
                    "total_tokens": len(r.prompt_ids) + len(generated)},
             cost=0.0, provider="local", model=str(self.model_dir.name), completion_ids=[int(t) for t in generated],
         )
+
+
+class RowSampler(LogitsProcessor):
+    """Sampling at `temperature` with one random stream per row: Gumbel-max, argmax(logits / T + G) with
+    G = -log(Exp(1)) noise is a draw from softmax(logits / T), so greedy decoding of the returned scores
+    samples each row from its own seeded generator, whatever else is in the batch."""
+
+    def __init__(self, seeds: list[int], temperature: float) -> None:
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        vocab = scores.shape[-1]
+        gumbel = torch.stack([-torch.empty(vocab).exponential_(generator=g).log_() for g in self.generators])
+        return scores.float() / self.temperature + gumbel.to(scores.device)
 
 
 def _ids_hash(request_ids) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from eagle3_dagster.generate.client import ChatRequestError
 from eagle3_dagster.generate.local_backend import LocalChatBackend
@@ -100,6 +101,31 @@ def test_max_batch_caps_the_batch_size(micro_target):
     asyncio.run(_complete_all(backend, PROMPTS, max_tokens=4))
     assert sum(c["batch"] for c in calls) == len(PROMPTS)
     assert max(c["batch"] for c in calls) <= 3 and len(calls) < len(PROMPTS)
+
+
+def test_sampled_answers_do_not_depend_on_which_requests_share_the_batch(micro_target):
+    """Each request samples from its own stream (seeded by its id): batched or alone, the same tokens."""
+    single, batched = LocalChatBackend(micro_target, max_batch=1), LocalChatBackend(micro_target, **ALL_AT_ONCE)
+    single_rows, batched_rows = _record_rows(single), _record_rows(batched)
+    alone = asyncio.run(_complete_all(single, PROMPTS, temperature=0.8))
+    together = asyncio.run(_complete_all(batched, PROMPTS, temperature=0.8))
+    assert batched_rows == single_rows and together == alone
+    assert together != asyncio.run(_complete_all(LocalChatBackend(micro_target, **ALL_AT_ONCE), PROMPTS))  # sampled
+
+
+def test_row_sampler_draws_from_the_tempered_softmax_with_one_stream_per_row():
+    from eagle3_dagster.generate.local_backend import RowSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    draws = 20_000
+    sampler = RowSampler(list(range(draws)), temperature=0.7)
+    picked = sampler(torch.zeros(draws, 1), logits.expand(draws, 4)).argmax(-1)
+    freq = torch.bincount(picked, minlength=4).double() / draws
+    torch.testing.assert_close(freq, torch.softmax(logits.double() / 0.7, -1), atol=0.012, rtol=0)
+    # a row's draw depends on its own seed only, not on the rows beside it
+    alone = RowSampler([7], 0.7)(torch.zeros(1, 1), logits[None])
+    among = RowSampler([3, 7, 9], 0.7)(torch.zeros(3, 1), logits.expand(3, 4))[1]
+    torch.testing.assert_close(alone[0], among)
 
 
 def test_sampled_answers_repeat_for_the_same_batch_of_request_ids(micro_target):
