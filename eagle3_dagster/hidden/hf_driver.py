@@ -4,7 +4,7 @@ The `hidden_states` asset runs this over the leased host's transport when that
 host is not the Dagster worker's own interpreter (an SSH host, or another local
 environment). It reads the plan contract (extraction_plan's output, on storage
 the host sees), extracts the named shards with the same function the in-process
-path uses (`stages.hidden.extract_shards_hf`), prints progress lines and, per
+path uses (`extract_shards_hf`), prints progress lines and, per
 shard, one JSON summary line starting with `{"shard"`. Resume is the engine's:
 a shard complete in its manifest is skipped, a half-written one is redone.
 """
@@ -14,6 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+from eagle3_dagster.progress import Progress, ProgressMeter
+
+if TYPE_CHECKING:
+    from eagle3_dagster.hidden.context import HiddenContext
+    from eagle3_dagster.hidden.sharding import ShardSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3_dagster.hidden.context import load_plan
-    from eagle3_dagster.stages.hidden import extract_shards_hf
 
     ctx = load_plan(args.plan)
     by_key = {s.key: s for s in ctx.shards}
@@ -38,6 +44,28 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(json.dumps(r), flush=True)
     return 0
+
+
+def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str, batch_tokens: int,
+                      progress: Progress) -> list[dict]:
+    """The hf backend over some shards of a plan, with one loaded model."""
+    from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
+
+    model = load_target_hf(ctx.target.path, dtype)
+    results = []
+    for spec in specs:
+        # extract_shard_hf counts tokens as progress(done, total): a meter turns that into the contract's line
+        meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
+        r = extract_shard_hf(
+            ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
+            dtype=dtype, batch_tokens=batch_tokens, code_version=ctx.fmt.code_version, log=progress,
+            target_identity=ctx.target.identity, progress=meter, model=model, staging_dir=ctx.staging_dir,
+        )
+        if r.skipped:
+            progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
+        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt,
+                        "uploaded_from_staging": r.uploaded_from_staging})
+    return results
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from eagle3_dagster.hidden.context import HiddenContext, hidden_context, load_pl
 from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_extraction, shard_bytes, shard_manifest_bytes
 from eagle3_dagster.hidden.sharding import ShardSpec
 from eagle3_dagster.hidden.shards import load_manifest, verify_shard
-from eagle3_dagster.stages import Progress, ProgressMeter, StageReport, no_progress
+from eagle3_dagster.stages import Progress, StageReport, no_progress
 
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
@@ -142,6 +142,8 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
     import sys
 
     if host is None or host.is_this_process(sys.executable):
+        from eagle3_dagster.hidden.hf_driver import extract_shards_hf
+
         return extract_shards_hf(ctx, specs, dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
                                  progress=progress)
     argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),
@@ -152,28 +154,6 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
         raise RuntimeError(f"hidden_states{[s.key for s in specs]}: the hf driver exited {returncode} on "
                            f"{host.where()}.\n--- driver output (last {len(out)} lines) ---\n" + "\n".join(out))
     return [json.loads(line) for line in out if line.startswith('{"shard"')]
-
-
-def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str, batch_tokens: int,
-                      progress: Progress) -> list[dict]:
-    """The hf backend over some shards of a plan, with one loaded model."""
-    from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
-
-    model = load_target_hf(ctx.target.path, dtype)
-    results = []
-    for spec in specs:
-        # extract_shard_hf counts tokens as progress(done, total): a meter turns that into the contract's line
-        meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
-        r = extract_shard_hf(
-            ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
-            dtype=dtype, batch_tokens=batch_tokens, code_version=ctx.fmt.code_version, log=progress,
-            target_identity=ctx.target.identity, progress=meter, model=model, staging_dir=ctx.staging_dir,
-        )
-        if r.skipped:
-            progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
-        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt,
-                        "uploaded_from_staging": r.uploaded_from_staging})
-    return results
 
 
 def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress) -> tuple[int, list[str]]:
