@@ -59,6 +59,19 @@ def _two_partitions(tmp_path: Path, target: Path, **overrides):
     return profile, ArtifactLayout.from_profile(profile)
 
 
+def _merged_corpus(tmp_path: Path, target: Path, *, vocab: bool = True, **overrides):
+    """Both partitions tokenized and merged (and the vocab mapping built): what the later stages read."""
+    from eagle3_dagster.stages.data import build_vocab, merge_partitions, tokenize_partition
+
+    profile, layout = _two_partitions(tmp_path, target, **overrides)
+    for name in ("a", "b"):
+        tokenize_partition(profile, name, layout)
+    merge_partitions(profile, layout)
+    if vocab:
+        build_vocab(profile, layout)
+    return profile, layout
+
+
 def test_tokenize_partition_writes_the_records_and_counts_the_quarantine(tmp_path, micro_target):
     from eagle3_dagster.stages.data import tokenize_partition
     from eagle3_dagster.target import load_tokenizer
@@ -125,12 +138,9 @@ def test_merge_partitions_shuffles_every_record_once_and_names_a_missing_partiti
 
 
 def test_build_vocab_keeps_the_most_frequent_supervised_tokens(tmp_path, micro_target):
-    from eagle3_dagster.stages.data import build_vocab, merge_partitions, tokenize_partition
+    from eagle3_dagster.stages.data import build_vocab
 
-    profile, layout = _two_partitions(tmp_path, micro_target)
-    for name in ("a", "b"):
-        tokenize_partition(profile, name, layout)
-    merge_partitions(profile, layout)
+    profile, layout = _merged_corpus(tmp_path, micro_target, vocab=False)
     report = build_vocab(profile, layout)
     mapping = load_file(str(report.metadata["path"]))
     t2d, d2t = mapping["t2d"], mapping["d2t"]
@@ -181,15 +191,9 @@ def _finished_run(profile, layout, name: str, *, poison: bool = False):
 
 
 def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(tmp_path, micro_target):
-    from eagle3_dagster.stages.data import build_vocab, merge_partitions, tokenize_partition
     from eagle3_dagster.stages.train import finish_training
 
-    profile, layout = _two_partitions(tmp_path, micro_target,
-                                      train={"export_location": str(tmp_path / "published")})
-    for name in ("a", "b"):
-        tokenize_partition(profile, name, layout)
-    merge_partitions(profile, layout)
-    build_vocab(profile, layout)
+    profile, layout = _merged_corpus(tmp_path, micro_target, train={"export_location": str(tmp_path / "published")})
 
     report, ok, _ = finish_training(profile, layout, _finished_run(profile, layout, "run-good"))
     meta = report.metadata
@@ -207,15 +211,9 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(
 
 def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report(tmp_path, micro_target):
     from eagle3_dagster.stages.bench import benchmark_stage
-    from eagle3_dagster.stages.data import build_vocab, merge_partitions, tokenize_partition
 
-    profile, layout = _two_partitions(tmp_path, micro_target,
-                                      bench={"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8,
-                                             "sets": ["heldout_sharegpt"]})
-    for name in ("a", "b"):
-        tokenize_partition(profile, name, layout)
-    merge_partitions(profile, layout)
-    build_vocab(profile, layout)
+    profile, layout = _merged_corpus(tmp_path, micro_target, bench={
+        "spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8, "sets": ["heldout_sharegpt"]})
     export = _export_for(profile, layout, tmp_path / "drafter")
 
     lines: list[str] = []
@@ -246,13 +244,9 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
 def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path, micro_target):
     """The UI's "Add partition" cannot be hidden (Dagster 1.13): such a key's run names the plan's shards."""
     from eagle3_dagster.hidden.context import hidden_context, write_plan
-    from eagle3_dagster.stages.data import merge_partitions, tokenize_partition
     from eagle3_dagster.stages.hidden import extract_stage
 
-    profile, layout = _two_partitions(tmp_path, micro_target)
-    for name in ("a", "b"):
-        tokenize_partition(profile, name, layout)
-    merge_partitions(profile, layout)
+    profile, layout = _merged_corpus(tmp_path, micro_target, vocab=False)
     ctx = hidden_context(profile, layout)
     plan = write_plan(ctx)
     with pytest.raises(KeyError, match=r"partitions \['my-shard'\] are not shards of the plan .*\(4 shards\)"):
