@@ -30,6 +30,10 @@ class Stream:
         self.issued = 0
         self.landed = 0
         self.lock = threading.Lock()
+        # Cleared by a test to hold the GPU back: other threads' waits (the dump writer's) block until it is set
+        # again, so the test can see copies still in flight when a forward returns, whatever the scheduler does.
+        self.gate = threading.Event()
+        self.gate.set()
 
     def enqueue(self, dest: torch.Tensor, src: torch.Tensor) -> None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -39,6 +43,8 @@ class Stream:
             self.issued += 1
 
     def run_until(self, mark: int) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.gate.wait()
         with self.lock:
             while self.landed < mark:
                 dest, snapshot = self.pending.pop(0)
