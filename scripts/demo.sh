@@ -3,7 +3,7 @@
 # in ./dagster_home: afterwards `scripts/ui.sh` shows every materialization.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh pipeline  # the test tools (playwright, moto, pytest) are not needed here
 export DAGSTER_HOME="$PWD/dagster_home"
 export EAGLE3_PROFILE="${EAGLE3_PROFILE:-demo}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

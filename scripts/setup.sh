@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with its test extras. Every pip call
+# Creates .venv and installs the project with the extra named by $1: dev (default: the tests' extras)
+# or pipeline (what scripts/demo.sh and scripts/ui.sh need, without the test tools). Every pip call
 # passes constraints.txt: on a CPU machine an unpinned torch would pull a
 # multi-GB CUDA build.
 set -euo pipefail
@@ -11,7 +12,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+EXTRA=${1:-dev}
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[$EXTRA]"
 # The Postgres instance's storage (deploy/postgres/). 0.29.27 is the newest dagster-postgres on PyPI and
 # pins dagster==1.13.27; its storage code runs on 1.13.28 (tests/assets/test_postgres_instance.py, against
 # a real server), so it goes in without its pins; psycopg2-binary comes with the [postgres] extra above.
