@@ -55,6 +55,9 @@ SLOW = {
     "tests/unit/test_sglang_patch.py": "every supported SGLang release's wheel: generated, patched, reverted",
     "tests/unit/test_served_bench.py": "stand-in SGLang server processes on the host",
     "tests/unit/test_tiny_target.py::test_build_is_deterministic_for_a_seed": "two target builds",
+    "tests/unit/test_cli.py::test_profile_is_accepted_after_the_subcommand_too": "the eagle3 command in subprocesses",
+    "tests/unit/test_sharegpt.py::test_heldout_and_train_splits_are_disjoint_stable_and_cover_everything":
+        "reads the whole bundled ShareGPT file",
     "tests/unit/test_stages_in_process.py::test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report":
         "speculative decoding of the micro target, twice",
 }
