@@ -33,7 +33,8 @@ FP8 = "float8_e4m3fn"
 def run_one(profile, layout, log) -> dict:
     from eagle3_dagster.hidden.context import hidden_context, write_plan
     from eagle3_dagster.stages.bench import benchmark_stage
-    from eagle3_dagster.stages.hidden import actual_bytes, extract_stage
+    from eagle3_dagster.hidden.plan import actual_bytes
+    from eagle3_dagster.stages.hidden import extract_stage
     from eagle3_dagster.stages.train import finish_training, prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
