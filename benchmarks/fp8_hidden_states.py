@@ -55,11 +55,12 @@ def run_one(profile, layout, log) -> dict:
     bench = benchmark_stage(profile, layout, export_dir=report.metadata["export_dir"], previous_results=None,
                             run_id=f"fp8-compare-{dtype}", progress=log)
     meta = report.metadata
+    scope = "heldout" if meta["eval_scope"] == "heldout" else "train_batches"
     return {
         "dtype": dtype, "version": ctx.version, "bytes": actual_bytes(ctx.version_dir, keys),
         "num_tokens": sum(s.num_tokens for s in ctx.shards), "steps": meta["steps"],
-        "acc": [meta[f"acc_{j}"] for j in range(profile.train.ttt_steps)],
-        "sim_accept_length": meta["sim_accept_length"], "final_loss": meta["final_loss"],
+        "acc": [meta[f"{scope}_acc_{j}"] for j in range(profile.train.ttt_steps)], "eval_scope": scope,
+        "sim_accept_length": meta[f"{scope}_sim_accept_length"], "final_loss": meta[f"{scope}_loss"],
         "bench_acceptance_length": bench.metadata.get("acceptance_length"),
         "bench_config": bench.metadata.get("headline_config"),
         "extract_s": round(t_extract, 1), "train_s": round(t_train, 1),

@@ -104,10 +104,12 @@ def _run(args: argparse.Namespace) -> int:
             return _preflight(profile, layout)
         if args.command == "plan":
             from eagle3_dagster.stages.hidden import plan_stage
+            from eagle3_dagster.train.data import TrainSchedule
 
             report, fits, message = plan_stage(profile, layout, free_bytes=None)
             _print_metadata(report.metadata)
             print(hours_table(report.metadata["hours_by_hosts"], report.metadata["num_hosts"]))
+            print("training: " + TrainSchedule(**report.metadata["train_schedule"]).describe())
             print(message)
             return 0 if fits else EXIT_FAILED_CHECK
         if args.command == "cleanup":

@@ -323,6 +323,11 @@ class TrainConfig(_Strict):
     batch_tokens: int = Field(4096, ge=16, description="padded tokens per micro-batch and rank")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     grad_clip: float = Field(0.5, gt=0, description="gradient norm clip")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
+    eval_fraction: float = Field(
+        0.02, ge=0, lt=0.5, description="share of the hidden-state samples (chosen by a hash of the sample id, "
+        "the same for every recipe) kept out of training; the drafter's reported acc_j and simulated acceptance "
+        "are measured on them. 0: measured on training batches instead (flattering)")
     checkpoint_every: int = Field(200, ge=1, description="optimizer steps between checkpoints")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the drafter's init and the sampler")
     nproc_per_node: int = Field(1, ge=1, le=1024, description="torchrun workers per node")
@@ -344,6 +349,13 @@ class TrainConfig(_Strict):
 
         if value is not None:
             location(value)  # a URL carrying credentials is refused
+        return value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {list(value)}")
         return value
 
     @model_validator(mode="after")

@@ -8,6 +8,7 @@ extracts into a new version and the old one shows up as superseded in the plan.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -22,6 +23,7 @@ from eagle3_dagster.stages import Progress, StageReport, no_progress
 
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.train.data import TrainSchedule
 
 def free_space_location(layout: ArtifactLayout) -> Path:
     """Where extraction needs free disk: hidden.root, or the staging folder when the root is on a store."""
@@ -62,8 +64,19 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "aux_layers_canonical": list(ctx.target.aux_layers),
         "merged_train_sha256": ctx.merged_train_sha256,
         PLAN_CONTRACT_KEY: str(contract),
+        "train_schedule": asdict(training_schedule(profile, ctx)),
     })
     return report, plan.fits, plan.message
+
+
+def training_schedule(profile: Profile, ctx: HiddenContext) -> "TrainSchedule":
+    """What `train` makes of these shards: optimizer steps, tokens per step (`eagle3 plan` prints it)."""
+    from eagle3_dagster.train.data import train_schedule
+
+    ids = [sid for s in ctx.shards for sid in s.sample_ids]
+    lengths = [n for s in ctx.shards for n in s.lengths]
+    world = profile.train.nproc_per_node * profile.train.nnodes
+    return train_schedule(lengths, ids, profile.train, world)
 
 
 def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) -> dict:

@@ -126,19 +126,14 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
         dest = storage.join(storage.location(profile.train.export_location, PROJECT_ROOT), plan.out_dir.name)
         publish_export(export_dir, dest, log=lambda _line: None)
         published = {"export_location": str(dest)}
-    final = metrics["final"]
-    initial = metrics.get("initial_eval") or {}
+    from eagle3_dagster.train.outputs import summary_metadata
+
     report = StageReport(
         metadata={
             "run_dir": plan.out_dir,
             "export_dir": export_dir,
             **published,
-            "steps": metrics["steps"],
-            "tokens_per_s": round(float(metrics["tokens_per_s"]), 1),
-            "final_loss": round(float(final["loss"]), 5),
-            "sim_accept_length": round(float(final["sim_accept_length"]), 4),
-            "initial_acc_0": round(float(initial.get("acc_0", float("nan"))), 4),
-            **{k: round(float(v), 4) for k, v in final.items() if k.startswith("acc_")},
+            **summary_metadata(metrics),
         },
         images={"curves": plan.out_dir / "curves.png"},
         series={"loss_by_step": (list(metrics["curves"]["loss"]), "training step"),

@@ -15,6 +15,8 @@ and a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +51,85 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int, wor
     batches = [batches[i] for i in rng.permutation(len(batches))]
     usable = len(batches) - len(batches) % world_size
     return batches[:usable]
+
+
+def is_heldout_sample(sample_id: str, fraction: float) -> bool:
+    """Whether a sample is kept out of training: a pure function of its id (sha256), so every recipe,
+    seed and world size holds out the same samples, and a sample's fate never depends on its neighbours."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"eagle3-heldout:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class SampleSubset(torch.utils.data.Subset):
+    """torch's `Subset` plus the `lengths()` the sampler needs."""
+
+    def lengths(self) -> list[int]:
+        every = self.dataset.lengths()
+        return [every[i] for i in self.indices]
+
+
+def split_heldout(dataset: HiddenSamples, sample_ids: Sequence[str], fraction: float) -> tuple[SampleSubset, SampleSubset]:
+    """(train, held-out) subsets of `dataset` by `is_heldout_sample`; the held-out part is never trained on."""
+    held = [i for i, sid in enumerate(sample_ids) if is_heldout_sample(sid, fraction)]
+    held_set = set(held)
+    train = [i for i in range(len(sample_ids)) if i not in held_set]
+    if not train:
+        raise ValueError(f"train.eval_fraction {fraction} holds out all {len(sample_ids)} samples; lower it")
+    return SampleSubset(dataset, train), SampleSubset(dataset, held)
+
+
+def eval_batches(lengths: Sequence[int], batch_tokens: int, rank: int, world_size: int) -> list[list[int]]:
+    """Every sample exactly once, in length order, packed to `batch_tokens`, dealt round-robin to the ranks
+    (their counts may differ by one: evaluation runs no collective per batch)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if current and lengths[i] * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches[rank::world_size]
+
+
+@dataclass(frozen=True)
+class TrainSchedule:
+    """How many optimizer steps a recipe makes of a corpus: what `eagle3 plan` prints and the worker runs."""
+
+    num_train_samples: int
+    num_heldout_samples: int
+    world_size: int
+    batches_per_rank_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    tokens_per_step: float  # real (unpadded) tokens per optimizer step, all ranks, epoch 0's mean
+
+    def describe(self) -> str:
+        return (f"{self.total_steps:,} optimizer steps ({self.steps_per_epoch:,} per epoch, {self.warmup_steps:,} "
+                f"warm-up), {self.tokens_per_step:,.0f} tokens per step over {self.world_size} rank(s); "
+                f"{self.num_train_samples:,} samples trained on, {self.num_heldout_samples:,} held out")
+
+
+def train_schedule(lengths: Sequence[int], sample_ids: Sequence[str], train: Any, world_size: int) -> TrainSchedule:
+    """The schedule of `train` (a `TrainConfig`) over samples of these lengths and ids on `world_size` ranks."""
+    import math
+
+    held = [is_heldout_sample(sid, train.eval_fraction) for sid in sample_ids]
+    kept = [n for n, h in zip(lengths, held) if not h]
+    batches = plan_epoch(kept, train.batch_tokens, train.seed, 0, world_size)
+    per_rank = len(batches) // world_size
+    per_epoch = per_rank // train.grad_accum
+    total = train.max_steps or train.epochs * per_epoch
+    tokens = sum(kept[i] for b in batches for i in b)
+    return TrainSchedule(
+        num_train_samples=len(kept), num_heldout_samples=len(held) - len(kept), world_size=world_size,
+        batches_per_rank_per_epoch=per_rank, steps_per_epoch=per_epoch, total_steps=total,
+        warmup_steps=max(1, math.ceil(train.warmup_ratio * total)),
+        tokens_per_step=tokens / max(per_epoch, 1) if per_epoch else 0.0)
 
 
 class BucketedSampler:

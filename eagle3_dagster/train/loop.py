@@ -27,7 +27,7 @@ from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, draft_
 from eagle3_dagster.drafter.model import Eagle3Drafter
 from eagle3_dagster.drafter.ttt import RECOMPUTE_MLP_FROM_TOKENS, ttt_unroll
 from eagle3_dagster.train.checkpoint import Checkpointer
-from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate
+from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate, eval_batches
 
 
 class NonFiniteTrainingError(FloatingPointError):
@@ -62,6 +62,7 @@ class LoopConfig:
     grad_accum: int
     grad_clip: float
     eval_batches: int = 4
+    betas: tuple[float, float] = (0.9, 0.95)
 
 
 def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
@@ -148,7 +149,7 @@ class Trainer:
         self.objective, self.drafter, self.dataset, self.sampler = objective, drafter, dataset, sampler
         self.cfg, self.checkpointer, self.device, self.on_step = cfg, checkpointer, device, on_step
         params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.total_steps))
         self.step = 0
         self.tokens_seen = 0
@@ -222,15 +223,28 @@ class Trainer:
             f"(hidden_states checks) or lower train.lr")
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Metrics over the first `eval_batches` batches of epoch 0 on every rank (a fixed set, same each call)."""
+    def evaluate(self, heldout: HiddenSamples | None = None) -> dict[str, float]:
+        """Metrics over every sample of `heldout` (split over the ranks), or, without held-out samples,
+        over the first `eval_batches` training batches of epoch 0 on every rank (a fixed set, same each call).
+        `scope` says which: a training-batch figure flatters the drafter."""
         stats = torch.zeros(self.cfg.ttt_steps, 3, dtype=torch.float64)
-        for indices in self.sampler.batches_for(0)[: self.cfg.eval_batches]:
-            b = collate(self.dataset, indices).to(self.device)
+        rank, world = self.sampler.rank, self.sampler.world_size
+        if heldout is not None and len(heldout):
+            source, plan = heldout, eval_batches(heldout.lengths(), self.sampler.batch_tokens, rank, world)
+        else:
+            source, plan = self.dataset, self.sampler.batches_for(0)[: self.cfg.eval_batches]
+        # the bare objective: evaluation issues no DDP collective, so ranks may hold different batch counts
+        objective = getattr(self.objective, "module", self.objective)
+        for indices in plan:
+            b = collate(source, indices).to(self.device)
             with self.autocast:
-                _, s = self.objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
+                _, s = objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
             stats += s
-        return summarize(_all_reduce(stats))
+        out = summarize(_all_reduce(stats))
+        out["scope"] = "heldout" if source is heldout else "train_batches"
+        out["num_samples"] = len(heldout) if source is heldout else None
+        out["num_scored_tokens"] = int(stats[0, 1])  # teacher rows scored at TTT step 0
+        return out
 
     def train(self, stop_after_step: int | None = None) -> dict[str, float]:
         t0, tokens0 = time.perf_counter(), self.tokens_seen

@@ -65,7 +65,25 @@ def plot_curves(curves: dict[str, list[float]], path: Path, ttt_steps: int) -> N
 
 
 def summary_metadata(metrics: dict) -> dict:
-    f = metrics["final"]
-    return {"steps": metrics["steps"], "tokens_per_s": round(metrics["tokens_per_s"], 1),
-            "sim_accept_length": round(f["sim_accept_length"], 4), "final_loss": round(f["loss"], 5),
-            **{k: round(v, 4) for k, v in f.items() if k.startswith("acc_")}}
+    """The figures a reader compares, each named for what it was measured on.
+
+    `heldout_*` are the final evaluation on the samples `train.eval_fraction` kept out of training;
+    without held-out samples the same figures come from training batches and are named
+    `train_batches_*` (they flatter the drafter). `last_step_train_loss` is the loss of the last
+    optimizer step's own batches (the end of the loss curve), not an evaluation."""
+    f = metrics.get("final_eval") or metrics["final"]
+    scope = f.get("scope", "train_batches")
+    prefix = "heldout" if scope == "heldout" else "train_batches"
+    out = {"steps": metrics["steps"], "tokens_per_s": round(float(metrics["tokens_per_s"]), 1), "eval_scope": scope,
+           f"{prefix}_loss": round(float(f["loss"]), 5),
+           f"{prefix}_sim_accept_length": round(float(f["sim_accept_length"]), 4),
+           **{f"{prefix}_{k}": round(float(v), 4) for k, v in f.items() if k.startswith("acc_")}}
+    if scope == "heldout":
+        out |= {"heldout_samples": f.get("num_samples"), "heldout_scored_tokens": f.get("num_scored_tokens")}
+    initial = metrics.get("initial_eval") or {}
+    if "acc_0" in initial:
+        out["untrained_acc_0"] = round(float(initial["acc_0"]), 4)  # same samples, before the first step
+    losses = (metrics.get("curves") or {}).get("loss") or []
+    if losses:
+        out["last_step_train_loss"] = round(float(losses[-1]), 5)
+    return out

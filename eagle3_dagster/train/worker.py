@@ -2,8 +2,10 @@
 
 One entry point, `main` (what `python -m eagle3_dagster.train` and the Pipes child run).
 
-Builds the drafter from the job's explicit inputs, resumes from the latest
-checkpoint if there is one, trains, and on rank 0 writes `metrics.json`,
+Builds the drafter from the job's explicit inputs, sets aside the held-out
+samples (`train.eval_fraction`, chosen by sample id), resumes from the latest
+checkpoint if there is one, trains on the rest, evaluates on the held-out
+samples before and after, and on rank 0 writes `metrics.json`,
 `curves.png` and the SGLang/vLLM export. Given a `Reporter` (Dagster's Pipes
 child, `resources/pipes_child.py`, supplies one) rank 0 streams per-step
 metrics to it and reports the final metrics; without one it shows a tqdm bar. `--stop-after-step N`
@@ -13,7 +15,6 @@ exits the process abruptly (os._exit) after step N, the way a killed run does.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Protocol
@@ -29,7 +30,7 @@ from eagle3_dagster.io import atomic_write_json
 from eagle3_dagster.progress import ProgressMeter
 from eagle3_dagster.train import TrainJobConfig
 from eagle3_dagster.train.checkpoint import Checkpointer
-from eagle3_dagster.train.data import BucketedSampler
+from eagle3_dagster.train.data import BucketedSampler, split_heldout, train_schedule
 from eagle3_dagster.train.loop import LoopConfig, Trainer, TTTObjective
 from eagle3_dagster.train.outputs import summary_metadata, write_outputs
 
@@ -88,14 +89,17 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
     dataset = _load_dataset(job)
     drafter, lm_head = build_drafter(job, dataset)
     drafter.to(device)
-    sampler = BucketedSampler(dataset.lengths(), job.train.batch_tokens, rank, world, job.train.seed)
-    per_epoch = len(sampler) // job.train.grad_accum
-    total = job.train.max_steps or job.train.epochs * per_epoch
-    if total < 1:
+    # held-out samples (by id, the same for every recipe) are evaluated after training, never trained on
+    train_set, heldout = split_heldout(dataset, dataset.sample_ids, job.train.eval_fraction)
+    sampler = BucketedSampler(train_set.lengths(), job.train.batch_tokens, rank, world, job.train.seed)
+    schedule = train_schedule(dataset.lengths(), dataset.sample_ids, job.train, world)
+    if schedule.total_steps < 1:
         raise ValueError(f"{len(sampler)} batches per rank give no optimizer step at grad_accum {job.train.grad_accum}")
+    total = schedule.total_steps
     loop_cfg = LoopConfig(ttt_steps=job.train.ttt_steps, lr=job.train.lr, total_steps=total,
-                          warmup_steps=max(1, math.ceil(job.train.warmup_ratio * total)),
-                          grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches)
+                          warmup_steps=schedule.warmup_steps,
+                          grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches,
+                          betas=tuple(job.train.betas))
     objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps).to(device)
     if world > 1:
         # buffers (vocab map, target lm_head) are identical on every rank: never re-broadcast GBs per step
@@ -120,13 +124,13 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
             progress.update(1)
             progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
 
-    trainer = Trainer(objective, drafter, dataset, sampler, loop_cfg, checkpointer, device, on_step)
+    trainer = Trainer(objective, drafter, train_set, sampler, loop_cfg, checkpointer, device, on_step)
     resumed = trainer.resume_if_possible()
     if meter is not None:
         meter.initial = meter.done = trainer.step
     if resumed and progress is not None:
         progress.update(trainer.step)
-    initial = trainer.evaluate() if not resumed else None
+    initial = trainer.evaluate(heldout) if not resumed else None
     if initial is not None and rank == 0:
         atomic_write_json(out / "initial_eval.json", initial)
     timing = trainer.train(stop_after_step=stop_after_step)
@@ -134,7 +138,7 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(17)  # the simulated crash: no cleanup, no final checkpoint, no export
-    final = trainer.evaluate()
+    final = trainer.evaluate(heldout)
     if progress is not None:
         progress.close()
     metrics = None

@@ -184,8 +184,9 @@ def _finished_run(profile, layout, name: str, *, poison: bool = False):
     curves = {"step": [1, 2], "loss": [4.0, 3.5], "lr": [1e-3, 1e-3], "acc_0": [0.1, 0.2], "acc_1": [0.05, 0.1],
               "acc_2": [0.0, 0.05], "loss_0": [4, 3.5], "loss_1": [4, 3.6], "loss_2": [4, 3.7]}
     final = {"acc_0": 0.212345678, "acc_1": 0.1, "acc_2": 0.05, "sim_accept_length": 1.2334567, "loss": 3.512345678}
+    final_eval = final | {"scope": "heldout", "num_samples": 7, "num_scored_tokens": 123}
     atomic_write_json(out_dir / "metrics.json", {"steps": 2, "tokens_per_s": 1234.5678, "initial_eval": {"acc_0": 0.01},
-                                                 "final": final, "curves": curves})
+                                                 "final": final, "final_eval": final_eval, "curves": curves})
     plot_curves(curves, out_dir / "curves.png", 3)
     return TrainPlan(command=[], env={}, cwd=".", job_path=out_dir / "job.json", out_dir=out_dir)
 
@@ -198,8 +199,12 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(
     report, ok, _ = finish_training(profile, layout, _finished_run(profile, layout, "run-good"))
     meta = report.metadata
     assert ok and meta["export_dir"] == layout.drafter_dir / "run-good" / "export"
-    assert (meta["final_loss"], meta["acc_0"], meta["sim_accept_length"], meta["tokens_per_s"]) == \
+    # every figure is named for what it was measured on: the held-out samples, or the last training step
+    assert (meta["heldout_loss"], meta["heldout_acc_0"], meta["heldout_sim_accept_length"], meta["tokens_per_s"]) == \
         (3.51235, 0.2123, 1.2335, 1234.6)
+    assert (meta["eval_scope"], meta["heldout_samples"], meta["heldout_scored_tokens"]) == ("heldout", 7, 123)
+    assert meta["last_step_train_loss"] == 3.5 and meta["untrained_acc_0"] == 0.01
+    assert not {"final_loss", "acc_0", "sim_accept_length"} & set(meta)
     assert report.series["loss_by_step"] == ([4.0, 3.5], "training step")  # the run's curves, inline in the UI
     published = Path(meta["export_location"])
     assert sha256_file(published / "model.safetensors") == sha256_file(meta["export_dir"] / "model.safetensors")
@@ -252,3 +257,22 @@ def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path
     with pytest.raises(KeyError, match=r"partitions \['my-shard'\] are not shards of the plan .*\(4 shards\)"):
         extract_stage(profile, plan, ["shard-00000", "my-shard"])
     assert not [p for p in Path(ctx.version_dir).iterdir() if p.name != "plan.json"]  # nothing extracted
+
+
+def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp_path, micro_target):
+    from eagle3_dagster.hidden.context import hidden_context
+    from eagle3_dagster.stages.hidden import plan_stage
+    from eagle3_dagster.train.data import TrainSchedule, is_heldout_sample, plan_epoch
+
+    profile, layout = _merged_corpus(tmp_path, micro_target, train={"batch_tokens": 128, "epochs": 3,
+                                                                     "eval_fraction": 0.1})
+    report, _, _ = plan_stage(profile, layout, free_bytes=None)
+    schedule = TrainSchedule(**report.metadata["train_schedule"])
+    shards = hidden_context(profile, layout).shards
+    kept = [n for s in shards for sid, n in zip(s.sample_ids, s.lengths) if not is_heldout_sample(sid, 0.1)]
+    batches = plan_epoch(kept, 128, profile.train.seed, 0, profile.train.nproc_per_node)
+    assert schedule.num_train_samples == len(kept)
+    assert schedule.num_train_samples + schedule.num_heldout_samples == sum(len(s.sample_ids) for s in shards)
+    assert schedule.steps_per_epoch == len(batches) // profile.train.nproc_per_node
+    assert schedule.total_steps == 3 * schedule.steps_per_epoch > 0
+    assert f"{schedule.total_steps:,} optimizer steps" in schedule.describe()

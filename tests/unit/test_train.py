@@ -18,7 +18,9 @@ from eagle3_dagster.drafter.export import check_export
 from eagle3_dagster.hidden.sharding import shard_key
 from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
-from eagle3_dagster.train.data import BucketedSampler, collate, plan_epoch
+from eagle3_dagster.train.data import (
+    BucketedSampler, collate, eval_batches, is_heldout_sample, plan_epoch, split_heldout, train_schedule,
+)
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 32, 4, 64
 SAMPLES_PER_SHARD = 16
@@ -86,7 +88,7 @@ def workspace(tmp_path_factory) -> Path:
 
 def _job(ws: Path, out: str, **train) -> Path:
     base = dict(ttt_steps=2, epochs=1, max_steps=24, lr=1e-2, warmup_ratio=0.1, batch_tokens=96, grad_accum=1,
-                grad_clip=0.5, checkpoint_every=8, seed=0, nproc_per_node=2, backend="gloo")
+                grad_clip=0.5, checkpoint_every=8, seed=0, nproc_per_node=2, backend="gloo", eval_fraction=0.2)
     job = TrainJobConfig(hidden_version_dir=str(ws / "hidden" / "v1"), target_dir=str(ws / "target"),
                          vocab_mapping=str(ws / "vocab.safetensors"), out_dir=str(ws / out), serving_context=512,
                          train=TrainConfig(**(base | train)),
@@ -119,6 +121,9 @@ def test_two_rank_gloo_training_lowers_loss_and_beats_untrained_drafter_on_acc0(
     m = json.loads((uninterrupted / "metrics.json").read_text())
     before, after = m["initial_eval"], m["final_eval"]
     assert m["steps"] == 24
+    # measured on the held-out samples, every one of them once over the two ranks
+    held = [sid for sid in (f"chains/{i}" for i in range(64)) if is_heldout_sample(sid, 0.2)]
+    assert after["scope"] == before["scope"] == "heldout" and after["num_samples"] == len(held) > 5
     assert after["loss"] < 0.8 * before["loss"], (before["loss"], after["loss"])
     # the untrained lm_head agrees with the teacher at chance (~1/64); 24 steps of training must add 0.25
     assert after["acc_0"] >= before["acc_0"] + 0.25, (before["acc_0"], after["acc_0"])
@@ -153,6 +158,50 @@ def test_epoch_plan_respects_token_budget_and_splits_evenly_across_ranks():
     for b in batches:
         assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 40
     assert plan_epoch(lengths, 40, 0, 0, 2) == batches and plan_epoch(lengths, 40, 0, 1, 2) != batches
+
+
+def test_heldout_samples_are_chosen_by_id_alone_and_never_reach_a_training_batch():
+    ids = [f"ds/{i}" for i in range(400)]
+    lengths = [3 + i % 37 for i in range(400)]
+
+    class Samples:
+        def __len__(self):
+            return len(ids)
+
+        def lengths(self):
+            return lengths
+
+    train, held = split_heldout(Samples(), ids, 0.1)
+    held_ids = {ids[i] for i in held.indices}
+    assert 20 <= len(held_ids) <= 60  # ~10 %
+    # the same samples whatever the order, seed or neighbours: a pure function of the id
+    assert {sid for sid in reversed(ids) if is_heldout_sample(sid, 0.1)} == held_ids
+    assert not any(is_heldout_sample(sid, 0.0) for sid in ids)
+    assert held.lengths() == [lengths[i] for i in held.indices]
+    for rank in (0, 1):  # every batch either rank trains on, over three epochs, indexes the training subset
+        sampler = BucketedSampler(train.lengths(), batch_tokens=64, rank=rank, world_size=2, seed=5)
+        seen = {ids[train.indices[i]] for _ in range(3 * len(sampler)) for i in sampler.next_batch()}
+        assert not seen & held_ids
+    # evaluation sees each held-out sample exactly once across ranks, within the token budget
+    plans = [eval_batches(held.lengths(), 64, rank, 2) for rank in (0, 1)]
+    flat = sorted(i for plan in plans for b in plan for i in b)
+    assert flat == list(range(len(held_ids)))
+    assert all(len(b) == 1 or max(held.lengths()[i] for i in b) * len(b) <= 64 for plan in plans for b in plan)
+
+
+def test_schedule_counts_steps_and_tokens_per_step_the_way_the_worker_trains():
+    ids = [f"ds/{i}" for i in range(300)]
+    lengths = [10 + (7 * i) % 90 for i in range(300)]
+    cfg = TrainConfig(batch_tokens=256, grad_accum=2, epochs=3, warmup_ratio=0.1, eval_fraction=0.05)
+    sched = train_schedule(lengths, ids, cfg, world_size=2)
+    kept = [n for n, sid in zip(lengths, ids) if not is_heldout_sample(sid, 0.05)]
+    batches = plan_epoch(kept, 256, cfg.seed, 0, 2)
+    assert sched.num_train_samples == len(kept) and sched.num_heldout_samples == 300 - len(kept)
+    assert sched.steps_per_epoch == len(batches) // 2 // 2 and sched.total_steps == 3 * sched.steps_per_epoch
+    assert sched.warmup_steps == -(-sched.total_steps // 10)
+    assert sched.tokens_per_step == pytest.approx(sum(kept[i] for b in batches for i in b) / sched.steps_per_epoch)
+    assert sched.tokens_per_step <= 2 * 2 * 256
+    assert train_schedule(lengths, ids, cfg.model_copy(update={"max_steps": 7}), 2).total_steps == 7
 
 
 def test_restored_sampler_yields_identical_batches():

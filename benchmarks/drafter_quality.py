@@ -1,0 +1,215 @@
+"""Drafter quality by training recipe: several recipes trained on the same shards, measured side by side.
+
+Needs the profile materialized through `extract` (`scripts/demo.sh --until extract`, or the whole
+demo). For each recipe variant and seed it trains a drafter through torchrun with the profile's
+settings plus the variant's overrides (the worker the asset runs, `python -m eagle3_dagster.train`;
+a run already finished is read back, not trained again), then prints one table:
+
+- held-out acc_0 … acc_k and simulated acceptance, measured by the training job on the samples
+  `train.eval_fraction` keeps out (chosen by sample-id hash: the same samples for every variant, and
+  no variant trains on them);
+- acceptance length of the in-process benchmark (greedy, the profile's held-out ShareGPT prompts,
+  each spec config, by prompt-length band);
+- optimizer steps, tokens per optimizer step, and training CPU seconds (user + system of the whole
+  torchrun process tree, start-up included, so ranks × threads are all counted).
+
+Variants are run interleaved by seed (every variant at seed 0, then every variant at seed 1, …) so
+that a drift in machine load spreads over all of them; the table gives each figure's median over
+seeds and its spread (min–max). CPU seconds are only comparable between runs on an otherwise idle
+machine.
+
+    python benchmarks/drafter_quality.py [--profile demo] [--variants plain,small_batch] [--seeds 0,1]
+        [--json out.json]
+
+Run with DAGSTER_HOME unset: nothing here goes through the Dagster instance. Training runs land in
+`<run_root>/drafter/run-<hash>/` like the asset's (a variant's run is found again by its hash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+# Overrides of the profile's `train` section. "profile" is the profile as it is; the others name what
+# they change. `lr_per_sqrt_tokens` is not a TrainConfig field: it sets lr from tokens per step.
+VARIANTS: dict[str, dict] = {
+    "profile": {},
+    # the demo's recipe before issue 19: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
+    "before": {"batch_tokens": 2048, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},
+    # the same steps at a higher learning rate: is it the step count or the step size?
+    "before_lr8e-3": {"batch_tokens": 2048, "lr": 8e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},
+    # SpecForge's shape of recipe: one sample per rank and step (batch_tokens below any sample's length)
+    "one_sample_4ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
+    "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt512_8ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt512_4ep_b95": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.95)},
+    "bt512_4ep_lr8e-3": {"batch_tokens": 512, "lr": 8e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt1024_8ep": {"batch_tokens": 1024, "lr": 6e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+}
+
+
+def variant_profile(base, overrides: dict, seed: int):
+    train = base.train.model_copy(update={**overrides, "seed": seed})
+    return base.model_copy(update={"train": type(base.train).model_validate(train.model_dump())})
+
+
+def train_variant(profile, layout, plan, log) -> dict:
+    """Train (or read back) one variant; returns metrics.json plus the CPU seconds of its torchrun tree."""
+    from eagle3_dagster.io import atomic_write_json, read_json
+    from eagle3_dagster.stages.train import prepare_training
+    from eagle3_dagster.train import build_torchrun_command
+
+    job = prepare_training(profile, layout, plan=plan)
+    cost_path = job.out_dir / "quality_bench_cost.json"
+    if (job.out_dir / "metrics.json").exists() and cost_path.exists():
+        log(f"    reusing {job.out_dir}")
+        return read_json(job.out_dir / "metrics.json") | read_json(cost_path) | {"run_dir": str(job.out_dir)}
+    command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node, python=sys.executable)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    subprocess.run(command, env={**os.environ, **job.env}, cwd=job.cwd, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cost = {"train_cpu_s": round(cpu, 1), "train_wall_s": round(wall, 1), "load_avg_1m": os.getloadavg()[0]}
+    atomic_write_json(cost_path, cost)
+    return read_json(job.out_dir / "metrics.json") | cost | {"run_dir": str(job.out_dir)}
+
+
+class Acceptance:
+    """The in-process benchmark of the asset, restricted to the trained drafter (one untimed round)."""
+
+    def __init__(self, profile, layout, num_prompts: int | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from eagle3_dagster.bench.prompts import heldout_sharegpt, render_prompts
+        from eagle3_dagster.bench.report import LengthBands
+        from eagle3_dagster.bench.served import prompt_token_limit
+        from eagle3_dagster.target import target_facts
+
+        target = target_facts(profile, layout)
+        tokenizer = AutoTokenizer.from_pretrained(target.path)
+        self.target_path = target.path
+        self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
+        bench = profile.bench
+        limit = prompt_token_limit(profile.target.serving_context, bench.max_new_tokens, bench.max_prompt_tokens)
+        prompts = heldout_sharegpt(num_prompts or bench.num_prompts, profile.data.heldout_fraction)
+        self.sets = {"heldout_sharegpt": render_prompts(tokenizer, prompts, limit)}
+        self.bands = LengthBands.for_training(profile.data.max_seq_len, profile.target.serving_context)
+        self.eos = {i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None}
+        self.specs, self.max_new_tokens = bench.spec_configs, bench.max_new_tokens
+
+    def measure(self, export_dir: Path) -> dict[str, dict[str, float]]:
+        """{spec label: {band label or 'all': acceptance length}}."""
+        import torch
+
+        from eagle3_dagster.bench.proposers import Eagle3Proposer
+        from eagle3_dagster.bench.specdec import SpecConfig, run_inprocess_benchmark
+        from eagle3_dagster.drafter.export import load_drafter
+
+        drafter = load_drafter(export_dir, self.target_path).float()
+        with torch.inference_mode():
+            rows = run_inprocess_benchmark(self.model, self.sets, {"eagle3": Eagle3Proposer(drafter, name="eagle3")},
+                                           [SpecConfig.parse(tuple(c)) for c in self.specs], self.max_new_tokens,
+                                           eos_ids=self.eos, check=True, rounds=1, bands=self.bands)
+        out: dict[str, dict[str, float]] = {}
+        for row in rows:
+            if row["method"] != "eagle3":
+                continue
+            out[row["spec"]] = {"all": row["acceptance_length"]} | {
+                b["band"]: b["acceptance_length"] for b in row.get("bands", []) if b.get("acceptance_length")}
+        return out
+
+
+def _spread(values: list[float], digits: int) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def table(rows: list[dict], ttt_steps: int) -> str:
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    specs = list(dict.fromkeys(s for r in rows for s in r["acceptance"]))
+    bands = list(dict.fromkeys(b for r in rows for s in r["acceptance"].values() for b in s))
+    head = (["variant", "seeds", "steps", "tokens/step"] + [f"acc_{j}" for j in range(ttt_steps)]
+            + ["sim. acceptance"] + [f"accept {s} {b}" for s in specs for b in bands] + ["train CPU s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        group = [r for r in rows if r["variant"] == name]
+        cells = [name, ",".join(str(r["seed"]) for r in group), _spread([r["steps"] for r in group], 0),
+                 _spread([r["tokens_per_step"] for r in group], 0)]
+        cells += [_spread([r["heldout"][f"acc_{j}"] for r in group], 3) for j in range(ttt_steps)]
+        cells.append(_spread([r["heldout"]["sim_accept_length"] for r in group], 3))
+        cells += [_spread([r["acceptance"].get(s, {}).get(b) for r in group], 3) for s in specs for b in bands]
+        cells.append(_spread([r["train_cpu_s"] for r in group], 0))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="demo")
+    parser.add_argument("--variants", default="before,profile", help=f"comma-separated, from {sorted(VARIANTS)}")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--num-prompts", type=int, default=None, help="benchmark prompts (default: the profile's)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.contracts import ArtifactLayout
+    from eagle3_dagster.hidden.context import hidden_context, write_plan
+
+    base = load_profile(args.profile)
+    layout = ArtifactLayout.from_profile(base)
+    plan = write_plan(hidden_context(base, layout))
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    acceptance = Acceptance(base, layout, args.num_prompts)
+    rows = []
+    for seed in seeds:
+        for name in names:
+            profile = variant_profile(base, VARIANTS[name], seed)
+            print(f"==> {name} seed {seed}: {json.dumps(VARIANTS[name])}", flush=True)
+            m = train_variant(profile, layout, plan, lambda line: print(line, flush=True))
+            heldout = m["final_eval"]
+            if heldout.get("scope") != "heldout":
+                raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")
+            acc = acceptance.measure(Path(m["run_dir"]) / "export")
+            steps = m["steps"]
+            rows.append({"variant": name, "seed": seed, "overrides": VARIANTS[name], "steps": steps,
+                         "tokens_per_step": m["tokens_seen"] / max(steps, 1), "heldout": heldout,
+                         "acceptance": acc, "train_cpu_s": m["train_cpu_s"], "train_wall_s": m["train_wall_s"],
+                         "load_avg_1m": m.get("load_avg_1m"), "run_dir": m["run_dir"]})
+            print(f"    {steps} steps, held-out acc_0 {heldout['acc_0']:.3f} sim {heldout['sim_accept_length']:.3f}, "
+                  f"acceptance {json.dumps(acc)}, {m['train_cpu_s']} CPU s", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+    held = rows[0]["heldout"]
+    print(f"\nprofile {args.profile}: held-out {held.get('num_samples')} samples, {held.get('num_scored_tokens')} "
+          f"scored tokens; benchmark: {sum(len(p) for p in acceptance.sets.values())} held-out prompts, greedy, "
+          f"{acceptance.max_new_tokens} new tokens; median (min–max) over seeds {seeds}\n")
+    print(table(rows, base.train.ttt_steps))
+
+
+if __name__ == "__main__":
+    main()
