@@ -50,11 +50,22 @@ VARIANTS: dict[str, dict] = {
     "before_lr8e-3": {"batch_tokens": 2048, "lr": 8e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},
     # SpecForge's shape of recipe: one sample per rank and step (batch_tokens below any sample's length)
     "one_sample_4ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
+    "one_sample_4ep_lr4e-3": {"batch_tokens": 16, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.015,
+                              "betas": (0.9, 0.999)},
+    "one_sample_6ep_lr3e-3": {"batch_tokens": 16, "lr": 3e-3, "epochs": 6, "warmup_ratio": 0.015,
+                              "betas": (0.9, 0.999)},
+    "one_sample_4ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
+                          "loss": "lk_lambda"},
+    "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_8ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep_b95": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.95)},
     "bt512_4ep_lr8e-3": {"batch_tokens": 512, "lr": 8e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt256_8ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt256_8ep_lr2e-3": {"batch_tokens": 256, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt256_8ep_lr5e-3": {"batch_tokens": 256, "lr": 5e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
+    "bt128_8ep": {"batch_tokens": 128, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt1024_8ep": {"batch_tokens": 1024, "lr": 6e-3, "epochs": 8, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
 }
 

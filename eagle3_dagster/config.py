@@ -324,6 +324,12 @@ class TrainConfig(_Strict):
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     grad_clip: float = Field(0.5, gt=0, description="gradient norm clip")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
+    loss: Literal["kl", "lk_lambda"] = Field(
+        "kl", description="kl: forward KL to the target (EAGLE-3); lk_lambda: SpecForge's LK lambda objective, "
+        "per TTT step λ·KL + (1 - λ)(1 - acceptance), λ = lk_kl_scale · exp(-lk_kl_decay · acceptance), "
+        "acceptance = E[min(p_target, q_draft)] (arXiv 2602.23881)")
+    lk_kl_scale: float = Field(1.0, ge=0, le=1, description="lk_lambda: the KL weight at zero acceptance")
+    lk_kl_decay: float = Field(1.0, ge=0, le=100, description="lk_lambda: how fast the KL weight falls as acceptance rises")
     eval_fraction: float = Field(
         0.02, ge=0, lt=0.5, description="share of the hidden-state samples (chosen by a hash of the sample id, "
         "the same for every recipe) kept out of training; the drafter's reported acc_j and simulated acceptance "

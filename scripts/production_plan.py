@@ -4,7 +4,8 @@
 (`hidden.plan.plan_extraction`: exact shard and manifest bytes, hours on 1, 2, 4
 and the profile's hosts in whole shards) on samples of equal length adding up
 to `--tokens`, at the profile's hidden size, layers, shard size and throughput,
-in bf16 and fp8. The README's production figures come from:
+in bf16 and fp8, and the training schedule the profile's `train` makes of them
+(optimizer steps, tokens per step: what `eagle3 plan` prints for a real corpus). The README's production figures come from:
 
     .venv/bin/python scripts/production_plan.py --profile production --tokens 87800000 --samples 21436
 """
@@ -21,6 +22,7 @@ from eagle3_dagster.config import load_profile  # noqa: E402
 from eagle3_dagster.hidden.plan import TIB, plan_extraction  # noqa: E402
 from eagle3_dagster.hidden.sharding import ShardSpec, shard_key  # noqa: E402
 from eagle3_dagster.hidden.shards import ShardFormat  # noqa: E402
+from eagle3_dagster.train.data import train_schedule  # noqa: E402
 
 
 def equal_shards(num_tokens: int, num_samples: int, per_shard: int) -> list[ShardSpec]:
@@ -57,6 +59,10 @@ def main() -> int:
                                num_hosts=len(profile.gpu_host.all_hosts))
         hours = "  ".join(f"{n} host{'s' * (n > 1)}: {x:.1f} h" for n, x in plan.hours_by_hosts.items())
         print(f"{dtype:<14} {plan.total_bytes:,} bytes = {plan.total_bytes / TIB:.2f} TiB   {hours}")
+    world = profile.train.nproc_per_node * profile.train.nnodes
+    lengths = [n for s in specs for n in s.lengths]
+    ids = [sid for s in specs for sid in s.sample_ids]
+    print("training: " + train_schedule(lengths, ids, profile.train, world).describe())
     return 0
 
 

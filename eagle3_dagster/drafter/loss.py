@@ -35,6 +35,7 @@ reported as `sim_accept_length_no_bonus`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,9 @@ class Teacher:
     draft_head_VdH: torch.Tensor  # the target lm_head's rows of the draft vocab (t2d order)
     argmax_BT: torch.Tensor  # draft id of the teacher's draft-vocab argmax
     valid_BT: torch.Tensor  # bool: supervised next token AND full-vocab argmax inside the draft vocab
+    # log of the draft vocabulary's share of the full-vocab softmax, per row: the LK losses' acceptance
+    # compares the draft with the target's own probabilities, not the renormalised teacher
+    log_draft_mass_BT: torch.Tensor | None = None
 
     def logp_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Draft-vocab log-probs [n, V_draft] (fp32) of the flat (b·T + i) teacher rows `rows`."""
@@ -119,22 +123,55 @@ def build_teacher(
     rows = supervised_next.flatten().nonzero().squeeze(-1)  # a row nothing learns from needs no logits
     argmax = torch.zeros(b * t, dtype=torch.long, device=flat.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=flat.device)
+    log_mass = torch.zeros(b * t, dtype=torch.float32, device=flat.device)
     chunk = chunk_rows or chunk_rows_for(w.shape[0], max(1, rows.numel()), _budget(TEACHER_CHUNK_ELEMENTS, w.device))
     for s in range(0, rows.numel(), chunk):
         r = rows[s : s + chunk]
         logits = (flat[r].to(w.dtype) @ w.T).float()
         valid[r] = t2d[logits.argmax(-1)]
-        argmax[r] = logits[:, draft_cols].argmax(-1)
-        del logits
+        draft_logits = logits[:, draft_cols]
+        argmax[r] = draft_logits.argmax(-1)
+        log_mass[r] = torch.logsumexp(draft_logits, -1) - torch.logsumexp(logits, -1)
+        del logits, draft_logits
     head = draft_head_VdH if draft_head_VdH is not None else draft_rows(w, t2d)
-    return Teacher(last_hidden_BTH, head, argmax.view(b, t), valid.view(b, t))
+    return Teacher(last_hidden_BTH, head, argmax.view(b, t), valid.view(b, t), log_mass.view(b, t))
+
+
+def _mean_acceptance(weight_VH, teacher: Teacher, rows, row_pos, flat_x, chunk: int, num_valid: list[int]) -> list[float]:
+    """Per TTT step, the mean over valid rows of the expected acceptance Σ_v min(p_target(v), q_draft(v)) of
+    speculative sampling (p_target: the target's full-vocab probabilities of the draft ids)."""
+    k = len(flat_x)
+    sums = [0.0] * k
+    mass = teacher.log_draft_mass_BT.flatten()
+    with torch.no_grad():
+        for s in range(0, rows.numel(), chunk):
+            r, i = rows[s : s + chunk], row_pos[s : s + chunk]
+            a = teacher.logp_rows(r).exp_().mul_(_take_rows(mass, r).exp()[:, None])
+            for j in range(k):
+                keep = i >= 1 + j
+                if not bool(keep.any()):
+                    continue
+                x = _take_rows(flat_x[j], r[keep] - 1 - j)
+                q = torch.softmax((x @ weight_VH.T).float(), dim=-1)
+                sums[j] += float(torch.minimum(q, a[keep]).sum())
+    return [sm / n if n else 0.0 for sm, n in zip(sums, num_valid)]
+
+
+def _lk_grad(q: torch.Tensor, p: torch.Tensor, a: torch.Tensor, kl_scale: float, accept_scale: float) -> torch.Tensor:
+    """d/dlogits of kl_scale · KL(p ‖ q) + accept_scale · (1 - Σ_v min(a_v, q_v)), q = softmax(logits).
+
+    With S = {v : q_v < a_v} (where min picks q), d Σ_{v∈S} q_v / dz_i = q_i (1[i∈S] - q(S))."""
+    below = q < a
+    q_s = (q * below).sum(-1, keepdim=True)
+    return (q - p).mul_(kl_scale).sub_(q * (below.to(q.dtype) - q_s) * accept_scale)
 
 
 class _FusedHeadKL(torch.autograd.Function):
     """Σ_j w_j · mean over valid rows of KL(teacher ‖ softmax(lm_head(normed_j))); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, weight_VH, teacher: Teacher, step_weights: list[float], chunk: int, need_grad: bool, *normed):
+    def forward(ctx, weight_VH, teacher: Teacher, step_weights: list[float], chunk: int, need_grad: bool,
+                lk: tuple[float, float] | None, *normed):
         k = len(normed)
         b, t, h = normed[0].shape
         device = normed[0].device
@@ -149,6 +186,10 @@ class _FusedHeadKL(torch.autograd.Function):
         correct = torch.zeros(k, dtype=torch.int64, device=device)
         grad_w = torch.zeros_like(weight_VH, dtype=torch.float32) if need_grad else None
         grad_x = [torch.zeros(b * t, h, dtype=torch.float32, device=device) for _ in normed] if need_grad else []
+        # LK lambda: step j's KL weight comes from its mean acceptance over every valid row, so a first pass
+        # measures that (one lm_head matmul per chunk and step) before the pass that forms the gradient
+        alpha = _mean_acceptance(weight_VH, teacher, rows, row_pos, flat_x, chunk, num_valid) if lk else None
+        kl_weight = [lk[0] * math.exp(-lk[1] * a) for a in alpha] if lk else None
         for s in range(0, rows.numel(), chunk):
             r, i = rows[s : s + chunk], row_pos[s : s + chunk]
             p = teacher.logp_rows(r).exp_()
@@ -166,14 +207,22 @@ class _FusedHeadKL(torch.autograd.Function):
                 ent = neg_entropy if all_kept else neg_entropy[keep]
                 kl_sums[j] += (ent - torch.linalg.vecdot(p_j, logq)).sum()
                 correct[j] += (logits.argmax(-1) == argmax[r if all_kept else r[keep]]).sum()
-                if need_grad:
+                if need_grad and kl_weight is not None:
+                    a = p_j * _take_rows(teacher.log_draft_mass_BT.flatten(), r if all_kept else r[keep]).exp()[:, None]
+                    g = _lk_grad(logq.exp_(), p_j, a, scales[j] * kl_weight[j],
+                                 scales[j] * (1 - kl_weight[j])).to(weight_VH.dtype)
+                elif need_grad:
                     g = logq.exp_().sub_(p_j).mul_(scales[j]).to(weight_VH.dtype)  # dKL/dlogits = q - p
+                if need_grad:
                     # row i is the only one teaching position i-1-j at step j: a put, not an add
                     _put_rows(grad_x[j], pos, g @ weight_VH)
                     grad_w += g.T @ x.to(g.dtype)
                 del logits, logq
         stats = torch.stack([kl_sums.cpu(), torch.tensor(num_valid, dtype=torch.float64), correct.cpu().double()], 1)
         loss = sum(sc * kl for sc, kl in zip(scales, stats[:, 0].tolist()))
+        if kl_weight is not None:  # Σ_j w_j · [λ_j KL_j + (1 - λ_j)(1 - ᾱ_j)]
+            loss = sum(sc * lam * kl + w * (1 - lam) * (1 - a) for sc, lam, kl, w, a, n in
+                       zip(scales, kl_weight, stats[:, 0].tolist(), step_weights, alpha, num_valid) if n)
         ctx.save_for_backward(*([grad_w, *grad_x] if need_grad else []))
         ctx.dtypes, ctx.shapes = [x.dtype for x in normed], [x.shape for x in normed]
         ctx.mark_non_differentiable(stats)
@@ -182,7 +231,7 @@ class _FusedHeadKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         grad_w, *grad_x = ctx.saved_tensors
-        return (grad_w * grad_loss, None, None, None, None,
+        return (grad_w * grad_loss, None, None, None, None, None,
                 *[(g * grad_loss).to(dt).view(shape) for g, dt, shape in zip(grad_x, ctx.dtypes, ctx.shapes)])
 
 
@@ -192,8 +241,13 @@ def ttt_loss(
     teacher: Teacher,
     weights: list[float] | None = None,
     chunk_rows: int | None = None,
+    lk: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted TTT loss over the steps' normed drafter outputs [B,T,H] and per-step (kl_sum, num_valid, num_correct)."""
+    """Weighted TTT loss over the steps' normed drafter outputs [B,T,H] and per-step (kl_sum, num_valid, num_correct).
+
+    `lk = (kl_scale, kl_decay)` trains SpecForge's LK "lambda" objective instead of plain KL: per step
+    λ·KL + (1 - λ)(1 - ᾱ), ᾱ the mean expected acceptance over the step's valid rows (of this rank) and
+    λ = kl_scale · exp(-kl_decay · ᾱ), held constant for the gradient (specforge/core/lk_loss.py)."""
     weights = weights if weights is not None else step_weights(len(normed_hiddens))
     b, t = normed_hiddens[0].shape[:2]
     chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, b * t),
@@ -201,7 +255,9 @@ def ttt_loss(
     need_grad = torch.is_grad_enabled() and (
         lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
     )
-    return _FusedHeadKL.apply(lm_head_weight_VdH, teacher, list(weights), chunk, need_grad, *normed_hiddens)
+    if lk is not None and teacher.log_draft_mass_BT is None:
+        raise ValueError("the LK loss needs the teacher's draft-vocab mass (build_teacher computes it)")
+    return _FusedHeadKL.apply(lm_head_weight_VdH, teacher, list(weights), chunk, need_grad, lk, *normed_hiddens)
 
 
 def step_weights(num_steps: int, decay: float = STEP_WEIGHT_DECAY) -> list[float]:

@@ -37,7 +37,8 @@ class NonFiniteTrainingError(FloatingPointError):
 class TTTObjective(nn.Module):
     """Drafter + frozen teacher head; forward returns the weighted loss and per-step counts [k, 3]."""
 
-    def __init__(self, drafter: Eagle3Drafter, target_lm_head_VH: torch.Tensor, ttt_steps: int) -> None:
+    def __init__(self, drafter: Eagle3Drafter, target_lm_head_VH: torch.Tensor, ttt_steps: int,
+                 lk: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_lm_head", target_lm_head_VH, persistent=False)
@@ -45,12 +46,13 @@ class TTTObjective(nn.Module):
         self.register_buffer("teacher_head", draft_rows(target_lm_head_VH, drafter.t2d), persistent=False)
         self.ttt_steps = ttt_steps
         self.weights = step_weights(ttt_steps)
+        self.lk = lk  # (kl_scale, kl_decay) of the LK lambda objective; None: plain forward KL
 
     def forward(self, input_ids_BT, loss_mask_BT, aux_hidden_BT3H, last_hidden_BTH):
         teacher = build_teacher(last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d,
                                 draft_head_VdH=self.teacher_head)
         normed = list(ttt_unroll(self.drafter, input_ids_BT, aux_hidden_BT3H, self.ttt_steps))
-        return ttt_loss(normed, self.drafter.lm_head.weight, teacher, self.weights)
+        return ttt_loss(normed, self.drafter.lm_head.weight, teacher, self.weights, lk=self.lk)
 
 
 @dataclass(frozen=True)

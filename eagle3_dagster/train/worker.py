@@ -100,7 +100,8 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
                           warmup_steps=schedule.warmup_steps,
                           grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches,
                           betas=tuple(job.train.betas))
-    objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps).to(device)
+    lk = (job.train.lk_kl_scale, job.train.lk_kl_decay) if job.train.loss == "lk_lambda" else None
+    objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps, lk=lk).to(device)
     if world > 1:
         # buffers (vocab map, target lm_head) are identical on every rank: never re-broadcast GBs per step
         objective = torch.nn.parallel.DistributedDataParallel(

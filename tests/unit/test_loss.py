@@ -175,3 +175,51 @@ def test_objective_without_grad_returns_the_same_metrics():
         loss_ng, stats_ng = objective(ids, mask, aux, last)
     torch.testing.assert_close(loss_ng, loss.detach())
     torch.testing.assert_close(stats_ng, stats)
+
+
+def naive_lk_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last, kl_scale, kl_decay):
+    """SpecForge's LK "lambda" (specforge/core/lk_loss.py) by autograd: per step λ·KL + (1 - λ)(1 - ᾱ), ᾱ the
+    masked mean of Σ_v min(p_target(v), q(v)) over draft ids, p_target the full-vocab softmax, λ detached."""
+    from eagle3_dagster.drafter.ttt import ttt_unroll
+
+    logp, _, valid = naive_teacher(last, loss_mask, lm_head, drafter.t2d)
+    full = F.softmax((last @ lm_head.T).float(), -1)[..., drafter.t2d.nonzero().squeeze(-1)]
+    total = 0.0
+    for j, normed in enumerate(ttt_unroll(drafter, ids, aux, num_steps, fused=False, recompute_mlp=False)):
+        n = 1 + j
+        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731
+        p_valid, p, a = sh(valid, False), sh(logp, 0.0).exp(), sh(full, 0.0)
+        logq = F.log_softmax(drafter.lm_head(normed).float(), -1)
+        num = max(int(p_valid.sum()), 1)
+        kl = torch.where(p_valid, (torch.xlogy(p, p) - p * logq).sum(-1), 0.0).sum() / num
+        alpha = torch.where(p_valid, torch.minimum(a, logq.exp()).sum(-1), 0.0).sum() / num
+        lam = kl_scale * torch.exp(-kl_decay * alpha.detach())
+        total = total + 0.8**j * (lam * kl + (1 - lam) * (1 - alpha))
+    return total
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 1000])
+def test_fused_lk_lambda_loss_equals_specforge_formula_by_autograd_in_loss_and_gradients(chunk_rows):
+    from eagle3_dagster.drafter.ttt import ttt_unroll
+
+    drafter, lm_head, (ids, mask, aux, last) = _problem(seed=3)
+    num_steps, lk = 3, (1.0, 1.0)
+    drafter.zero_grad()
+    want = naive_lk_objective(drafter, lm_head, num_steps, ids, mask, aux, last, *lk)
+    want.backward()
+    want_grads = _grads(drafter)
+    drafter.zero_grad()
+    teacher = build_teacher(last, mask, lm_head, drafter.t2d, chunk_rows=chunk_rows)
+    normed = list(ttt_unroll(drafter, ids, aux, num_steps))
+    loss, _ = ttt_loss(normed, drafter.lm_head.weight, teacher, step_weights(num_steps), chunk_rows=chunk_rows, lk=lk)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), want.double(), rtol=1e-6, atol=1e-6)
+    got_grads = _grads(drafter)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+    # and it is not the plain KL's gradient
+    drafter.zero_grad()
+    plain, _ = ttt_loss(list(ttt_unroll(drafter, ids, aux, num_steps)), drafter.lm_head.weight, teacher,
+                        step_weights(num_steps), chunk_rows=chunk_rows)
+    plain.backward()
+    assert not torch.allclose(_grads(drafter)["lm_head.weight"], got_grads["lm_head.weight"])
