@@ -18,8 +18,9 @@ that a drift in machine load spreads over all of them; the table gives each figu
 seeds and its spread (min–max). CPU seconds are only comparable between runs on an otherwise idle
 machine.
 
-    python benchmarks/drafter_quality.py [--profile demo] [--variants plain,small_batch] [--seeds 0,1]
+    python benchmarks/drafter_quality.py [--profile demo] [--variants before,profile] [--seeds 0,1]
         [--json out.json]
+    python benchmarks/drafter_quality.py --table-from a.json b.json   # one table of several runs' rows
 
 Run with DAGSTER_HOME unset: nothing here goes through the Dagster instance. Training runs land in
 `<run_root>/drafter/run-<hash>/` like the asset's (a variant's run is found again by its hash).
@@ -56,6 +57,7 @@ VARIANTS: dict[str, dict] = {
                               "betas": (0.9, 0.999)},
     "one_sample_4ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
                           "loss": "lk_lambda"},
+    "one_sample_6ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -123,6 +125,20 @@ class Acceptance:
         self.eos = {i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None}
         self.specs, self.max_new_tokens = bench.spec_configs, bench.max_new_tokens
 
+    def measure_once(self, run_dir: Path) -> dict[str, dict[str, float]]:
+        """`measure` of the run's export, kept beside it (greedy decoding is deterministic: a rerun of the
+        table reads it back instead of decoding again)."""
+        from eagle3_dagster.io import atomic_write_json, read_json
+
+        key = {"prompts": {n: [pid for pid, _ in p] for n, p in self.sets.items()}, "specs": list(map(list, self.specs)),
+               "max_new_tokens": self.max_new_tokens}
+        path = run_dir / "quality_bench_acceptance.json"
+        if path.exists() and read_json(path).get("key") == key:
+            return read_json(path)["acceptance"]
+        acc = self.measure(run_dir / "export")
+        atomic_write_json(path, {"key": key, "acceptance": acc})
+        return acc
+
     def measure(self, export_dir: Path) -> dict[str, dict[str, float]]:
         """{spec label: {band label or 'all': acceptance length}}."""
         import torch
@@ -181,7 +197,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--num-prompts", type=int, default=None, help="benchmark prompts (default: the profile's)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
+                        help="print the table of rows earlier runs wrote with --json (no training, no decoding)")
     args = parser.parse_args()
+    if args.table_from:
+        rows = [r for path in args.table_from for r in json.loads(path.read_text())]
+        print(table(rows, len([k for k in rows[0]["heldout"] if k.startswith("acc_")])))
+        return
 
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
@@ -205,7 +227,7 @@ def main() -> None:
             heldout = m["final_eval"]
             if heldout.get("scope") != "heldout":
                 raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")
-            acc = acceptance.measure(Path(m["run_dir"]) / "export")
+            acc = acceptance.measure_once(Path(m["run_dir"]))
             steps = m["steps"]
             rows.append({"variant": name, "seed": seed, "overrides": VARIANTS[name], "steps": steps,
                          "tokens_per_step": m["tokens_seen"] / max(steps, 1), "heldout": heldout,

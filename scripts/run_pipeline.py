@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=os.environ.get("EAGLE3_PROFILE", "demo"))
     parser.add_argument("--until", choices=STAGES, default="train", help="stop after this stage")
+    parser.add_argument("--from", dest="start", choices=STAGES, default=STAGES[0],
+                        help="start at this stage (the earlier ones must have been materialized)")
     args = parser.parse_args(argv)
 
     from definitions import build_definitions
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(1)
         print(f"    ok in {time.monotonic() - t:.1f}s (run {result.run_id})", flush=True)
 
-    for stage in STAGES:
+    for stage in STAGES[STAGES.index(args.start):]:
         if stage == "target" and profile.target.kind == "tiny":
             run("target_job")
         elif stage == "data":
