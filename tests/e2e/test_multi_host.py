@@ -31,7 +31,10 @@ from sshd_server import start_sshd  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-NUM_SHARDS = 8
+# At least this many shards, so that both hosts get work while one is killed mid-shard. The exact count
+# depends on how many of the micro conversations the pre-trained micro target answers within the
+# length limit, which differs between machines (its floats do): 8 on one, 19 on another.
+MIN_SHARDS = 4
 HOST_TAG = "eagle3/gpu_host"
 
 # Host A's interpreter. In the second shard the hf driver extracts on this host, once a sample of it is
@@ -127,7 +130,7 @@ def two_host_extraction(tmp_path_factory) -> dict:
     raw = yaml.safe_load((REPO / "configs" / "micro.yaml").read_text())
     raw["run_root"] = str(root / "run")
     raw["hidden"]["root"] = str(root / "run" / "hidden_states")  # both "hosts" see it: this machine
-    raw["datasets"][0]["max_conversations"] = 100  # 15 records kept at micro size: 8 shards of 2 (the last 1)
+    raw["datasets"][0]["max_conversations"] = 100  # 15–37 records kept at micro size, by machine: shards of 2
     raw["hidden"]["samples_per_shard"] = 2
     raw["gpu_host"] = {"hosts": hosts, "lease_dir": str(root / "leases")}
     profile = root / "micro_two_hosts.yaml"
@@ -144,7 +147,7 @@ def two_host_extraction(tmp_path_factory) -> dict:
         with dg.DagsterInstance.from_config(str(home)) as instance:
             keys = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
             plan = Path(current_plan(instance))
-        assert len(keys) == NUM_SHARDS, keys
+        assert len(keys) >= MIN_SHARDS, keys
 
         # The reference: the same plan extracted without interruption on host B, into another folder.
         contract = json.loads(plan.read_text())
@@ -225,5 +228,5 @@ def test_each_host_ran_shards_and_never_two_at_once(two_host_extraction):
 def test_shards_are_byte_identical_to_an_uninterrupted_extraction(two_host_extraction):
     r = two_host_extraction
     got, want = sha256s(r["version_dir"]), sha256s(r["reference"])
-    assert len(want) == 2 * NUM_SHARDS  # a .safetensors and a .manifest.json per shard
+    assert len(want) == 2 * len(r["keys"])  # a .safetensors and a .manifest.json per shard
     assert got == want
