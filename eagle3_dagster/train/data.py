@@ -38,19 +38,26 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int, wor
     order = rng.permutation(len(lengths))
     batches: list[list[int]] = []
     for s in range(0, len(order), BUCKET_SAMPLES):
-        bucket = sorted(order[s : s + BUCKET_SAMPLES].tolist(), key=lambda i: (lengths[i], i))
-        current: list[int] = []
-        for i in bucket:
-            longest = max([lengths[j] for j in current] + [lengths[i]])
-            if current and longest * (len(current) + 1) > batch_tokens:
-                batches.append(current)
-                current = []
-            current.append(i)
-        if current:
-            batches.append(current)
+        batches += _pack(sorted(order[s : s + BUCKET_SAMPLES].tolist(), key=lambda i: (lengths[i], i)),
+                         lengths, batch_tokens)
     batches = [batches[i] for i in rng.permutation(len(batches))]
     usable = len(batches) - len(batches) % world_size
     return batches[:usable]
+
+
+def _pack(indices: Sequence[int], lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive runs of `indices` whose padded size (longest × count) stays within `batch_tokens`."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in indices:
+        longest = max([lengths[j] for j in current] + [lengths[i]])
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def is_heldout_sample(sample_id: str, fraction: float) -> bool:
@@ -83,16 +90,7 @@ def split_heldout(dataset: HiddenSamples, sample_ids: Sequence[str], fraction: f
 def eval_batches(lengths: Sequence[int], batch_tokens: int, rank: int, world_size: int) -> list[list[int]]:
     """Every sample exactly once, in length order, packed to `batch_tokens`, dealt round-robin to the ranks
     (their counts may differ by one: evaluation runs no collective per batch)."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if current and lengths[i] * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches[rank::world_size]
+    return _pack(sorted(range(len(lengths)), key=lambda i: (lengths[i], i)), lengths, batch_tokens)[rank::world_size]
 
 
 @dataclass(frozen=True)
