@@ -9,12 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def kill_when_it_says(code: str, argv: list[str], word: str, before: str) -> None:
-    """Run `python -c code *argv` with this checkout importable; SIGKILL it once it prints `word`."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    """Run `python -c code *argv` with this checkout importable; SIGKILL it once it prints `word`.
+
+    The child computes with as many torch threads as this process: a float reduction split over another
+    thread count rounds differently, and the tests compare what the child wrote with what this process
+    writes, byte for byte."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, cwd=REPO, stdout=subprocess.PIPE,
                              text=True)
