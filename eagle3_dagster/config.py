@@ -164,7 +164,8 @@ class GenerationConfig(_Strict):
         "openrouter", description="openrouter: `reasoning` request field; chat_template: SGLang/vLLM thinking kwarg"
     )
     resend_interrupted: bool = Field(
-        False, description="re-send requests that were in flight when a run died (they may be paid twice)"
+        False, description="re-send requests whose answer was lost after they may have reached the provider: in "
+        "flight when a run died, or timed out (they may be paid twice)"
     )
     extra_body: dict = Field(default_factory=dict, description="merged into each request, e.g. provider pinning")
 
