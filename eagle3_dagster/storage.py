@@ -169,8 +169,16 @@ def write_bytes(loc: Location, data: bytes) -> None:
     fs.pipe_file(path, data)
 
 
+def parse_json(blob: bytes, loc: Location):
+    """The JSON in `blob`, read from `loc`; an error that names `loc` when it is not JSON (cut off, garbled)."""
+    try:
+        return orjson.loads(blob)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{loc}: not valid JSON ({len(blob)} bytes; {e})") from None
+
+
 def read_json(loc: Location):
-    return orjson.loads(read_bytes(loc))
+    return parse_json(read_bytes(loc), loc)
 
 
 def write_json(loc: Location, obj) -> None:
