@@ -39,6 +39,7 @@ it in `repaired_bytes`; a torn line is never parsed as a record.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from eagle3_dagster.io import naming_full_disk
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +201,14 @@ class ResponseStore:
 
     def _append(self, record: dict) -> tuple[int, int]:
         line = orjson.dumps(record) + b"\n"
-        offset = os.lseek(self._fd, 0, os.SEEK_END)
-        # One write() of the whole line on an O_APPEND descriptor: a crash leaves at most one torn tail.
-        written = os.write(self._fd, line)
-        if written != len(line):
-            raise OSError(f"{self.path}: short write ({written} of {len(line)} bytes)")
-        if self.fsync:
-            os.fsync(self._fd)
+        with naming_full_disk(self.path):
+            offset = os.lseek(self._fd, 0, os.SEEK_END)
+            # One write() of the whole line on an O_APPEND descriptor: a crash leaves at most one torn tail.
+            written = os.write(self._fd, line)
+            if written != len(line):  # a partial line is a torn tail the next open truncates away
+                raise OSError(errno.ENOSPC, f"{self.path}: short write ({written} of {len(line)} bytes)")
+            if self.fsync:
+                os.fsync(self._fd)
         return offset, len(line)
 
     def mark_sent(self, request_id: str, bound_usd: float = 0.0) -> None:
