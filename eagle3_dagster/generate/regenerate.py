@@ -225,17 +225,18 @@ class _Run:
                 temperature=self.settings.temperature, reasoning=self.settings.reasoning,
                 before_resend=before_resend)
         except ChatRequestError as e:
-            maybe_paid = e.maybe_paid and self.backend.paid
+            last_maybe_paid = e.maybe_paid and self.backend.paid  # the last try: booked at its bound
+            held = e.num_maybe_paid > 0 and self.backend.paid  # any try: a rerun does not send it again
             paid = e.paid and self.backend.paid
-            spent = tried.bound if maybe_paid else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage,
-                                                                        paid=paid)
+            spent = tried.bound if last_maybe_paid else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage,
+                                                                             paid=paid)
             # a paid failure is on record before any re-send
-            store.mark_failed(rid, e.kind, cost_usd=spent, maybe_paid=maybe_paid)
+            store.mark_failed(rid, e.kind, cost_usd=spent, maybe_paid=held)
             if tried.open:
                 await self.budget.settle(tried.bound, spent)
                 self._book(spent)
-                st.num_tries_maybe_paid += maybe_paid
-            st.num_failed_maybe_paid += maybe_paid
+                st.num_tries_maybe_paid += last_maybe_paid
+            st.num_failed_maybe_paid += held
             st.num_paid_unusable += paid
             self.failures[e.kind] += 1
             self.attempt_failures.update(e.attempt_failures)
