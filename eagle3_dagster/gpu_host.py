@@ -8,11 +8,19 @@ state, GPUs, free disk) and the SGLang server's lifecycle (`sglang_server`).
 It never imports SGLang or Dagster; the resource in resources/gpu_host.py wraps it.
 
 SSH uses the system `ssh` binary with BatchMode (never a password prompt).
-Every long-running command is started as `setsid bash -c 'echo $$ > pidfile;
+Every long-running command is started as `setsid bash -c 'echo $$ ... > pidfile;
 exec ...'`, so its pid is its process group on the host, and stopping it is
 `kill -TERM -- -pgid` there, then KILL after a grace period. A server left by a
 worker that died without cleanup is found through the same pid file and stopped
 before the next one starts.
+
+A pid file outlives its process (a kill -9 of the watchdog, a reboot) and pids
+are reused, so a pid file alone never names a process to signal. It records the
+group id, the leader's start time (field 22 of /proc/pid/stat) and a launch
+nonce that is also in the group's environment (`EAGLE3_LAUNCH_NONCE`); a group
+is signalled only when one of its processes carries that nonce and the leader,
+if alive, has that start time. A pid file that names anything else is removed,
+and the stranger is left alone.
 """
 
 from __future__ import annotations
@@ -40,13 +48,37 @@ LogFn = Callable[[str], None]
 # (Background jobs of a non-interactive shell get /dev/null as stdin, hence the explicit fd 3.)
 WATCHDOG = """\
 exec 3<&0
-setsid -w bash -c {inner} </dev/null 3<&- & child=$!
-( cat <&3 >/dev/null; pg=$(cat {pidfile} 2>/dev/null) && [ -n "$pg" ] && kill -TERM -- -$pg && \
-  sleep 20 && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
+setsid -w env {nonce_env} bash -c {inner} </dev/null 3<&- & child=$!
+( cat <&3 >/dev/null; {owned} && pg=$OWNED_PG && kill -TERM -- -$pg && \
+  sleep 20 && {owned} && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
 exec 3<&-
 wait $child; rc=$?
 kill $watchdog 2>/dev/null
 exit $rc"""
+
+NONCE_VAR = "EAGLE3_LAUNCH_NONCE"
+
+# Written by the group leader before it execs the command: "pgid starttime nonce" (the nonce is in its
+# environment already, so in every process of the group). The start time is read with builtins after the
+# comm field, which may hold spaces: field 22 of /proc/pid/stat is the 20th after it.
+_WRITE_PIDFILE = ('read -r _s < /proc/$$/stat; set -- ${{_s##*) }}; '
+                  'echo "$$ ${{20}} {nonce}" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; ')
+
+# Exit 0 (and OWNED_PG set) when the pid file names a live process group this project started: its leader
+# is alive with the recorded start time (pid + start time name one process, whatever reused the pid since),
+# or, the leader gone, a member of the group carries the recorded nonce in its environment.
+_OWNED = ("( read -r pg st nonce _ < {pidfile} 2>/dev/null && [ -n \"$nonce\" ] || exit 1; "
+          "if read -r s < /proc/$pg/stat 2>/dev/null; then set -- ${{s##*) }}; "
+          "[ \"$3\" = \"$pg\" ] && [ \"${{20}}\" = \"$st\" ]; exit $?; fi; "
+          "for p in /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
+          "[ \"$3\" = \"$pg\" ] || continue; "
+          "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF \"{var}=$nonce\" && exit 0; done; exit 1 )")
+
+
+def _owned(pidfile: str) -> str:
+    """A shell condition: the pid file names a live group this project started; sets OWNED_PG."""
+    q = shlex.quote(pidfile)
+    return f"{{ {_OWNED.format(pidfile=q, var=NONCE_VAR)} && read -r OWNED_PG _ < {q}; }}"
 
 # Run by the host's interpreter: one JSON line describing what a step will need.
 PROBE = r"""
@@ -208,9 +240,10 @@ class GpuHost:
         """Start a long-running command in its own process group, recorded in `{workdir}/{name}.pid`."""
         pidfile = f"{name}.pid"
         self.stop_stale(name)
-        inner = f"echo $$ > {shlex.quote(pidfile)}; {shell_script(argv, env, cwd)}"
+        nonce = uuid.uuid4().hex
+        inner = _WRITE_PIDFILE.format(nonce=nonce, pidfile=shlex.quote(pidfile)) + shell_script(argv, env, cwd)
         script = f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && " \
-                 + WATCHDOG.format(inner=shlex.quote(inner), pidfile=shlex.quote(pidfile))
+                 + WATCHDOG.format(inner=shlex.quote(inner), owned=_owned(pidfile), nonce_env=f"{NONCE_VAR}={nonce}")
         # The worker keeps the write end of stdin and never writes: when it dies (even by SIGKILL) the
         # watchdog on the host reads EOF and stops the process group, so no GPU job outlives its run.
         proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
@@ -218,26 +251,32 @@ class GpuHost:
         return HostProcess(self, proc, pidfile)
 
     def signal_group(self, pidfile: str, sig: str, *, remove: bool = False) -> None:
+        """Signal the group the pid file names, only when this project started it (`_owned`)."""
         script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"kill -{sig} -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null"
+                  f"{_owned(pidfile)} && kill -{sig} -- -$OWNED_PG 2>/dev/null"
                   + (f"; rm -f {shlex.quote(pidfile)}" if remove else "") + "; true")
         subprocess.run(self.wrap(script), capture_output=True, timeout=60)
 
     def group_alive(self, pidfile: str) -> bool:
+        """True while the group the pid file names is alive and is one this project started."""
         script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"kill -0 -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null")
+                  f"{_owned(pidfile)}")
         return subprocess.run(self.wrap(script), capture_output=True, timeout=60).returncode == 0
 
     def stop_stale(self, name: str) -> None:
-        """Stop a process group left behind by a worker that died before it could clean up."""
+        """Stop a process group left behind by a worker that died before it could clean up; a pid file
+        that names no group of ours (its process ended, or the pid now belongs to a stranger) is removed."""
         pidfile = f"{name}.pid"
-        if self.group_alive(pidfile):
-            self.signal_group(pidfile, "TERM")
-            for _ in range(100):
-                if not self.group_alive(pidfile):
-                    break
-                time.sleep(0.1)
-            self.signal_group(pidfile, "KILL")
+        if not self.group_alive(pidfile):
+            script = f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && rm -f {shlex.quote(pidfile)}; true"
+            subprocess.run(self.wrap(script), capture_output=True, timeout=60)
+            return
+        self.signal_group(pidfile, "TERM")
+        for _ in range(100):
+            if not self.group_alive(pidfile):
+                break
+            time.sleep(0.1)
+        self.signal_group(pidfile, "KILL")
 
     def preflight(self, output_dir: str, *, min_free_bytes: int = 0, min_gpus: int = 0,
                   require_sglang: bool = True, require_patch: bool = False, timeout: float = 180.0) -> dict:

@@ -359,7 +359,11 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     names = sorted(n for n in storage.file_sizes(version_dir) if n.endswith(MANIFEST_SUFFIX) and not n.startswith("."))
     out: dict[str, dict] = {}
     for n, blob in zip(names, storage.read_many([storage.join(version_dir, n) for n in names]), strict=True):
-        entry = orjson.loads(blob)
+        try:
+            entry = storage.parse_json(blob, storage.join(version_dir, n))
+        except ValueError as e:
+            raise ValueError(f"{e}: a corrupt shard manifest; delete it and the shard "
+                             f"{n[: -len(MANIFEST_SUFFIX)]} counts as missing and is extracted again") from None
         if entry.get("shard") != n[: -len(MANIFEST_SUFFIX)]:
             raise ValueError(f"{storage.join(version_dir, n)}: manifest names shard {entry.get('shard')!r}, "
                              "not its own file name")
