@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = add("export-shards", "Export the current hidden-state shards to another tool's layout")
     e.add_argument("--format", choices=["specforge", "speculators"], required=True)
     e.add_argument("--out", type=Path, required=True, help="output folder")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="specforge: dtype of the states (default bfloat16, what SpecForge's TargetHead and draft "
+                        "compute in; a float32 feature fails there)")
     b = add("bench", "Benchmark a drafter directory against the profile's target, like benchmark_report",
             "Any standard EAGLE-3 export (LlamaForCausalLMEagle3 config.json + safetensors) is accepted, also one "
             "trained elsewhere (SpecForge's `export --to sglang` or `--to hf`); fields it lacks are defaulted the "
@@ -126,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
             _print_metadata(report.metadata)
             return 0
         if args.command == "export-shards":
-            return _export(profile, layout, args.format, args.out)
+            return _export(profile, layout, args.format, args.out, args.dtype)
         if args.command == "bench":
             return _bench(profile, layout, args.drafter, args.out, args.previous)
     except FileNotFoundError as e:  # a stage whose input was never built names it
@@ -196,23 +199,39 @@ def _preflight(profile, layout) -> int:
     return 0
 
 
-def _export(profile, layout, fmt: str, out: Path) -> int:
+def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> int:
+    import torch
     from tqdm import tqdm
 
-    from eagle3_dagster.hidden.export_formats import export_specforge, export_speculators, load_final_norm_weight
+    from eagle3_dagster.hidden.export_formats import (
+        SPECFORGE_DTYPE,
+        export_specforge,
+        export_speculators,
+        load_final_norm_weight,
+        specforge_target_dir,
+    )
     from eagle3_dagster import storage
     from eagle3_dagster.hidden.context import hidden_context
 
     ctx = hidden_context(profile, layout)
     if not storage.exists(ctx.version_dir):
         raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
+    if dtype is not None and fmt != "specforge":
+        raise UserError("--dtype applies to --format specforge only")
     with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
         if fmt == "specforge":
-            export_specforge(ctx.version_dir, out)
+            export_specforge(ctx.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
         else:
             export_speculators(ctx.version_dir, out, final_norm_weight=load_final_norm_weight(ctx.target.path))
         bar.update(1)
     print(f"exported {ctx.version_dir} to {out} ({fmt})")
+    if fmt == "specforge":
+        from eagle3_dagster.drafter.target_head import SUFFIXES, _find, _weight_map
+
+        target = specforge_target_dir(ctx.target.path, out)
+        lm_head = _find(_weight_map(Path(target)), SUFFIXES["lm_head"])
+        print(f"SpecForge (offline): --target-model-path {target}  hidden states path {out}"
+              + (f"  lm_head_key {lm_head}" if lm_head and lm_head != "lm_head.weight" else ""))
     return 0
 
 

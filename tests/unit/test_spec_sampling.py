@@ -1,7 +1,7 @@
 """Speculative sampling is lossless: its output is distributed as plain sampling from the target.
 
 The check is statistical against the exact distribution: on an 8-token target the
-probability of every continuation of up to three tokens is computed from the target
+probability of every continuation of up to four tokens is computed from the target
 itself, and seeded runs are compared with it by chi-square (cells of expected count
 under 5 pooled) on the joint of the first two generated tokens and the marginals of
 tokens 2, 3 and 4 (the ones that go through verification). Plain sampling and SGLang's
@@ -29,7 +29,7 @@ from eagle3_dagster.bench.specdec import (
 V = 8
 T = 0.8
 PROMPT = [3, 5, 1, 6]
-DEPTH = 4  # generated tokens per run: t1 from the prefill, t2..t4 drafted and verified
+DEPTH = 4  # generated tokens per run: t1 from the prefill, t2 and t3 drafted, t4 a correction or the bonus
 RUNS = 1200
 PASS_P = 1e-3  # a lossless rule passes every statistic above this; a lossy one falls far below
 
@@ -179,19 +179,20 @@ def test_speculative_sampling_with_sglangs_rule_is_distributed_as_the_target(tar
 
 @pytest.mark.parametrize("rule", [_greedy_acceptance, _residual_keeps_the_rejected_draft])
 def test_a_lossy_verification_rule_fails_the_same_check(target, exact, rule):
-    p = _p_values(_speculative_samples(target, exact, rule, runs=RUNS // 4), exact)
-    assert min(p.values()) < 1e-6, p
+    p = _p_values(_speculative_samples(target, exact, rule, runs=RUNS // 2), exact)
+    assert min(p.values()) < 1e-5, p  # with half the runs the lossless rule gets
 
 
-def test_the_check_exercises_rejections_and_full_acceptances_at_every_draft_position(target, exact):
+def test_the_check_exercises_rejections_and_full_acceptances_at_both_draft_positions(target, exact):
     runner, proposer, g = TargetRunner(target), TableProposer(exact), torch.Generator().manual_seed(7)
-    accepted = [0, 0, 0]
-    proposed = [0, 0, 0]
+    accepted = [0, 0]
+    proposed = [0, 0]
     for _ in range(100):
         gen = generate_speculative(runner, proposer, PROMPT, SpecConfig(3), DEPTH, temperature=T, generator=g)
         accepted = [a + b for a, b in zip(accepted, gen.accepted_by_position)]
         proposed = [a + b for a, b in zip(proposed, gen.proposed_by_position)]
-    # every position is both accepted and rejected; the last one's acceptances are the bonus-draw path
+    # DEPTH 4 leaves room for two drafts after the prefill's token: both are accepted and rejected at times,
+    # and the second one's acceptances are the bonus-draw path
     assert all(0 < a < p for a, p in zip(accepted, proposed)), (accepted, proposed)
 
 
