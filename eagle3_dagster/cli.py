@@ -230,8 +230,9 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
 
         target = specforge_target_dir(ctx.target.path, out)
         lm_head = _find(_weight_map(Path(target)), SUFFIXES["lm_head"])
-        print(f"SpecForge (offline): --target-model-path {target}  hidden states path {out}"
-              + (f"  lm_head_key {lm_head}" if lm_head and lm_head != "lm_head.weight" else ""))
+        # SpecForge 0.2.0 config/schema.py: model.target_model_path, data.hidden_states_path, model.lm_head_key
+        print(f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"
+              + (f"  model.lm_head_key: {lm_head}" if lm_head and lm_head != "lm_head.weight" else ""))
     return 0
 
 
