@@ -114,8 +114,8 @@ def resolve_aux_layers(cfg: dict, target_architecture: str, num_target_layers: i
 def _full_config(raw: dict) -> dict:
     """config.json with transformers' `LlamaConfig` defaults filled in, as SGLang reads it.
 
-    `save_pretrained` writes only the fields that differ from the class defaults, so a field
-    such as `intermediate_size` or `tie_word_embeddings` may be absent and still mean something.
+    A config written by hand, or by a `save_pretrained` that keeps only what differs from the class
+    defaults, may leave out `intermediate_size` or `tie_word_embeddings` and still mean the default.
     """
     from transformers import LlamaConfig
 
