@@ -402,6 +402,17 @@ class BenchConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1, description="prompts longer than this are left out")
     concurrency: int = Field(8, ge=1, description="served benchmark: requests in flight")
     ngram_max: int = Field(3, ge=1, description="n-gram baseline: longest n-gram looked up in the context")
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0], description="in-process benchmark: temperatures to measure at (0 = greedy); each T > 0 uses "
+        "speculative sampling with SGLang's lossless rule. Default: 0 and generation.temperature when above 0",
+    )
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, value: list[float]) -> list[float]:
+        if not value or min(value) < 0 or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct temperatures >= 0, at least one, got {value}")
+        return value
 
     @field_validator("spec_configs")
     @classmethod
@@ -433,6 +444,21 @@ class Profile(_Strict):
         if is_remote(value):  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
             raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_temperatures(cls, data):
+        """bench.temperatures defaults to greedy plus the temperature the profile generates at."""
+        if not isinstance(data, dict):
+            return data
+        bench = data.get("bench")
+        bench = bench.model_dump() if isinstance(bench, BaseModel) else dict(bench or {})
+        if bench.get("temperatures") is None:
+            gen = data.get("generation")
+            t = gen.temperature if isinstance(gen, BaseModel) else (gen or {}).get("temperature", 0.0)
+            bench["temperatures"] = [0.0] + ([float(t)] if t and float(t) > 0 else [])
+            data = {**data, "bench": bench}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Profile":

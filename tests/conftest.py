@@ -58,6 +58,10 @@ SLOW = {
     "tests/unit/test_cli.py::test_profile_is_accepted_after_the_subcommand_too": "the eagle3 command in subprocesses",
     "tests/unit/test_sharegpt.py::test_heldout_and_train_splits_are_disjoint_stable_and_cover_everything":
         "reads the whole bundled ShareGPT file",
+    "tests/unit/test_spec_sampling.py::test_plain_sampling": "1,200 seeded generations of a tiny target",
+    "tests/unit/test_spec_sampling.py::test_speculative_sampling_with_sglangs_rule":
+        "1,200 seeded speculative generations of a tiny target",
+    "tests/unit/test_spec_sampling.py::test_a_lossy_verification_rule": "2 x 600 seeded speculative generations",
     "tests/unit/test_stages_in_process.py::test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report":
         "speculative decoding of the micro target, twice",
 }
