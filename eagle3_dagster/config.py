@@ -293,9 +293,22 @@ class HiddenConfig(_Strict):
     tp_size: int = Field(1, ge=1, le=1024, description="SGLang tensor-parallel size")
     sglang_port: int = Field(30000, ge=1, le=65535, description="port of the SGLang server on the GPU host")
     sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
+    sglang_server_args: list[str] = Field(
+        default_factory=list, description="extra options for the extraction server after the release's own "
+        "(e.g. --mem-fraction-static 0.85; a CPU host: --device cpu --attention-backend torch_native); options "
+        "that would store other states or skip rows (radix/hierarchical cache, mixed chunks, ...) are refused")
     backfill_batch: int = Field(4, ge=1, description="shard partitions the hidden_states automation requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
+
+    @field_validator("sglang_server_args")
+    @classmethod
+    def _extraction_options(cls, value: list[str]) -> list[str]:
+        from eagle3_dagster.gpu_host import refused_extraction_option
+
+        if (why := refused_extraction_option(value)) is not None:
+            raise ValueError(why)
+        return value
 
     @field_validator("staging_dir")
     @classmethod

@@ -347,13 +347,34 @@ class HostProcess:
                 self.proc.stdin.close()
 
 
-# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture.
+# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture,
+# or a prefill would skip rows (prefix tokens served from a cache have no hidden states; a mixed batch
+# is not a plain EXTEND forward, which is all the hook dumps).
 EXTRACTION_REFUSED_OPTIONS = {
     "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
     "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
     "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
     "--enable-dp-attention": "rows are scattered across ranks",
+    "--enable-hierarchical-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-hicache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-session-radix-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--radix-cache-backend": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-lmcache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-mixed-chunk": "decode rows join prefill chunks, a MIXED forward the dump does not capture",
+    "--disaggregation-mode": "prefill/decode disaggregation moves prefixes between servers",
 }
+# SGLang's own way to turn the prefix cache back off is the only one the extraction accepts.
+REQUIRED_EXTRACTION_OPTIONS = ("--disable-radix-cache",)
+
+
+def refused_extraction_option(args: Sequence[str]) -> str | None:
+    """Why an extraction server cannot run with these options (naming the first bad one), or None."""
+    for arg in args:
+        option = arg.split("=")[0]
+        if option in EXTRACTION_REFUSED_OPTIONS:
+            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
+                    "remove it from the server options")
+    return None
 
 
 @dataclass(frozen=True)
@@ -387,23 +408,40 @@ class ServerSpec:
     def _extraction_args(self) -> list[str]:
         """Every token computed (no prefix cache), whole prompts per forward, the hook run on every forward
         (no CUDA graphs, piecewise prefill graphs included) and on all-reduced states (no fused all-reduce)."""
-        bad = [a for a in self.extra_args if a.split("=")[0] in EXTRACTION_REFUSED_OPTIONS]
-        if bad:
-            raise ValueError(f"hidden-state extraction cannot run with {bad}: "
-                             f"{EXTRACTION_REFUSED_OPTIONS[bad[0].split('=')[0]]}; remove it from the server options")
+        if (why := refused_extraction_option(self.extra_args)) is not None:
+            raise ValueError(why)
         if self.sglang_version is None:
-            return ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
+            args = ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
                     "--skip-server-warmup"]
-        return list(sglang_patch.release_for(self.sglang_version).extraction_args)
+        else:
+            args = list(sglang_patch.release_for(self.sglang_version).extraction_args)
+        missing = [a for a in REQUIRED_EXTRACTION_OPTIONS if a not in args]
+        if missing:  # a releases.json row without it would serve cached prefixes with no states
+            raise ValueError(f"hidden-state extraction on sglang {self.sglang_version} would run without {missing}: "
+                             "a cached prefix has no hidden states")
+        return args
 
     def environment(self) -> dict[str, str]:
         env = dict(self.env)
+        if server_option(self.extra_args, "--device") == "cpu":
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's is_cpu() reads it besides --device cpu
         if self.dump_dir is not None:
             if len(self.dump_layers) == 0:
                 raise ValueError("extraction server needs dump_layers (canonical aux ids)")
             env["SGLANG_HS_DUMP_DIR"] = self.dump_dir
             env["SGLANG_HS_DUMP_LAYERS"] = ",".join(map(str, self.dump_layers))
         return env
+
+
+def server_option(args: Sequence[str], option: str) -> str | None:
+    """The last value given for `option` (`--opt v` or `--opt=v`), as argparse would read it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 class LogTail:
