@@ -193,7 +193,8 @@ def table(rows: list[dict], ttt_steps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
-    parser.add_argument("--variants", default="before,profile", help=f"comma-separated, from {sorted(VARIANTS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated, from {sorted(VARIANTS)} (default: before,profile; with --table-from: all)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--num-prompts", type=int, default=None, help="benchmark prompts (default: the profile's)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -202,6 +203,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.table_from:
         rows = [r for path in args.table_from for r in json.loads(path.read_text())]
+        if args.variants:
+            keep = args.variants.split(",")
+            rows = sorted((r for r in rows if r["variant"] in keep), key=lambda r: (keep.index(r["variant"]), r["seed"]))
         print(table(rows, len([k for k in rows[0]["heldout"] if k.startswith("acc_")])))
         return
 
@@ -212,7 +216,7 @@ def main() -> None:
     base = load_profile(args.profile)
     layout = ArtifactLayout.from_profile(base)
     plan = write_plan(hidden_context(base, layout))
-    names = [v for v in args.variants.split(",") if v]
+    names = [v for v in (args.variants or "before,profile").split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
