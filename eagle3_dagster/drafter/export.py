@@ -246,19 +246,8 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
     return dcfg, state
 
 
-def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
-    """Rebuild the drafter from an SGLang-layout export plus the target's embedding.
-
-    This project's exports are read strictly; a standard EAGLE-3 export without the project's
-    fields (another trainer's) is read as SGLang serves it (`drafter.imported`).
-    """
-    from eagle3_dagster.drafter.imported import load_any_drafter
-
-    return load_any_drafter(export_dir, target_dir).model
-
-
 def load_own_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
-    """`load_drafter` for an export this project wrote (its aux layers and releases recorded)."""
+    """`imported.load_drafter` for an export this project wrote (its aux layers and releases recorded)."""
     from eagle3_dagster.drafter.target_head import load_target_tensors
 
     cfg, state = read_export(Path(export_dir))

@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_dagster import layers
-from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, expected_shapes
+from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, expected_shapes, load_own_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.sglang import releases
 
@@ -230,10 +230,17 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     return ImportedDrafter(model.eval(), "external", tuple(aux), origin, notes)
 
 
+def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
+    """Rebuild the drafter from an SGLang-layout export plus the target's embedding.
+
+    This project's exports are read strictly; a standard EAGLE-3 export without the project's
+    fields (another trainer's) is read as SGLang serves it. It lives here, not in export.py, so
+    that the two modules do not import each other."""
+    return load_any_drafter(export_dir, target_dir).model
+
+
 def load_any_drafter(export_dir: Path, target_dir: Path, *, sglang_version: str | None = None) -> ImportedDrafter:
     """This project's export (strict) or another trainer's (as SGLang serves it), with how it was read."""
-    from eagle3_dagster.drafter.export import load_own_drafter
-
     if is_own_export(export_dir):
         model = load_own_drafter(export_dir, target_dir)
         return ImportedDrafter(model, "eagle3_dagster", tuple(model.cfg.aux_layers), "eagle3_dagster export config")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3_dagster.drafter.export import load_drafter
+from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.imported import load_any_drafter, resolve_aux_layers
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from tests.specforge_format import draft_config, write_specforge_export
