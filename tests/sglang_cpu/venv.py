@@ -45,8 +45,10 @@ PATCHES = {
 # backend (no FlashInfer on CPU); the radix cache is off through the project's own extraction options.
 SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 # On CPU SGLang sizes its KV pool from free host memory (about 15 GB of this 24 GB machine for the tiny
-# target), so the tier caps it; its tests prefill a few hundred tokens at a time.
-SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096")
+# target), so the tier caps it; its tests prefill a few hundred tokens at a time. SGLang's scheduler
+# watchdog kills the server when one forward takes over 300 s, which a loaded 2-core CI machine reached.
+SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
+               "--watchdog-timeout", "3600")
 
 
 # Bump when build() installs something differently; the digest covers the files it installs from.
