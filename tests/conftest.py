@@ -43,6 +43,7 @@ SLOW = {
     "tests/assets/test_packaging.py": "builds and installs the wheel",
     "tests/assets/test_postgres_instance.py": "a PostgreSQL server and the micro pipeline through extraction on it",
     "tests/assets/test_sglang_stage.py": "a patched SGLang site and stand-in servers on the host",
+    "tests/real_sglang/": "SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)",
     "tests/assets/test_definitions.py::test_dagster_cli_validates_the_workspace": "the dagster CLI in a subprocess",
     "tests/unit/test_train.py::test_two_rank_gloo_training": "torchrun, 2 ranks",
     "tests/unit/test_train.py::test_resume_after_kill": "torchrun twice",
@@ -71,3 +72,5 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if any(item.nodeid.startswith(prefix) for prefix in SLOW):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith("tests/real_sglang/"):
+            item.add_marker(pytest.mark.sglang)
