@@ -62,7 +62,7 @@ def remove_stale_temps(path: Path) -> int:
     removed = 0
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
         pid = tmp.name[len(prefix):].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
             size = tmp.stat().st_size
@@ -72,7 +72,8 @@ def remove_stale_temps(path: Path) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -333,13 +333,9 @@ def _remove_stale_temps(version_dir: Path, key: str) -> None:
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # our own earlier, abandoned attempt
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from eagle3_dagster.io import pid_alive
+
+    return pid_alive(pid)
 
 
 class ShardCorruptError(RuntimeError):
