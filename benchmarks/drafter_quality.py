@@ -145,7 +145,7 @@ class Acceptance:
 
         from eagle3_dagster.bench.proposers import Eagle3Proposer
         from eagle3_dagster.bench.specdec import SpecConfig, run_inprocess_benchmark
-        from eagle3_dagster.drafter.export import load_drafter
+        from eagle3_dagster.drafter.imported import load_drafter
 
         drafter = load_drafter(export_dir, self.target_path).float()
         with torch.inference_mode():

@@ -2,7 +2,8 @@
 
 Patch SGLang on a GPU host's interpreter, preflight the host, print the
 extraction plan, clean up superseded hidden-state versions (dry run unless
-`--delete`), export shards to SpecForge/speculators layouts, and print a model
+`--delete`), export shards to SpecForge/speculators layouts, benchmark any EAGLE-3 drafter
+directory (`bench --drafter`, also one trained elsewhere), and print a model
 directory's identity (what the production `target_model` observation runs on the
 host). Everything here is engine code: no Dagster.
 
@@ -55,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     e = add("export-shards", "Export the current hidden-state shards to another tool's layout")
     e.add_argument("--format", choices=["specforge", "speculators"], required=True)
     e.add_argument("--out", type=Path, required=True, help="output folder")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="specforge: dtype of the states (default bfloat16, what SpecForge's TargetHead and draft "
+                        "compute in; a float32 feature fails there)")
+    b = add("bench", "Benchmark a drafter directory against the profile's target, like benchmark_report",
+            "Any standard EAGLE-3 export (LlamaForCausalLMEagle3 config.json + safetensors) is accepted, also one "
+            "trained elsewhere (SpecForge's `export --to sglang` or `--to hf`); fields it lacks are defaulted the "
+            "way SGLang serves it, and each default is printed.")
+    b.add_argument("--drafter", type=Path, required=True, help="the drafter directory (config.json + weights)")
+    b.add_argument("--out", type=Path, default=None,
+                   help="where results, report.md and plots go (default: <bench folder>/drafter-<dir name>)")
+    b.add_argument("--previous", type=Path, default=None, help="a previous results JSON to compare with")
     t = add("target-info", "Print a model directory's identity and summary as JSON")
     t.add_argument("model_dir", type=Path)
     return parser
@@ -119,7 +131,9 @@ def _run(args: argparse.Namespace) -> int:
             _print_metadata(report.metadata)
             return 0
         if args.command == "export-shards":
-            return _export(profile, layout, args.format, args.out)
+            return _export(profile, layout, args.format, args.out, args.dtype)
+        if args.command == "bench":
+            return _bench(profile, layout, args.drafter, args.out, args.previous)
     except FileNotFoundError as e:  # a stage whose input was never built names it
         raise UserError(str(e).strip("'\"")) from None
     return EXIT_USER_ERROR
@@ -187,23 +201,69 @@ def _preflight(profile, layout) -> int:
     return 0
 
 
-def _export(profile, layout, fmt: str, out: Path) -> int:
+def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> int:
+    import torch
     from tqdm import tqdm
 
-    from eagle3_dagster.hidden.export_formats import export_specforge, export_speculators, load_final_norm_weight
+    from eagle3_dagster.hidden.export_formats import (
+        SPECFORGE_DTYPE,
+        export_specforge,
+        export_speculators,
+        load_final_norm_weight,
+        specforge_target_dir,
+    )
     from eagle3_dagster import storage
     from eagle3_dagster.hidden.context import hidden_context
 
     ctx = hidden_context(profile, layout)
     if not storage.exists(ctx.version_dir):
         raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
+    if dtype is not None and fmt != "specforge":
+        raise UserError("--dtype applies to --format specforge only")
     with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
         if fmt == "specforge":
-            export_specforge(ctx.version_dir, out)
+            export_specforge(ctx.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
         else:
             export_speculators(ctx.version_dir, out, final_norm_weight=load_final_norm_weight(ctx.target.path))
         bar.update(1)
     print(f"exported {ctx.version_dir} to {out} ({fmt})")
+    if fmt == "specforge":
+        from eagle3_dagster.drafter.target_head import SUFFIXES, _find, _weight_map
+
+        target = specforge_target_dir(ctx.target.path, out)
+        lm_head = _find(_weight_map(Path(target)), SUFFIXES["lm_head"])
+        # SpecForge 0.2.0 config/schema.py: model.target_model_path, data.hidden_states_path, model.lm_head_key
+        print(f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"
+              + (f"  model.lm_head_key: {lm_head}" if lm_head and lm_head != "lm_head.weight" else ""))
+    return 0
+
+
+def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | None) -> int:
+    """The benchmark stage on a drafter directory; the served backend needs a GPU host (`eagle3 preflight`)."""
+    import time
+
+    from eagle3_dagster.stages.bench import benchmark_stage
+
+    if not (drafter / "config.json").exists():
+        raise UserError(f"{drafter}: not a drafter directory (no config.json)")
+    host = None
+    if profile.hidden.backend == "sglang":
+        from eagle3_dagster.gpu_host import GpuHost, HostSpec
+
+        h = profile.gpu_host.all_hosts[0]
+        host = GpuHost(HostSpec(h.transport, h.python, h.workdir, h.ssh_target, tuple(h.ssh_options),
+                                num_gpus=h.num_gpus, name=h.label))
+    out = out or layout.bench_dir / f"drafter-{drafter.resolve().name}"
+    try:
+        report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous
+                                 else None, run_id=time.strftime("%Y%m%d-%H%M%S"), gpu_host=host, progress=print,
+                                 out_dir=out)
+    except (KeyError, ValueError) as e:  # a directory that is not an EAGLE-3 drafter for this target
+        raise UserError(f"{drafter}: {e}") from None
+    _print_metadata({k: v for k, v in report.metadata.items() if k != "drafter_notes"})
+    for note in report.metadata.get("drafter_notes", []):
+        print(f"note: {note}")
+    print(f"report: {out / 'report.md'}")
     return 0
 
 

@@ -114,16 +114,31 @@ class TargetConfig(_Strict):
         return self
 
 
+# A dataset name is a Dagster partition key and a path component of every file of its partitions: one safe
+# alphabet, so no name can climb out of run_root (`../x`) or land on another dataset's files.
+DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
 class DatasetConfig(_Strict):
-    name: str = Field(description="partition key, e.g. A1_deepswekimi or sharegpt")
+    name: str = Field(description="partition key and file-name part, e.g. A1_deepswekimi or sharegpt: letters, "
+                      "digits, '_' and '-', starting with a letter or digit, at most 64 characters")
     source: Literal["sharegpt", "prompts_jsonl", "conversations_jsonl", "pretokenized_jsonl"] = Field(
         description="sharegpt: the bundled ShareGPT file; prompts_jsonl/conversations_jsonl: chat records; "
         "pretokenized_jsonl: records with input_ids + loss_mask"
     )
     path: str | None = Field(None, description="local file or hub dataset for the *_jsonl sources")
     regenerate: bool = Field(True, description="replace assistant turns with the target's own answers")
-    max_conversations: int | None = Field(None, ge=1, description="use at most this many conversations")
-    max_turns: int = Field(8, ge=1, description="assistant turns regenerated per conversation at most")
+    max_conversations: int | None = Field(None, ge=1, le=10**9, description="use at most this many conversations")
+    max_turns: int = Field(8, ge=1, le=10_000, description="assistant turns regenerated per conversation at most")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not DATASET_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a dataset name: use letters, digits, '_' and '-' (starting with a "
+                             "letter or digit, at most 64 characters); the name is a partition key and part of "
+                             "file names under run_root")
+        return value
 
     @model_validator(mode="after")
     def _path_for_files(self) -> "DatasetConfig":
@@ -145,7 +160,7 @@ class GenerationConfig(_Strict):
     max_retries: int = Field(6, ge=0, le=100, description="retries of a request after a retryable failure")
     timeout_s: float = Field(120.0, gt=0, le=86400, description="seconds one request may take")
     budget_usd: float | None = Field(
-        None, gt=0, description="spend cap of a partition: a request is sent only when its worst-case cost "
+        None, gt=0, le=1_000_000, description="spend cap of a partition: a request is sent only when its worst-case cost "
         "(see price_usd_per_completion_token) still fits, so the cap holds at any concurrency"
     )
     price_usd_per_completion_token: float | None = Field(
@@ -164,7 +179,8 @@ class GenerationConfig(_Strict):
         "openrouter", description="openrouter: `reasoning` request field; chat_template: SGLang/vLLM thinking kwarg"
     )
     resend_interrupted: bool = Field(
-        False, description="re-send requests that were in flight when a run died (they may be paid twice)"
+        False, description="re-send requests whose answer was lost after they may have reached the provider: in "
+        "flight when a run died, or timed out (they may be paid twice)"
     )
     extra_body: dict = Field(default_factory=dict, description="merged into each request, e.g. provider pinning")
 
@@ -179,12 +195,12 @@ class GenerationConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    max_seq_len: int = Field(8192, ge=16, description="tokens per training sample at most; longer ones are cut")
+    max_seq_len: int = Field(8192, ge=16, le=2**20, description="tokens per training sample at most; longer ones are cut")
     shuffle_seed: int = Field(42, ge=0, le=2**32 - 1, description="seed of merged_train's shuffle")
     drop_datasets: list[str] = Field(default_factory=list, description="datasets left out of merged_train")
     bad_fraction_threshold: float = Field(0.05, ge=0, le=1, description="tokenized_dataset fails above this")
     heldout_fraction: float = Field(0.05, ge=0, lt=1, description="conversations kept out of training")
-    draft_vocab_size: int = Field(32000, ge=1, description="tokens in the drafter's vocabulary")
+    draft_vocab_size: int = Field(32000, ge=1, le=2**24, description="tokens in the drafter's vocabulary")
 
 
 class HostConfig(_Strict):
@@ -277,9 +293,22 @@ class HiddenConfig(_Strict):
     tp_size: int = Field(1, ge=1, le=1024, description="SGLang tensor-parallel size")
     sglang_port: int = Field(30000, ge=1, le=65535, description="port of the SGLang server on the GPU host")
     sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
+    sglang_server_args: list[str] = Field(
+        default_factory=list, description="extra options for the extraction server after the release's own "
+        "(e.g. --mem-fraction-static 0.85; a CPU host: --device cpu --attention-backend torch_native); options "
+        "that would store other states or skip rows (radix/hierarchical cache, mixed chunks, ...) are refused")
     backfill_batch: int = Field(4, ge=1, description="shard partitions the hidden_states automation requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
     max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
+
+    @field_validator("sglang_server_args")
+    @classmethod
+    def _extraction_options(cls, value: list[str]) -> list[str]:
+        from eagle3_dagster.gpu_host import refused_extraction_option
+
+        if (why := refused_extraction_option(value)) is not None:
+            raise ValueError(why)
+        return value
 
     @field_validator("staging_dir")
     @classmethod
@@ -386,6 +415,17 @@ class BenchConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, ge=1, description="prompts longer than this are left out")
     concurrency: int = Field(8, ge=1, description="served benchmark: requests in flight")
     ngram_max: int = Field(3, ge=1, description="n-gram baseline: longest n-gram looked up in the context")
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0], description="in-process benchmark: temperatures to measure at (0 = greedy); each T > 0 uses "
+        "speculative sampling with SGLang's lossless rule. Default: 0 and generation.temperature when above 0",
+    )
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, value: list[float]) -> list[float]:
+        if not value or min(value) < 0 or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct temperatures >= 0, at least one, got {value}")
+        return value
 
     @field_validator("spec_configs")
     @classmethod
@@ -418,11 +458,30 @@ class Profile(_Strict):
             raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bench_temperatures(cls, data):
+        """bench.temperatures defaults to greedy plus the temperature the profile generates at."""
+        if not isinstance(data, dict):
+            return data
+        bench = data.get("bench")
+        bench = bench.model_dump() if isinstance(bench, BaseModel) else dict(bench or {})
+        if bench.get("temperatures") is None:
+            gen = data.get("generation")
+            t = gen.temperature if isinstance(gen, BaseModel) else (gen or {}).get("temperature", 0.0)
+            bench["temperatures"] = [0.0] + ([float(t)] if t and float(t) > 0 else [])
+            data = {**data, "bench": bench}
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self) -> "Profile":
         names = [d.name for d in self.datasets]
-        if len(set(names)) != len(names):
-            raise ValueError(f"datasets: names must be unique, got {names}")
+        seen: dict[str, int] = {}
+        for i, name in enumerate(names):  # case-insensitively: A1 and a1 are one file on macOS and Windows
+            if name.lower() in seen:
+                raise ValueError(f"datasets[{i}].name: {name!r} is already the name of datasets[{seen[name.lower()]}] "
+                                 f"({names[seen[name.lower()]]!r}); dataset names must be unique, ignoring case")
+            seen[name.lower()] = i
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
@@ -484,12 +543,37 @@ def resolve_profile_path(name_or_path: str) -> Path:
     return CONFIG_DIR / f"{name_or_path}.yaml"
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error: PyYAML keeps the last one, so a
+    second `data:` block would silently replace the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key == "<<" or not isinstance(key, (str, int, float, bool)):  # merge keys may repeat
+                    continue
+                if key in seen:
+                    raise _DuplicateKey(f"key {key!r} appears twice in one mapping (lines {seen[key]} and "
+                                        f"{key_node.start_mark.line + 1}); the second would silently replace the "
+                                        f"first: merge them into one")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_profile_file(path: Path, overrides: dict | None = None) -> Profile:
     if not path.exists():
         known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
         raise ProfileError(f"{path}: profile file not found (known profiles: {', '.join(known)})")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as e:
+        raise ProfileError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ProfileError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -8,11 +8,19 @@ state, GPUs, free disk) and the SGLang server's lifecycle (`sglang_server`).
 It never imports SGLang or Dagster; the resource in resources/gpu_host.py wraps it.
 
 SSH uses the system `ssh` binary with BatchMode (never a password prompt).
-Every long-running command is started as `setsid bash -c 'echo $$ > pidfile;
+Every long-running command is started as `setsid bash -c 'echo $$ ... > pidfile;
 exec ...'`, so its pid is its process group on the host, and stopping it is
 `kill -TERM -- -pgid` there, then KILL after a grace period. A server left by a
 worker that died without cleanup is found through the same pid file and stopped
 before the next one starts.
+
+A pid file outlives its process (a kill -9 of the watchdog, a reboot) and pids
+are reused, so a pid file alone never names a process to signal. It records the
+group id, the leader's start time (field 22 of /proc/pid/stat) and a launch
+nonce that is also in the group's environment (`EAGLE3_LAUNCH_NONCE`); a group
+is signalled only when one of its processes carries that nonce and the leader,
+if alive, has that start time. A pid file that names anything else is removed,
+and the stranger is left alone.
 """
 
 from __future__ import annotations
@@ -40,13 +48,37 @@ LogFn = Callable[[str], None]
 # (Background jobs of a non-interactive shell get /dev/null as stdin, hence the explicit fd 3.)
 WATCHDOG = """\
 exec 3<&0
-setsid -w bash -c {inner} </dev/null 3<&- & child=$!
-( cat <&3 >/dev/null; pg=$(cat {pidfile} 2>/dev/null) && [ -n "$pg" ] && kill -TERM -- -$pg && \
-  sleep 20 && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
+setsid -w env {nonce_env} bash -c {inner} </dev/null 3<&- & child=$!
+( cat <&3 >/dev/null; {owned} && pg=$OWNED_PG && kill -TERM -- -$pg && \
+  sleep 20 && {owned} && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
 exec 3<&-
 wait $child; rc=$?
 kill $watchdog 2>/dev/null
 exit $rc"""
+
+NONCE_VAR = "EAGLE3_LAUNCH_NONCE"
+
+# Written by the group leader before it execs the command: "pgid starttime nonce" (the nonce is in its
+# environment already, so in every process of the group). The start time is read with builtins after the
+# comm field, which may hold spaces: field 22 of /proc/pid/stat is the 20th after it.
+_WRITE_PIDFILE = ('read -r _s < /proc/$$/stat; set -- ${{_s##*) }}; '
+                  'echo "$$ ${{20}} {nonce}" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; ')
+
+# Exit 0 (and OWNED_PG set) when the pid file names a live process group this project started: its leader
+# is alive with the recorded start time (pid + start time name one process, whatever reused the pid since),
+# or, the leader gone, a member of the group carries the recorded nonce in its environment.
+_OWNED = ("( read -r pg st nonce _ < {pidfile} 2>/dev/null && [ -n \"$nonce\" ] || exit 1; "
+          "if read -r s < /proc/$pg/stat 2>/dev/null; then set -- ${{s##*) }}; "
+          "[ \"$3\" = \"$pg\" ] && [ \"${{20}}\" = \"$st\" ]; exit $?; fi; "
+          "for p in /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
+          "[ \"$3\" = \"$pg\" ] || continue; "
+          "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF \"{var}=$nonce\" && exit 0; done; exit 1 )")
+
+
+def _owned(pidfile: str) -> str:
+    """A shell condition: the pid file names a live group this project started; sets OWNED_PG."""
+    q = shlex.quote(pidfile)
+    return f"{{ {_OWNED.format(pidfile=q, var=NONCE_VAR)} && read -r OWNED_PG _ < {q}; }}"
 
 # Run by the host's interpreter: one JSON line describing what a step will need.
 PROBE = r"""
@@ -208,9 +240,10 @@ class GpuHost:
         """Start a long-running command in its own process group, recorded in `{workdir}/{name}.pid`."""
         pidfile = f"{name}.pid"
         self.stop_stale(name)
-        inner = f"echo $$ > {shlex.quote(pidfile)}; {shell_script(argv, env, cwd)}"
+        nonce = uuid.uuid4().hex
+        inner = _WRITE_PIDFILE.format(nonce=nonce, pidfile=shlex.quote(pidfile)) + shell_script(argv, env, cwd)
         script = f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && " \
-                 + WATCHDOG.format(inner=shlex.quote(inner), pidfile=shlex.quote(pidfile))
+                 + WATCHDOG.format(inner=shlex.quote(inner), owned=_owned(pidfile), nonce_env=f"{NONCE_VAR}={nonce}")
         # The worker keeps the write end of stdin and never writes: when it dies (even by SIGKILL) the
         # watchdog on the host reads EOF and stops the process group, so no GPU job outlives its run.
         proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
@@ -218,26 +251,32 @@ class GpuHost:
         return HostProcess(self, proc, pidfile)
 
     def signal_group(self, pidfile: str, sig: str, *, remove: bool = False) -> None:
+        """Signal the group the pid file names, only when this project started it (`_owned`)."""
         script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"kill -{sig} -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null"
+                  f"{_owned(pidfile)} && kill -{sig} -- -$OWNED_PG 2>/dev/null"
                   + (f"; rm -f {shlex.quote(pidfile)}" if remove else "") + "; true")
         subprocess.run(self.wrap(script), capture_output=True, timeout=60)
 
     def group_alive(self, pidfile: str) -> bool:
+        """True while the group the pid file names is alive and is one this project started."""
         script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"kill -0 -- -$(cat {shlex.quote(pidfile)}) 2>/dev/null")
+                  f"{_owned(pidfile)}")
         return subprocess.run(self.wrap(script), capture_output=True, timeout=60).returncode == 0
 
     def stop_stale(self, name: str) -> None:
-        """Stop a process group left behind by a worker that died before it could clean up."""
+        """Stop a process group left behind by a worker that died before it could clean up; a pid file
+        that names no group of ours (its process ended, or the pid now belongs to a stranger) is removed."""
         pidfile = f"{name}.pid"
-        if self.group_alive(pidfile):
-            self.signal_group(pidfile, "TERM")
-            for _ in range(100):
-                if not self.group_alive(pidfile):
-                    break
-                time.sleep(0.1)
-            self.signal_group(pidfile, "KILL")
+        if not self.group_alive(pidfile):
+            script = f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && rm -f {shlex.quote(pidfile)}; true"
+            subprocess.run(self.wrap(script), capture_output=True, timeout=60)
+            return
+        self.signal_group(pidfile, "TERM")
+        for _ in range(100):
+            if not self.group_alive(pidfile):
+                break
+            time.sleep(0.1)
+        self.signal_group(pidfile, "KILL")
 
     def preflight(self, output_dir: str, *, min_free_bytes: int = 0, min_gpus: int = 0,
                   require_sglang: bool = True, require_patch: bool = False, timeout: float = 180.0) -> dict:
@@ -308,13 +347,34 @@ class HostProcess:
                 self.proc.stdin.close()
 
 
-# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture.
+# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture,
+# or a prefill would skip rows (prefix tokens served from a cache have no hidden states; a mixed batch
+# is not a plain EXTEND forward, which is all the hook dumps).
 EXTRACTION_REFUSED_OPTIONS = {
     "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
     "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
     "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
     "--enable-dp-attention": "rows are scattered across ranks",
+    "--enable-hierarchical-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-hicache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-session-radix-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--radix-cache-backend": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-lmcache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-mixed-chunk": "decode rows join prefill chunks, a MIXED forward the dump does not capture",
+    "--disaggregation-mode": "prefill/decode disaggregation moves prefixes between servers",
 }
+# SGLang's own way to turn the prefix cache back off is the only one the extraction accepts.
+REQUIRED_EXTRACTION_OPTIONS = ("--disable-radix-cache",)
+
+
+def refused_extraction_option(args: Sequence[str]) -> str | None:
+    """Why an extraction server cannot run with these options (naming the first bad one), or None."""
+    for arg in args:
+        option = arg.split("=")[0]
+        if option in EXTRACTION_REFUSED_OPTIONS:
+            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
+                    "remove it from the server options")
+    return None
 
 
 @dataclass(frozen=True)
@@ -348,23 +408,40 @@ class ServerSpec:
     def _extraction_args(self) -> list[str]:
         """Every token computed (no prefix cache), whole prompts per forward, the hook run on every forward
         (no CUDA graphs, piecewise prefill graphs included) and on all-reduced states (no fused all-reduce)."""
-        bad = [a for a in self.extra_args if a.split("=")[0] in EXTRACTION_REFUSED_OPTIONS]
-        if bad:
-            raise ValueError(f"hidden-state extraction cannot run with {bad}: "
-                             f"{EXTRACTION_REFUSED_OPTIONS[bad[0].split('=')[0]]}; remove it from the server options")
+        if (why := refused_extraction_option(self.extra_args)) is not None:
+            raise ValueError(why)
         if self.sglang_version is None:
-            return ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
+            args = ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
                     "--skip-server-warmup"]
-        return list(sglang_patch.release_for(self.sglang_version).extraction_args)
+        else:
+            args = list(sglang_patch.release_for(self.sglang_version).extraction_args)
+        missing = [a for a in REQUIRED_EXTRACTION_OPTIONS if a not in args]
+        if missing:  # a releases.json row without it would serve cached prefixes with no states
+            raise ValueError(f"hidden-state extraction on sglang {self.sglang_version} would run without {missing}: "
+                             "a cached prefix has no hidden states")
+        return args
 
     def environment(self) -> dict[str, str]:
         env = dict(self.env)
+        if server_option(self.extra_args, "--device") == "cpu":
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's is_cpu() reads it besides --device cpu
         if self.dump_dir is not None:
             if len(self.dump_layers) == 0:
                 raise ValueError("extraction server needs dump_layers (canonical aux ids)")
             env["SGLANG_HS_DUMP_DIR"] = self.dump_dir
             env["SGLANG_HS_DUMP_LAYERS"] = ",".join(map(str, self.dump_layers))
         return env
+
+
+def server_option(args: Sequence[str], option: str) -> str | None:
+    """The last value given for `option` (`--opt v` or `--opt=v`), as argparse would read it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 class LogTail:

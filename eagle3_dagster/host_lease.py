@@ -24,6 +24,7 @@ free, the lease alone would start runs that only wait.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -42,6 +43,22 @@ H = TypeVar("H")
 
 class NoHostError(RuntimeError):
     """No host could be leased: every one failed its preflight, or the usable ones stayed leased."""
+
+
+class LeaseFileError(NoHostError):
+    """The lease directory cannot be used (a symbolic link where a lease file goes, a full or read-only disk)."""
+
+
+def _open_no_follow(path: Path, flags: int) -> int:
+    """Open a file of the lease directory, never through a symbolic link: truncating the holder record
+    through one would truncate whatever file it points at."""
+    try:
+        return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)  # CLOEXEC: children never hold the lease
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LeaseFileError(f"{path} is a symbolic link (to {os.readlink(path)!r}); a lease file must be a "
+                                 f"plain file: remove the link") from None
+        raise LeaseFileError(f"{path}: cannot open the lease file: {e.strerror} (errno {e.errno})") from None
 
 
 @dataclass(frozen=True)
@@ -66,7 +83,7 @@ def lease_path(lease_dir: Path | str, name: str) -> Path:
 def try_lock(path: Path) -> int | None:
     """An fd holding the exclusive lock on `path`, or None when another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # CLOEXEC: children never hold the lease
+    fd = _open_no_follow(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -98,7 +115,7 @@ def history(lease_dir: Path | str) -> list[dict]:
 
 def _append_history(lease_dir: Path | str, record: Mapping) -> None:
     # One short write with O_APPEND: lines from concurrent holders do not interleave.
-    fd = os.open(Path(lease_dir) / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = _open_no_follow(Path(lease_dir) / HISTORY, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
     finally:
@@ -151,13 +168,21 @@ def lease_host(
                         log(f"gpu host {name} skipped: {skipped[name]}")
                         continue
                 record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
-                _write_holder(fd, record)
-                _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
+                try:
+                    _write_holder(fd, record)
+                    _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
+                except (OSError, LeaseFileError) as e:  # before the step runs: nothing of it is lost
+                    raise LeaseFileError(f"{lease_dir}: cannot record the lease of host {name}: {e}; free space "
+                                         f"there or set gpu_host.lease_dir") from None
                 log(f"gpu host {name} leased ({path})")
                 try:
                     yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
                 finally:  # recorded while the lock is still held: the next holder's `leased` comes after it
-                    _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
+                    try:
+                        _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
+                    except (OSError, LeaseFileError) as e:  # never in place of the step's own outcome
+                        log(f"gpu host {name}: its release could not be recorded in {Path(lease_dir) / HISTORY} "
+                            f"({e}); the lease is given back all the same")
                 return
             finally:
                 os.close(fd)  # releases the lock (also on kill -9: the kernel closes it)

@@ -8,9 +8,14 @@ POSIX within one file system).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import glob
 import hashlib
+import logging
 import os
+import shutil
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -18,23 +23,106 @@ from typing import IO, Any
 
 import orjson
 
+log = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`."""
+    """Open a temp file beside `path`; on clean exit fsync and rename it over `path`.
+
+    The temp name carries this host and pid, so temp files that a killed writer left (SIGKILL, OOM) are
+    recognised and removed by the next writer of the same path. A full disk is a `DiskFullError` naming
+    `path` and the space left."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the mode open() would give it
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+    remove_stale_temps(path)
+    with naming_full_disk(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp", dir=path.parent)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the mode open() would give it
+            with os.fdopen(fd, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+
+def _writer_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_stale_temps(path: Path) -> int:
+    """Remove the temp files of `path` left by writers on this host that are no longer alive; their count.
+    A temp of a live writer, or of another host (a shared file system), is left alone."""
+    prefix = f".{path.name}.{socket.gethostname()}-"
+    removed = 0
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = tmp.name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            size = tmp.stat().st_size
+            tmp.unlink()
+            removed += 1
+            log.warning("%s: removed %s (%d bytes), left by a writer that was killed", path, tmp.name, size)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskFullError(OSError):
+    """No space left on the device where a file was being written; says which file and how much is free."""
+
+
+def _free_bytes(path: str | os.PathLike) -> tuple[Path, int]:
+    where = Path(path).parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return where, shutil.disk_usage(where).free
+
+
+def disk_full_error(path: str | os.PathLike, e: BaseException) -> DiskFullError:
+    where, free = _free_bytes(path)
+    cause = "" if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else f"; {type(e).__name__}: {e}"
+    return DiskFullError(errno.ENOSPC, f"no space left on the device while writing {path} ({free / 2**20:.1f} MiB "
+                         f"free in {where}{cause}): free space there, or move run_root to a larger disk")
+
+
+# A writer that reports a full disk without its errno (torch.save: "basic_ios::clear: iostream error") is
+# taken for one when less than this is left where it wrote.
+NEARLY_FULL_BYTES = 16 << 20
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | os.PathLike, *, unnamed_errors: tuple[type[BaseException], ...] = ()) \
+        -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT (which name no file) into a `DiskFullError` naming `path` and the free space; an
+    error of `unnamed_errors` too, when the disk there is (nearly) full."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) or (isinstance(e, unnamed_errors)
+                                                       and _free_bytes(path)[1] < NEARLY_FULL_BYTES):
+            raise disk_full_error(path, e) from e
+        raise
+    except unnamed_errors as e:
+        if _free_bytes(path)[1] < NEARLY_FULL_BYTES:
+            raise disk_full_error(path, e) from e
         raise
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,12 @@ from eagle3_dagster.io import atomic_write_bytes, sha256_file
 
 Location = Path | str  # a local path, or an fsspec URL kept as a string
 HASH_BLOCK = 8 << 20  # bytes per read when hashing an object on a store
+READ_ATTEMPTS = 4  # range reads of a store: tries of a failed range (s3fs/botocore retry inside each)
+READ_BACKOFF_S = 0.5  # doubled after each failed try
+
+
+class StoreReadError(OSError):
+    """Byte ranges of an object that could not be read after retries; names the object and the cause."""
 
 
 def is_remote(loc: str | os.PathLike) -> bool:
@@ -162,8 +169,16 @@ def write_bytes(loc: Location, data: bytes) -> None:
     fs.pipe_file(path, data)
 
 
+def parse_json(blob: bytes, loc: Location):
+    """The JSON in `blob`, read from `loc`; an error that names `loc` when it is not JSON (cut off, garbled)."""
+    try:
+        return orjson.loads(blob)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{loc}: not valid JSON ({len(blob)} bytes; {e})") from None
+
+
 def read_json(loc: Location):
-    return orjson.loads(read_bytes(loc))
+    return parse_json(read_bytes(loc), loc)
 
 
 def write_json(loc: Location, obj) -> None:
@@ -207,7 +222,24 @@ def read_ranges(loc: Location, ranges: Sequence[tuple[int, int]]) -> list[bytes]
                 out.append(f.read(end - start))
         return out
     fs, path = filesystem(loc)
-    return fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+    out: list[bytes | None] = [None] * len(ranges)
+    todo = list(range(len(ranges)))
+    for attempt in range(READ_ATTEMPTS):
+        # fsspec hands back a failed range as its exception object in the list, not raised
+        got = fs.cat_ranges([path] * len(todo), [ranges[i][0] for i in todo], [ranges[i][1] for i in todo],
+                            on_error="return")
+        failed = [(i, blob) for i, blob in zip(todo, got, strict=True) if isinstance(blob, BaseException)]
+        for i, blob in zip(todo, got, strict=True):
+            if not isinstance(blob, BaseException):
+                out[i] = blob
+        if not failed:
+            return out  # type: ignore[return-value]
+        todo = [i for i, _ in failed]
+        if attempt + 1 < READ_ATTEMPTS:
+            time.sleep(READ_BACKOFF_S * 2**attempt)
+    i, err = failed[0]
+    raise StoreReadError(f"{loc}: bytes [{ranges[i][0]}, {ranges[i][1]}) could not be read after {READ_ATTEMPTS} "
+                         f"tries ({len(failed)} of {len(ranges)} ranges failed): {type(err).__name__}: {err}")
 
 
 def download_to(loc: Location, out) -> tuple[int, str]:

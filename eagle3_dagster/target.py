@@ -80,6 +80,37 @@ def target_identity(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+# The files a tokenizer is made of (HF fast and slow, sentencepiece, tiktoken, remote code, chat templates).
+_TOKENIZER_FILES = ("tokeniz*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                    "*.tiktoken", "tiktoken.model", "chat_template*")
+
+
+def tokenizer_identity(model_dir: Path) -> str:
+    """sha256 over the tokenizer's files (names and bytes): a tokenizer whose ids are permuted, or whose
+    chat template changed, is another tokenizer even when the vocabulary size and the weights are the same.
+    `target_identity` leaves these files out, so answers record both."""
+    model_dir = Path(model_dir)
+    files = sorted({f for pattern in _TOKENIZER_FILES for f in model_dir.glob(pattern) if f.is_file()})
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def answer_producer(backend: str, model_dir: Path, *, served_model: str | None = None) -> dict:
+    """Who produced a regenerated answer, as every stored turn records it: the target itself (its identity)
+    for the in-process backend, the served model's name for an API; and the tokenizer its tokens are read
+    with. An answer recorded under another producer is neither reused nor tokenized."""
+    producer = {"backend": backend, "tokenizer": tokenizer_identity(model_dir)}
+    if backend == "local":
+        producer["target"] = target_identity(model_dir)
+    else:
+        producer["model"] = served_model
+    return producer
+
+
 def load_target_config(model_dir: Path) -> dict:
     """The text model's config: Kimi-K2.5's `text_config` when wrapped, else config.json itself.
 

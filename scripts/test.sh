@@ -19,5 +19,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow and e2e included.
-exec .venv/bin/python -m pytest -ra -m "" "$@"
+# -m "not sglang" lifts the fast-tier selection in pyproject.toml: every test runs, slow and e2e included,
+# except the real-SGLang tier (tests/real_sglang, `pytest -m sglang`), which has not yet been seen passing
+# on a CI-like machine (issue 20: its venv build and the CPU server were measured on a shared machine only).
+exec .venv/bin/python -m pytest -ra -m "not sglang" "$@"

@@ -43,6 +43,7 @@ SLOW = {
     "tests/assets/test_packaging.py": "builds and installs the wheel",
     "tests/assets/test_postgres_instance.py": "a PostgreSQL server and the micro pipeline through extraction on it",
     "tests/assets/test_sglang_stage.py": "a patched SGLang site and stand-in servers on the host",
+    "tests/real_sglang/": "SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)",
     "tests/assets/test_definitions.py::test_dagster_cli_validates_the_workspace": "the dagster CLI in a subprocess",
     "tests/unit/test_train.py::test_two_rank_gloo_training": "torchrun, 2 ranks",
     "tests/unit/test_train.py::test_resume_after_kill": "torchrun twice",
@@ -58,6 +59,10 @@ SLOW = {
     "tests/unit/test_cli.py::test_profile_is_accepted_after_the_subcommand_too": "the eagle3 command in subprocesses",
     "tests/unit/test_sharegpt.py::test_heldout_and_train_splits_are_disjoint_stable_and_cover_everything":
         "reads the whole bundled ShareGPT file",
+    "tests/unit/test_spec_sampling.py::test_plain_sampling": "1,200 seeded generations of a tiny target",
+    "tests/unit/test_spec_sampling.py::test_speculative_sampling_with_sglangs_rule":
+        "1,200 seeded speculative generations of a tiny target",
+    "tests/unit/test_spec_sampling.py::test_a_lossy_verification_rule": "2 x 600 seeded speculative generations",
     "tests/unit/test_stages_in_process.py::test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report":
         "speculative decoding of the micro target, twice",
 }
@@ -67,3 +72,5 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if any(item.nodeid.startswith(prefix) for prefix in SLOW):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith("tests/real_sglang/"):
+            item.add_marker(pytest.mark.sglang)

@@ -7,7 +7,9 @@ not run anything and imports neither torch nor an HTTP client.
 
 A results document: {"format_version", "mode": "inprocess"|"served", "rows": [row...],
 "sets": {name: {"num_prompts", "source"}}, "meta": {...}}; a row is what
-`make_row` returns.
+`make_row` returns, plus `temperature` (0 = greedy; rows without it, from
+earlier runs, are greedy). Speed-ups, comparisons and tables pair rows of the
+same temperature; the headline is greedy, with the sampled acceptance beside it.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def band_entry(bands: LengthBands, i: int, *, num_prompts: int, verify_ct: int, 
     }
 
 
+def temperature_of(row: dict) -> float:
+    return float(row.get("temperature") or 0.0)
+
+
 def _median_and_spread(values: Sequence[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -122,9 +128,9 @@ def attach_speedups(rows: list[dict]) -> list[dict]:
             per_round = [r["completion_tokens"] / w if w > 0 else 0.0 for w in walls]
             r["tokens_per_s_rounds"] = per_round
             r["tokens_per_s"], r["tokens_per_s_min"], r["tokens_per_s_max"] = _median_and_spread(per_round)
-    base = {r["set"]: r for r in rows if r["method"] == BASELINE}
+    base = {(r["set"], temperature_of(r)): r for r in rows if r["method"] == BASELINE}
     for r in rows:
-        b = base.get(r["set"])
+        b = base.get((r["set"], temperature_of(r)))
         if b is None or not b["tokens_per_s"] or r["tokens_per_s"] is None:
             r["speedup"] = None
             continue
@@ -142,7 +148,8 @@ def draft_target_cost_ratio(rows: list[dict], method: str = "eagle3") -> float |
     """Seconds per drafted token over seconds per target decode step (no_spec), on the same sets."""
     ratios = []
     for r in rows:
-        base = next((b for b in rows if b["set"] == r["set"] and b["method"] == BASELINE), None)
+        base = next((b for b in rows if b["set"] == r["set"] and b["method"] == BASELINE
+                     and temperature_of(b) == temperature_of(r)), None)
         if r["method"] == method and r.get("draft_s_per_token") and base and base.get("tokens_per_s"):
             ratios.append(r["draft_s_per_token"] * base["tokens_per_s"])
     return statistics.median(ratios) if ratios else None
@@ -154,7 +161,7 @@ def headline(rows: list[dict]) -> dict:
     A fixed choice, named (`headline_config`), so two reports' headlines compare like with like;
     rows without bands (served) fall back to all prompts.
     """
-    trained = [r for r in rows if r["method"] == "eagle3" and r.get("spec")]
+    trained = [r for r in rows if r["method"] == "eagle3" and r.get("spec") and not temperature_of(r)]
     if not trained:
         return {}
     row = trained[0]
@@ -168,6 +175,12 @@ def headline(rows: list[dict]) -> dict:
         out["headline_band"] = band["band"]
     if row.get("speedup") is not None:
         out["speedup"] = round(float(row["speedup"]), 3)  # all prompts: speed is not split by band
+    for r in rows:  # the same configuration sampled, in the same band
+        if r["method"] == "eagle3" and (r["set"], r["spec"]) == (row["set"], row["spec"]) and temperature_of(r):
+            b = next((x for x in r.get("bands", []) if band and x["band"] == band["band"]), None)
+            value = (b or r)["acceptance_length"]
+            if value is not None:
+                out[f"acceptance_length_t{temperature_of(r):g}"] = round(float(value), 4)
     return out
 
 
@@ -179,12 +192,17 @@ def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _key(r: dict) -> tuple[str, str, str]:
-    return (r["set"], r["method"], r["spec"] or "-")
+def _key(r: dict) -> tuple[str, str, str, float]:
+    return (r["set"], r["method"], r["spec"] or "-", temperature_of(r))
 
 
 def _sorted(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (_METHOD_ORDER.get(r["method"], 9), r["method"], r["spec"] or ""))
+    return sorted(rows, key=lambda r: (temperature_of(r), _METHOD_ORDER.get(r["method"], 9), r["method"],
+                                       r["spec"] or ""))
+
+
+def _config(r: dict) -> str:
+    return (r["spec"] or "–") + (f" @ T={temperature_of(r):g}" if temperature_of(r) else "")
 
 
 def _overlap(a: dict, b: dict, metric: str) -> bool:
@@ -205,7 +223,8 @@ def compare_results(current: dict, previous: dict) -> list[dict]:
             now, before = r.get(metric), (p or {}).get(metric)
             if now is None and before is None:
                 continue
-            entry = {"set": r["set"], "method": r["method"], "spec": r["spec"], "metric": metric,
+            entry = {"set": r["set"], "method": r["method"], "spec": r["spec"], "temperature": temperature_of(r),
+                     "metric": metric,
                      "previous": before, "current": now, "change": None, "relative": None, "verdict": "new"}
             if before is not None and now is not None:
                 entry["change"] = now - before
@@ -283,7 +302,7 @@ def _comparison_table(comparison: list[dict]) -> list[str]:
     for c in comparison:
         rel = f" ({c['relative']:+.1%})" if c["relative"] is not None else ""
         change = f"{c['change']:+.3f}{rel}" if c["change"] is not None else "–"
-        lines.append(f"| {c['set']} | {c['method']} | {c['spec'] or '–'} | {c['metric']} | "
+        lines.append(f"| {c['set']} | {c['method']} | {_config(c)} | {c['metric']} | "
                      f"{_fmt(c['previous'])} | {_fmt(c['current'])} | {change} | {c['verdict']} |")
     return lines
 
@@ -300,7 +319,7 @@ def plot_acceptance_by_position(rows: list[dict]) -> bytes:
     for r in _sorted(rows):
         rates = r["accept_rate_by_position"]
         if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{r['set']} · {r['method']} {r['spec']}")
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{r['set']} · {r['method']} {_config(r)}")
     ax.set(xlabel="draft position", ylabel="fraction of verify steps accepting it", ylim=(0, 1.05),
            title="Acceptance by draft position")
     if ax.lines:
@@ -311,11 +330,11 @@ def plot_acceptance_by_position(rows: list[dict]) -> bytes:
 def plot_acceptance_by_set(rows: list[dict]) -> bytes:
     spec_rows = [r for r in rows if r["acceptance_length"] is not None]
     sets = list(dict.fromkeys(r["set"] for r in rows))
-    series = list(dict.fromkeys((r["method"], r["spec"]) for r in _sorted(spec_rows)))
+    series = list(dict.fromkeys((r["method"], _config(r)) for r in _sorted(spec_rows)))
     fig, ax = plt.subplots(figsize=(max(5, 1.5 * len(sets) + 3), 4))
     width = 0.8 / max(1, len(series))
     for i, (method, spec) in enumerate(series):
-        values = {r["set"]: r["acceptance_length"] for r in spec_rows if (r["method"], r["spec"]) == (method, spec)}
+        values = {r["set"]: r["acceptance_length"] for r in spec_rows if (r["method"], _config(r)) == (method, spec)}
         xs = [j + i * width for j, s in enumerate(sets) if s in values]
         ax.bar(xs, [values[s] for s in sets if s in values], width, label=f"{method} {spec}")
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(sets))], sets)
@@ -349,9 +368,12 @@ def render_report(
     md.append("Acceptance length = tokens committed per verify step (bonus token included); speed-up is tokens/s "
               "over no speculation on the same set.")
     md += [line for c in _caveats(results) for line in ("", c)]
-    for set_name in dict.fromkeys(r["set"] for r in rows):
-        set_rows = [r for r in rows if r["set"] == set_name]
-        md += ["", f"## {set_name}", ""] + _set_table(set_rows) + _band_table(set_rows)
+    for set_name, temperature in dict.fromkeys((r["set"], temperature_of(r)) for r in rows):
+        set_rows = [r for r in rows if r["set"] == set_name and temperature_of(r) == temperature]
+        title = set_name if not temperature else (
+            f"{set_name}, sampled at temperature {temperature:g} (SGLang's lossless rejection rule; "
+            "speed-up over plain sampling at the same temperature)")
+        md += ["", f"## {title}", ""] + _set_table(set_rows) + _band_table(set_rows)
     for name, png in pngs.items():
         target = png_data_uri(png) if embed_images else name
         md += ["", f"![{name.removesuffix('.png')}]({target})"]

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator, MutableSequence
+from collections.abc import Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import orjson
+from jinja2 import TemplateError
 
 from eagle3_dagster.chat.kimi import render_completion
 from eagle3_dagster.data.prompts import iter_pretokenized
 from eagle3_dagster.data.sharegpt import Conversation
-from eagle3_dagster.generate.store import iter_turns
+from eagle3_dagster.generate.store import iter_turns, set_aside_reason
 from eagle3_dagster.io import atomic_open
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class TokenizeStats:
     num_usage_checked: int = 0
     num_usage_mismatch: int = 0  # rebuilt completion length != usage.completion_tokens (beyond tolerance)
     num_exact_completion_ids: int = 0  # turns whose completion ids came from the backend, not re-tokenized
+    num_set_aside: int = 0  # turns of another producer (target, served model or tokenizer): not tokenized
+    set_aside_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
     def usage_mismatch_rate(self) -> float:
@@ -159,14 +162,25 @@ def _rejects_file(path: Path | None, stats: TokenizeStats) -> Iterator[tuple[str
 
 def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine_path: Path, *, dataset: str,
                          bad_fraction_threshold: float = 0.05, usage_tolerance: int = 1,
-                         source_rejects_path: Path | None = None) -> TokenizeStats:
+                         source_rejects_path: Path | Sequence[Path] | None = None,
+                         producer: dict | None = None) -> TokenizeStats:
     """One record per regenerated turn of the `raw_responses` store; cut-off answers dropped and counted.
-    Source lines raw_responses could not use (`source_rejects_path`) are quarantined here too and count."""
+    Source lines raw_responses could not use (`source_rejects_path`) are quarantined here too and count.
+    With a `producer`, turns recorded under another one (another target, served model or tokenizer: their
+    ids would mean other tokens) are set aside and counted by reason, never tokenized."""
     stats = TokenizeStats(dataset=dataset)
+    set_aside: Counter[str] = Counter()
 
     def items() -> Iterator[tuple[str, object]]:
-        yield from _rejects_file(source_rejects_path, stats)
+        paths = [source_rejects_path] if isinstance(source_rejects_path, (str, Path)) else source_rejects_path or []
+        for path in paths:
+            yield from _rejects_file(path, stats)
         for turn in iter_turns(store_path):
+            if producer is not None and turn.get("producer") != producer:
+                set_aside[set_aside_reason(turn.get("producer"), producer)] += 1
+                stats.num_set_aside += 1
+                stats.set_aside_by_reason = dict(set_aside)
+                continue
             stats.num_inputs += 1
             where = f"{store_path}:request {turn.get('request_id')}"
             response = turn.get("response") or {}
@@ -178,7 +192,7 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
                 ids, mask, n_completion = build_turn_sample(
                     tokenizer, turn["messages"], response.get("reasoning"), response.get("content"),
                     response.get("tool_calls"), thinking=thinking, completion_ids=response.get("completion_ids"))
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, TemplateError) as e:
                 yield "bad", (f"unrenderable: {type(e).__name__}: {e}"[:200], where, turn)
                 continue
             stats.num_exact_completion_ids += "completion_ids" in response
@@ -195,6 +209,9 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
             }
 
     stats = _Writer(out_path, quarantine_path, stats, bad_fraction_threshold).run(items())
+    if stats.num_set_aside:
+        log.warning("%s: %d turns of %s set aside, not tokenized: %s", dataset, stats.num_set_aside, store_path,
+                    stats.set_aside_by_reason)
     if stats.num_usage_checked:
         log.info("%s: completion length matches usage.completion_tokens for %d/%d turns", dataset,
                  stats.num_usage_checked - stats.num_usage_mismatch, stats.num_usage_checked)
@@ -224,8 +241,13 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out
                     yield "bad", ("assistant turn without a user turn before it, or empty",
                                   f"{conv.id} message {j}", {"id": conv.id, "messages": list(conv.messages)})
                     continue
-                ids, mask, _ = build_turn_sample(tokenizer, history, message.get("reasoning_content"),
-                                                 message["content"], message.get("tool_calls"))
+                try:
+                    ids, mask, _ = build_turn_sample(tokenizer, history, message.get("reasoning_content"),
+                                                     message["content"], message.get("tool_calls"))
+                except (KeyError, TypeError, ValueError, TemplateError) as e:  # the template raised on it
+                    yield "bad", (f"chat_template: {type(e).__name__}: {e}"[:300], f"{conv.id} message {j}",
+                                  {"id": conv.id, "messages": list(conv.messages)})
+                    continue
                 yield "record", {"id": f"{dataset}/{conv.id}/{turn}", "dataset": dataset,
                                  "input_ids": ids, "loss_mask": mask, "source": source}
                 turn += 1

@@ -246,8 +246,8 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
     return dcfg, state
 
 
-def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
-    """Rebuild the drafter from an SGLang-layout export plus the target's embedding."""
+def load_own_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
+    """`imported.load_drafter` for an export this project wrote (its aux layers and releases recorded)."""
     from eagle3_dagster.drafter.target_head import load_target_tensors
 
     cfg, state = read_export(Path(export_dir))

@@ -15,8 +15,11 @@ settlement may free room) and stops the run only when nothing is in flight.
 
 What a request is booked at: `usage.cost` when the provider reported it; else its
 reported token counts at the configured prices; else (no usage at all, or a paid
-reply whose body was unusable) the reserved bound. A request that failed without
-an answer (HTTP 429/5xx, connection) is booked at zero.
+reply whose body was unusable) the reserved bound. A request the provider refused
+(HTTP 429/5xx, a connection that never opened) is booked at zero. A try that may
+have reached the provider and lost its answer (a timeout: a non-streaming
+provider bills what it finishes, whether the client still waits or not) stays
+booked at its bound, and its retry reserves again, so the cap covers both.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import logging
 import orjson
 
 log = logging.getLogger(__name__)
+
+_EPS_USD = 1e-9  # float residue of summed prices: ten $0.01 bounds fit a $0.10 cap
 
 
 def prompt_token_bound(messages: list[dict]) -> int:
@@ -64,7 +69,7 @@ class Budget:
             while True:
                 if self.exhausted:
                     return None
-                if self.cap_usd is None or self.spent_usd + self.reserved_usd + bound <= self.cap_usd:
+                if self.cap_usd is None or self.spent_usd + self.reserved_usd + bound <= self.cap_usd + _EPS_USD:
                     self.reserved_usd += bound
                     self.num_in_flight += 1
                     return bound

@@ -13,6 +13,14 @@ raised with `paid=True` (and the cost the body reported, if any) for the
 regenerator to book as spent. Every failed attempt is counted by kind on the
 result or on the final `ChatRequestError`.
 
+A try that may have reached the provider and lost its answer (a read or write
+timeout, a connection dropped after the request went out) is `maybe_paid`: a
+non-streaming provider bills a request when it finishes it, whether or not the
+client still waits. Before such a try is retried, `complete()` awaits the
+caller's `before_resend` hook, which books the lost try and reserves for the
+next one (or returns False when the budget has no room: the retries stop). A
+timeout while connecting, or a refused connection, never reached the provider.
+
 The API key is a constructor value, checked by `clean_api_key` (surrounding
 whitespace stripped: a key pasted with its newline is common; anything else that
 is whitespace or a control character is refused, without showing the key). It is
@@ -26,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +45,10 @@ log = logging.getLogger(__name__)
 
 _RETRY_AFTER_CAP_S = 600.0  # a server asking for longer than this is treated as down
 RETRYABLE_KINDS = frozenset({"rate_limited", "server_error", "timeout", "connection"})
+# Failures raised before the request can have left the process: nothing reached the provider.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
+
+ResendHook = Callable[[], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class ChatResult:
     provider: str | None
     model: str | None
     attempt_failures: dict[str, int] = field(default_factory=dict)
+    num_maybe_paid: int = 0  # earlier tries of this request that may have been billed without an answer
     # The completion's token ids exactly as generated, when the backend knows them (the in-process one):
     # re-tokenizing the decoded text can merge or split differently from what the model produced.
     completion_ids: list[int] | None = None
@@ -84,7 +98,7 @@ class ChatRequestError(Exception):
 
     def __init__(self, kind: str, message: str, attempt_failures: dict[str, int] | None = None,
                  retry_after_s: float | None = None, *, paid: bool = False, cost: float | None = None,
-                 usage: dict | None = None) -> None:
+                 usage: dict | None = None, maybe_paid: bool = False, num_maybe_paid: int = 0) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.attempt_failures = dict(attempt_failures or {})
@@ -92,15 +106,18 @@ class ChatRequestError(Exception):
         self.paid = paid  # the server answered (HTTP 200) and charged for it, but the answer is unusable
         self.cost = cost  # what that answer cost, when the body said so
         self.usage = dict(usage or {})
+        self.maybe_paid = maybe_paid  # this try may have reached the provider, which bills it unanswered
+        self.num_maybe_paid = num_maybe_paid  # tries of the request like that, this one included
 
 
 class ChatBackend(Protocol):
-    """What the regenerator needs from a backend; `paid` says whether a lost answer cost money."""
+    """What the regenerator needs from a backend; `paid` says whether a lost answer cost money.
+    `before_resend` is awaited before a try that may have been billed is retried (False: do not retry)."""
 
     paid: bool
 
     async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool) -> ChatResult: ...
+                       temperature: float, reasoning: bool, before_resend: ResendHook | None = None) -> ChatResult: ...
 
     async def aclose(self) -> None: ...
 
@@ -213,9 +230,10 @@ class OpenAIChatBackend:
         try:
             response = await self._client.post("/chat/completions", json=payload, headers={"X-Request-Id": request_id})
         except httpx.TimeoutException as e:
-            raise ChatRequestError("timeout", type(e).__name__) from None
+            raise ChatRequestError("timeout", type(e).__name__, maybe_paid=not isinstance(e, _NOT_SENT)) from None
         except httpx.TransportError as e:
-            raise ChatRequestError("connection", self._scrub(f"{type(e).__name__}: {e}")) from None
+            raise ChatRequestError("connection", self._scrub(f"{type(e).__name__}: {e}"),
+                                   maybe_paid=not isinstance(e, _NOT_SENT)) from None
         status = response.status_code
         if status == 429:
             raise ChatRequestError("rate_limited", "HTTP 429", retry_after_s=_retry_after_s(response))
@@ -240,28 +258,37 @@ class OpenAIChatBackend:
                                    cost=cost, usage=usage) from None
 
     async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool) -> ChatResult:
+                       temperature: float, reasoning: bool, before_resend: ResendHook | None = None) -> ChatResult:
         payload = self._payload(messages, max_tokens, temperature, reasoning)
         failures: Counter[str] = Counter()
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.max_retries + 1),
-            wait=self._wait,
-            retry=retry_if_exception(lambda e: isinstance(e, ChatRequestError) and e.kind in RETRYABLE_KINDS),
-            reraise=True,
-        )
+        num_maybe_paid = 0
+        no_room = False  # the budget had no room to resend a try that may have been billed
+
+        def retryable(e: BaseException) -> bool:
+            return isinstance(e, ChatRequestError) and e.kind in RETRYABLE_KINDS and not no_room
+
+        retrying = AsyncRetrying(stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
+                                 retry=retry_if_exception(retryable), reraise=True)
+        last: ChatRequestError | None = None
         try:
             async for attempt in retrying:
                 with attempt:
+                    if last is not None and last.maybe_paid and before_resend is not None \
+                            and not await before_resend():
+                        no_room = True
+                        raise last
                     try:
                         result = await self._attempt(payload, request_id)
                     except ChatRequestError as e:
                         failures[e.kind] += 1
+                        num_maybe_paid += e.maybe_paid
+                        last = e
                         log.info("request %s attempt %d failed: %s", request_id, attempt.retry_state.attempt_number, e)
                         raise
         except ChatRequestError as e:
             raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures), paid=e.paid, cost=e.cost,
-                                   usage=e.usage) from None
-        return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures)})
+                                   usage=e.usage, maybe_paid=e.maybe_paid, num_maybe_paid=num_maybe_paid) from None
+        return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures), "num_maybe_paid": num_maybe_paid})
 
     async def aclose(self) -> None:
         await self._client.aclose()

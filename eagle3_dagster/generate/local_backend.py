@@ -87,7 +87,7 @@ class LocalChatBackend:
         return f"LocalChatBackend(model_dir={str(self.model_dir)!r}, device={self.device!r})"
 
     async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool) -> ChatResult:
+                       temperature: float, reasoning: bool, before_resend=None) -> ChatResult:
         request = _Request(list(messages), request_id, max_tokens, temperature, reasoning)
         with self._worker_lock:  # started lazily, so the backend also works again after `aclose`
             if self._worker is None:

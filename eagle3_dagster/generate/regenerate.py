@@ -7,13 +7,17 @@ parallel, turns of one conversation in order), the USD budget, and the stats of
 a `raw_responses` partition. HTTP lives in `client.py`, the log in `store.py`,
 the reservations against the budget in `budget.py`.
 
-Never paying twice: a request id is recorded as `sent` before it leaves and as a
-`turn` when its answer is back. On restart a recorded turn is reused, and a sent
-but unanswered one (the process died while it was in flight) is *not* re-sent
-for a paid backend: its conversation is counted as `interrupted` and left
-incomplete, unless `resend_interrupted` says a repeat is acceptable (the free
-in-process backend always re-sends). A paid but unusable reply is booked as
-spent (a `failed` line with its cost) before anything is sent again.
+Never paying twice: a request id is recorded as `sent` (with its bound) before it
+leaves and as a `turn` when its answer is back. On restart a recorded turn is
+reused, and a request that may be paid while its answer is lost (the process
+died while it was in flight, or it timed out after reaching the provider) is
+*not* re-sent for a paid backend: its conversation is counted as `interrupted`
+and left incomplete, unless `resend_interrupted` says a repeat is acceptable
+(the free in-process backend always re-sends). A paid but unusable reply is
+booked as spent (a `failed` line with its cost) before anything is sent again.
+Within a run, a try that timed out stays booked at its bound and its retry
+reserves anew (`before_resend`), so a provider slower than the timeout cannot
+bill past the cap.
 
 A run in which more than `max_failure_fraction` of the requests sent failed for
 good raises `RegenerationFailedError` naming the failure kinds, after everything
@@ -36,7 +40,7 @@ import orjson
 from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate.budget import Budget
 from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult
-from eagle3_dagster.generate.store import ResponseStore
+from eagle3_dagster.generate.store import ResponseStore, producer_key, set_aside_reason
 from eagle3_dagster.progress import ProgressMeter, no_progress
 
 log = logging.getLogger(__name__)
@@ -58,10 +62,16 @@ class GenerationSettings:
     max_failure_fraction: float = 0.05
     resend_interrupted: bool = False
     progress_every_s: float = 5.0
+    # Who answers (`target.answer_producer`): part of the request id, recorded with every turn, so an answer
+    # of another target or tokenizer is never reused. None: library use without one (old ids).
+    producer: dict | None = None
 
     def identity(self) -> dict:
-        return {"model": self.model, "max_new_tokens": self.max_new_tokens,
-                "temperature": self.temperature, "reasoning": self.reasoning}
+        identity = {"model": self.model, "max_new_tokens": self.max_new_tokens,
+                    "temperature": self.temperature, "reasoning": self.reasoning}
+        if self.producer:
+            identity["producer"] = self.producer
+        return identity
 
 
 def request_id(dataset: str, conversation_id: str, turn: int, settings: GenerationSettings) -> str:
@@ -83,6 +93,12 @@ class RegenerationStats:
     num_successes: int = 0
     num_turns_reused: int = 0
     num_turns_skipped: int = 0  # assistant turns with no user turn before them
+    num_tries_maybe_paid: int = 0  # tries that timed out after reaching the provider: booked at their bound
+    num_failed_maybe_paid: int = 0  # requests whose last try was such a timeout: a rerun holds them back
+    num_requests_held_back_maybe_paid: int = 0  # not re-sent: may be paid already (generation.resend_interrupted)
+    unsettled_usd_at_start: float = 0.0  # bounds of the tries an earlier run left in flight, booked as spent
+    num_turns_set_aside: int = 0  # turns on record from another producer (target, model or tokenizer): unused
+    set_aside_by_reason: dict[str, int] = field(default_factory=dict)
     failures_by_kind: dict[str, int] = field(default_factory=dict)  # requests that failed for good
     attempt_failures_by_kind: dict[str, int] = field(default_factory=dict)  # every failed try, retried or not
     prompt_tokens: int = 0
@@ -117,7 +133,7 @@ class _Run:
     def __init__(self, store: ResponseStore, backend: ChatBackend, settings: GenerationSettings, dataset: str) -> None:
         self.store, self.backend, self.settings, self.dataset = store, backend, settings, dataset
         self.stats = RegenerationStats(dataset=dataset, recorded_cost_usd=store.recorded_cost_usd,
-                                       repaired_bytes=store.repaired_bytes)
+                                       repaired_bytes=store.repaired_bytes, unsettled_usd_at_start=store.unsettled_usd)
         self.failures: Counter[str] = Counter()
         self.attempt_failures: Counter[str] = Counter()
         # a free backend (in-process) costs nothing: no cap, so no price is needed
@@ -126,11 +142,21 @@ class _Run:
                              price_per_completion_token=settings.price_per_completion_token,
                              price_per_prompt_token=settings.price_per_prompt_token)
         self.stop = False
+        if settings.producer:
+            current = producer_key(settings.producer)
+            for key, n in store.turns_by_producer.items():
+                if key != current:
+                    reason = set_aside_reason(orjson.loads(key) if key else None, settings.producer)
+                    self.stats.set_aside_by_reason[reason] = self.stats.set_aside_by_reason.get(reason, 0) + n
+                    self.stats.num_turns_set_aside += n
+            if self.stats.num_turns_set_aside:
+                log.warning("%s: %d recorded turns are set aside, not reused: %s", dataset,
+                            self.stats.num_turns_set_aside, self.stats.set_aside_by_reason)
 
     async def conversation(self, conv: Conversation) -> None:
         st = self.stats
         st.num_conversations += 1
-        if self.store.is_complete(conv.id):
+        if self.store.is_complete(conv.id, self.settings.producer):
             st.num_conversations_already_complete += 1
             st.num_conversations_complete += 1
             return
@@ -152,7 +178,7 @@ class _Run:
             history.append(_history_message(record["response"]))
             turn_ids.append(rid)
         if turn_ids:
-            self.store.mark_complete(conv.id, turn_ids)
+            self.store.mark_complete(conv.id, turn_ids, self.settings.producer)
             st.num_conversations_complete += 1
 
     async def _turn(self, rid: str, conv_id: str, turn: int, history: list[dict]) -> dict | None:
@@ -161,9 +187,13 @@ class _Run:
             st.num_turns += 1
             st.num_turns_reused += 1
             return store.get_turn(rid)
-        if store.is_interrupted(rid) and not (self.settings.resend_interrupted or not self.backend.paid):
-            log.warning("%s/%s turn %d was in flight when an earlier run died; not re-sent", self.dataset, conv_id, turn)
+        lost = "was in flight when an earlier run died" if store.is_interrupted(rid) else \
+            "timed out after reaching the provider" if store.is_maybe_paid(rid) else None
+        if lost and not (self.settings.resend_interrupted or not self.backend.paid):
+            log.warning("%s/%s turn %d %s: it may be paid and is not sent again (generation.resend_interrupted: "
+                        "true sends it again)", self.dataset, conv_id, turn, lost)
             st.num_conversations_interrupted += 1
+            st.num_requests_held_back_maybe_paid += 1
             return None
         if self.stop:
             return None
@@ -171,18 +201,42 @@ class _Run:
         if reserved is None:
             self.stop = st.stopped_by_budget = True
             return None
+        tried = _Try(reserved)
+
+        async def before_resend() -> bool:
+            """The last try timed out after reaching the provider: booked at its bound; reserve for the next."""
+            tried.open = False
+            await self.budget.settle(tried.bound, tried.bound)
+            self._book(tried.bound)
+            st.num_tries_maybe_paid += 1
+            bound = None if self.stop else await self.budget.reserve(history)
+            if bound is None:
+                self.stop = st.stopped_by_budget = True
+                return False
+            store.mark_sent(rid, bound)
+            tried.bound, tried.open = bound, True
+            return True
+
         try:
-            store.mark_sent(rid)
+            store.mark_sent(rid, reserved)
             st.num_requests += 1
             result = await self.backend.complete(
                 list(history), request_id=rid, max_tokens=self.settings.max_new_tokens,
-                temperature=self.settings.temperature, reasoning=self.settings.reasoning)
+                temperature=self.settings.temperature, reasoning=self.settings.reasoning,
+                before_resend=before_resend)
         except ChatRequestError as e:
+            last_maybe_paid = e.maybe_paid and self.backend.paid  # the last try: booked at its bound
+            held = e.num_maybe_paid > 0 and self.backend.paid  # any try: a rerun does not send it again
             paid = e.paid and self.backend.paid
-            spent = self.budget.booked(reserved, cost=e.cost, usage=e.usage, paid=paid)
-            store.mark_failed(rid, e.kind, cost_usd=spent)  # a paid failure is on record before any re-send
-            await self.budget.settle(reserved, spent)
-            self._book(spent)
+            spent = tried.bound if last_maybe_paid else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage,
+                                                                             paid=paid)
+            # a paid failure is on record before any re-send
+            store.mark_failed(rid, e.kind, cost_usd=spent, maybe_paid=held)
+            if tried.open:
+                await self.budget.settle(tried.bound, spent)
+                self._book(spent)
+                st.num_tries_maybe_paid += last_maybe_paid
+            st.num_failed_maybe_paid += held
             st.num_paid_unusable += paid
             self.failures[e.kind] += 1
             self.attempt_failures.update(e.attempt_failures)
@@ -190,13 +244,14 @@ class _Run:
             log.warning("%s/%s turn %d failed: %s", self.dataset, conv_id, turn, e)
             return None
         except BaseException:
-            await self.budget.settle(reserved, 0.0)  # cancelled: the request stays `sent` in the log
+            if tried.open:  # cancelled: the try stays `sent` in the log, booked at its bound
+                await self.budget.settle(tried.bound, tried.bound)
             raise
-        spent = self.budget.booked(reserved, cost=result.cost, usage=result.usage, paid=self.backend.paid)
+        spent = self.budget.booked(tried.bound, cost=result.cost, usage=result.usage, paid=self.backend.paid)
         self.attempt_failures.update(result.attempt_failures)
         record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings, spent)
         store.add_turn(record)
-        await self.budget.settle(reserved, spent)
+        await self.budget.settle(tried.bound, spent)
         self._book(spent)
         st.num_turns += 1
         st.num_successes += 1
@@ -210,6 +265,14 @@ class _Run:
         self.stats.recorded_cost_usd = self.store.recorded_cost_usd
 
 
+@dataclass
+class _Try:
+    """The latest try of a request: its reserved bound, and whether the budget still holds it as reserved."""
+
+    bound: float
+    open: bool = True
+
+
 def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[dict],
                  result: ChatResult, settings: GenerationSettings, cost_usd: float) -> dict:
     return {
@@ -221,6 +284,7 @@ def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[
         "usage": result.usage, "cost_usd": cost_usd, "cost_reported": result.cost is not None,
         "provider": result.provider, "model": result.model,
         "settings": settings.identity(), "attempt_failures": result.attempt_failures,
+        **({"producer": settings.producer} if settings.producer else {}),
     }
 
 
@@ -296,10 +360,14 @@ def _check_failures(stats: RegenerationStats, max_fraction: float, store_path: P
     failed = sum(stats.failures_by_kind.values())
     if stats.num_requests and failed / stats.num_requests > max_fraction:
         kinds = ", ".join(f"{k}: {n}" for k, n in sorted(stats.failures_by_kind.items(), key=lambda kv: -kv[1]))
+        held = stats.num_failed_maybe_paid
+        rerun = "a rerun sends the failed ones again" if not held else (
+            f"a rerun sends the failed ones again, except the {held} that timed out after reaching the provider "
+            f"(they may be paid, each is booked at its bound; generation.resend_interrupted: true sends them too)")
         raise RegenerationFailedError(
             f"{stats.dataset}: {failed} of {stats.num_requests} requests failed for good ({kinds}), more than "
             f"generation.max_failure_fraction={max_fraction:g}; the {stats.num_turns} turns that came back are "
-            f"recorded in {store_path} and a rerun sends the failed ones again", stats)
+            f"recorded in {store_path} and {rerun}", stats)
 
 
 def regenerate_dataset_sync(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,

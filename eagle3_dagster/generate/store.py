@@ -6,17 +6,26 @@ does not decide what to request (`regenerate.py`).
 
 The log holds three kinds of lines, each a JSON object with a `type`:
 
-- `sent`: written (and fsynced) *before* a request leaves the process. A `sent`
-  id with no `turn` line after a crash is a request that may have been paid for
-  but whose answer was lost; the regenerator never re-sends it unless told to.
+- `sent`: written (and fsynced) *before* a try leaves the process, with the try's
+  worst-case cost `bound_usd`. Until a `turn` or `failed` line of its id settles
+  it, a try counts at its bound: after a crash it may have been paid for while
+  its answer was lost, and the regenerator never re-sends it unless told to. A
+  second `sent` of the same id (a retry after a timeout) leaves the earlier try
+  booked at its bound for good: no answer of the provider will ever settle it.
 - `turn`: one regenerated assistant turn: the exact prompt messages it was
   generated from, the response (reasoning, content, tool_calls, finish_reason),
-  usage, cost and provider.
-- `failed`: a sent request that failed for good (after retries); it may be sent
-  again by a later run, as its answer never arrived. A failure the provider was
-  paid for (an HTTP 200 whose answer is unusable) carries its `cost_usd`, which
-  counts toward the budget like a turn's.
-- `conversation`: all turns of a conversation are recorded.
+  usage, cost and provider. It settles the id's latest try at `cost_usd`.
+- `failed`: a sent request that failed for good (after retries), settling its
+  latest try at `cost_usd`: zero when the provider refused it (429, 5xx), the
+  reported cost of a paid but unusable answer, the bound of a try that timed out
+  after reaching the provider (`maybe_paid`). A failed request may be sent again
+  by a later run, except a `maybe_paid` one (unless told to).
+- `conversation`: all turns of a conversation are recorded, by which producer.
+
+Every turn carries its `producer`: the identity of the model and the tokenizer
+that produced it (`target.answer_producer`). A turn or a finished conversation
+of another producer is there, counted by `turns_by_producer`, but is never the
+current producer's (`set_aside_reason` says why).
 
 One writer per log: opening the store takes an exclusive `flock` on it, held
 until it is closed (the kernel drops it when the process dies). A second run on
@@ -30,16 +39,33 @@ it in `repaired_bytes`; a torn line is never parsed as a record.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from eagle3_dagster.io import naming_full_disk
+
 log = logging.getLogger(__name__)
+
+
+def producer_key(producer: dict | None) -> str:
+    """A producer as a comparable string ("" for turns written before turns carried one)."""
+    return orjson.dumps(producer, option=orjson.OPT_SORT_KEYS).decode() if producer else ""
+
+
+def set_aside_reason(recorded: dict | None, current: dict) -> str:
+    """Why an answer recorded under `recorded` is not one of `current`'s, e.g. 'another tokenizer'."""
+    if not recorded:
+        return "no producer recorded (written before answers carried the model and tokenizer identity)"
+    changed = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
+    return "another " + " and ".join(changed)
 
 
 class StoreCorruptError(ValueError):
@@ -57,10 +83,13 @@ class ResponseStore:
         self.path = Path(path)
         self.fsync = fsync
         self.repaired_bytes = 0
-        self.recorded_cost_usd = 0.0  # what every recorded turn cost, so a budget holds across restarts
+        # What every try on record cost, unsettled ones at their bound, so a budget holds across restarts.
+        self.recorded_cost_usd = 0.0
         self._turn_offsets: dict[str, tuple[int, int]] = {}  # request id -> (offset, length)
-        self._sent: set[str] = set()
-        self._complete: set[str] = set()
+        self._unsettled: dict[str, float] = {}  # request id -> bound of its latest try, sent and not answered
+        self._maybe_paid: set[str] = set()  # failed after reaching the provider: may be paid, answer lost
+        self._complete: set[tuple[str, str]] = set()  # (conversation id, producer key)
+        self.turns_by_producer: Counter[str] = Counter()  # producer key -> turns on record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -114,15 +143,15 @@ class ResponseStore:
         kind = record.get("type") if isinstance(record, dict) else None
         rid = record.get("request_id") if isinstance(record, dict) else None
         if kind == "sent" and isinstance(rid, str):
-            self._sent.add(rid)
+            self._book_sent(rid, float(record.get("bound_usd") or 0.0))
         elif kind == "turn" and isinstance(rid, str):
             self._turn_offsets[rid] = (offset, length)
-            self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
+            self._settle(rid, float(record.get("cost_usd") or 0.0))
+            self.turns_by_producer[producer_key(record.get("producer"))] += 1
         elif kind == "failed" and isinstance(rid, str):
-            self._sent.discard(rid)
-            self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
+            self._settle(rid, float(record.get("cost_usd") or 0.0), maybe_paid=bool(record.get("maybe_paid")))
         elif kind == "conversation":
-            self._complete.add(str(record.get("conversation_id")))
+            self._complete.add((str(record.get("conversation_id")), producer_key(record.get("producer"))))
         else:
             raise StoreCorruptError(f"{self.path}:{lineno}: record without a known type/request_id")
 
@@ -131,10 +160,31 @@ class ResponseStore:
 
     def is_interrupted(self, request_id: str) -> bool:
         """Sent by an earlier run that died before its answer was recorded."""
-        return request_id in self._sent and request_id not in self._turn_offsets
+        return request_id in self._unsettled and request_id not in self._turn_offsets
 
-    def is_complete(self, conversation_id: str) -> bool:
-        return conversation_id in self._complete
+    def is_maybe_paid(self, request_id: str) -> bool:
+        """Failed for good after a try reached the provider (a timeout): it may be paid, its answer is lost."""
+        return request_id in self._maybe_paid and request_id not in self._turn_offsets
+
+    @property
+    def unsettled_usd(self) -> float:
+        """The bounds of the tries sent and never answered (in flight now, or when an earlier run died)."""
+        return sum(self._unsettled.values())
+
+    def _book_sent(self, request_id: str, bound_usd: float) -> None:
+        # an earlier unsettled try of this id keeps its bound in recorded_cost_usd for good
+        self._unsettled[request_id] = bound_usd
+        self.recorded_cost_usd += bound_usd
+
+    def _settle(self, request_id: str, cost_usd: float, *, maybe_paid: bool = False) -> None:
+        self.recorded_cost_usd += cost_usd - self._unsettled.pop(request_id, 0.0)
+        if maybe_paid:
+            self._maybe_paid.add(request_id)
+        else:
+            self._maybe_paid.discard(request_id)
+
+    def is_complete(self, conversation_id: str, producer: dict | None = None) -> bool:
+        return (conversation_id, producer_key(producer)) in self._complete
 
     def get_turn(self, request_id: str) -> dict:
         offset, length = self._turn_offsets[request_id]
@@ -151,37 +201,47 @@ class ResponseStore:
 
     def _append(self, record: dict) -> tuple[int, int]:
         line = orjson.dumps(record) + b"\n"
-        offset = os.lseek(self._fd, 0, os.SEEK_END)
-        # One write() of the whole line on an O_APPEND descriptor: a crash leaves at most one torn tail.
-        written = os.write(self._fd, line)
-        if written != len(line):
-            raise OSError(f"{self.path}: short write ({written} of {len(line)} bytes)")
-        if self.fsync:
-            os.fsync(self._fd)
+        with naming_full_disk(self.path):
+            offset = os.lseek(self._fd, 0, os.SEEK_END)
+            # One write() of the whole line on an O_APPEND descriptor: a crash leaves at most one torn tail.
+            written = os.write(self._fd, line)
+            if written != len(line):  # a partial line is a torn tail the next open truncates away
+                raise OSError(errno.ENOSPC, f"{self.path}: short write ({written} of {len(line)} bytes)")
+            if self.fsync:
+                os.fsync(self._fd)
         return offset, len(line)
 
-    def mark_sent(self, request_id: str) -> None:
-        self._append({"type": "sent", "request_id": request_id})
-        self._sent.add(request_id)
+    def mark_sent(self, request_id: str, bound_usd: float = 0.0) -> None:
+        """Before a try leaves: from here on it counts at `bound_usd` until an answer settles it."""
+        record: dict = {"type": "sent", "request_id": request_id}
+        if bound_usd:
+            record["bound_usd"] = bound_usd
+        self._append(record)
+        self._book_sent(request_id, bound_usd)
 
-    def mark_failed(self, request_id: str, kind: str, cost_usd: float = 0.0) -> None:
+    def mark_failed(self, request_id: str, kind: str, cost_usd: float = 0.0, *, maybe_paid: bool = False) -> None:
         record: dict = {"type": "failed", "request_id": request_id, "kind": kind}
         if cost_usd:
             record["cost_usd"] = cost_usd
+        if maybe_paid:
+            record["maybe_paid"] = True
         self._append(record)
-        self._sent.discard(request_id)
-        self.recorded_cost_usd += cost_usd
+        self._settle(request_id, cost_usd, maybe_paid=maybe_paid)
 
     def add_turn(self, record: dict) -> None:
         rid = record["request_id"]
         if rid in self._turn_offsets:
             raise ValueError(f"{self.path}: request {rid} is already recorded")
         self._turn_offsets[rid] = self._append({"type": "turn", **record})
-        self.recorded_cost_usd += float(record.get("cost_usd") or 0.0)
+        self._settle(rid, float(record.get("cost_usd") or 0.0))
+        self.turns_by_producer[producer_key(record.get("producer"))] += 1
 
-    def mark_complete(self, conversation_id: str, request_ids: list[str]) -> None:
-        self._append({"type": "conversation", "conversation_id": conversation_id, "request_ids": request_ids})
-        self._complete.add(conversation_id)
+    def mark_complete(self, conversation_id: str, request_ids: list[str], producer: dict | None = None) -> None:
+        record: dict = {"type": "conversation", "conversation_id": conversation_id, "request_ids": request_ids}
+        if producer:
+            record["producer"] = producer
+        self._append(record)
+        self._complete.add((conversation_id, producer_key(producer)))
 
     def close(self) -> None:
         if self._fd >= 0:

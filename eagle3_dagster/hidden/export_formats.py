@@ -7,7 +7,17 @@ SpecForge or speculators unchanged. Layouts as their readers expect them
 SpecForge (`scripts/prepare_hidden_states.py`, offline EAGLE-3 reader):
     rows_{k*G}-{(k+1)*G}/data_{i}.ckpt, a torch.save dict per sample:
     input_ids [T] int64, loss_mask [T] int64, hidden_state [1, T, H] (post-norm,
-    like ours), aux_hidden_state [1, T, 3H], both in the target dtype.
+    like ours), aux_hidden_state [1, T, 3H]. SpecForge 0.2.0 reads them unchanged
+    (`runtime/data_plane/offline_reader.py`, `algorithms/eagle3/data.py`) and feeds
+    `hidden_state` to `TargetHead`, which it always moves to bfloat16
+    (`modeling/target/target_head.py`), and `aux_hidden_state` to the draft, built
+    in the training dtype (bfloat16 by default): features of a float32 target fail
+    there with "expected m1 and m2 to have the same dtype", so both are written in
+    bfloat16 unless asked otherwise. `TargetHead.load_weights` also globs
+    `*.index.json` beside the target weights and refuses a target without one;
+    `specforge_target_dir` gives a target that lacks it a folder of links plus a
+    generated `model.safetensors.index.json` (the target itself is never written to:
+    its identity hashes the index).
 
 speculators (`speculators.train.data.ArrowDataset`):
     an Arrow dataset (`datasets.save_to_disk`) with input_ids, loss_mask, seq_len,
@@ -40,11 +50,15 @@ def specforge_path(out_dir: Path, index: int, group_size: int = SPECFORGE_FILE_G
     return Path(out_dir) / f"rows_{k * group_size}-{(k + 1) * group_size}" / f"data_{index}.ckpt"
 
 
+# What SpecForge's TargetHead and (by default) its draft model compute in.
+SPECFORGE_DTYPE = torch.bfloat16
+
+
 def export_specforge(
     version_dir: Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, dtype: torch.dtype = SPECFORGE_DTYPE,
 ) -> int:
-    """One torch.save file per sample, numbered in dataset order; returns how many were written."""
+    """One torch.save file per sample, numbered in dataset order, states in `dtype`; returns how many."""
     ds = HiddenStatesDataset(version_dir)
     for i in range(len(ds)):
         s = ds[i]
@@ -53,15 +67,52 @@ def export_specforge(
                 {
                     "input_ids": s["input_ids"].clone(),
                     "loss_mask": s["loss_mask"].clone(),
-                    "hidden_state": s["last_hidden"].unsqueeze(0).clone(),
-                    "aux_hidden_state": s["aux_hidden"].unsqueeze(0).clone(),
+                    "hidden_state": s["last_hidden"].to(dtype).unsqueeze(0).clone(),
+                    "aux_hidden_state": s["aux_hidden"].to(dtype).unsqueeze(0).clone(),
                 },
                 f,
             )
         if progress is not None:
             progress(i + 1, len(ds))
-    _write_provenance(out_dir, ds, "specforge")
+    _write_provenance(out_dir, ds, "specforge", {"feature_dtype": str(dtype).removeprefix("torch.")})
     return len(ds)
+
+
+def specforge_target_dir(target_dir: Path, out_dir: Path) -> Path:
+    """A target folder SpecForge's TargetHead loads: the target itself when it has a `*.index.json`,
+    else `out_dir/target_model` with a link to each of its files and a generated safetensors index."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir).resolve()
+    if list(target_dir.glob("*.index.json")):
+        return target_dir
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target_dir}: no *.safetensors weights to index for SpecForge")
+    view = Path(out_dir) / "target_model"
+    view.mkdir(parents=True, exist_ok=True)
+    for f in target_dir.iterdir():
+        link = view / f.name
+        if f.is_file() and not link.exists():
+            link.symlink_to(f)
+    weight_map, total = {}, 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                weight_map[name] = f.name
+                sl = h.get_slice(name)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= d
+                total += numel * _DTYPE_BYTES[sl.get_dtype()]
+    atomic_write_json(view / "model.safetensors.index.json",
+                      {"metadata": {"total_size": total, "generated_by": "eagle3 export-shards --format specforge"},
+                       "weight_map": weight_map})
+    return view
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
@@ -121,9 +172,10 @@ def export_speculators(
     return len(ds)
 
 
-def _write_provenance(out_dir: Path, ds: HiddenStatesDataset, layout: str) -> None:
+def _write_provenance(out_dir: Path, ds: HiddenStatesDataset, layout: str, extra: dict | None = None) -> None:
     atomic_write_json(
         Path(out_dir) / "eagle3_export.json",
         {"layout": layout, "num_samples": len(ds), "sample_ids": ds.sample_ids, **ds.metadata,
-         "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm"},
+         "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm",
+         **(extra or {})},
     )

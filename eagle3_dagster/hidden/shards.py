@@ -333,13 +333,9 @@ def _remove_stale_temps(version_dir: Path, key: str) -> None:
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # our own earlier, abandoned attempt
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from eagle3_dagster.io import pid_alive
+
+    return pid_alive(pid)
 
 
 class ShardCorruptError(RuntimeError):
@@ -359,7 +355,11 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     names = sorted(n for n in storage.file_sizes(version_dir) if n.endswith(MANIFEST_SUFFIX) and not n.startswith("."))
     out: dict[str, dict] = {}
     for n, blob in zip(names, storage.read_many([storage.join(version_dir, n) for n in names]), strict=True):
-        entry = orjson.loads(blob)
+        try:
+            entry = storage.parse_json(blob, storage.join(version_dir, n))
+        except ValueError as e:
+            raise ValueError(f"{e}: a corrupt shard manifest; delete it and the shard "
+                             f"{n[: -len(MANIFEST_SUFFIX)]} counts as missing and is extracted again") from None
         if entry.get("shard") != n[: -len(MANIFEST_SUFFIX)]:
             raise ValueError(f"{storage.join(version_dir, n)}: manifest names shard {entry.get('shard')!r}, "
                              "not its own file name")

@@ -1,8 +1,10 @@
 """The benchmark stage: acceptance length and speed of the exported drafter.
 
 In-process (CPU profiles): the target and the drafter run in this process with
-greedy verification; every speculative output is asserted identical to plain
-greedy decoding. Served (GPU host): SGLang is started with and without the
+greedy verification, where every speculative output is asserted identical to plain
+greedy decoding, and with speculative sampling at each of `bench.temperatures` above
+0 (SGLang's lossless rejection rule, `bench.specdec`; the trained drafter and no
+speculation only, to keep the demo's time). Served (GPU host): SGLang is started with and without the
 drafter for each configuration and measured through its native API. Both
 compare against no speculation, the n-gram drafter and an untrained drafter of
 the same shape, and against the previous report.
@@ -21,8 +23,13 @@ from eagle3_dagster.target import target_facts
 
 
 def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
-                    run_id: str, gpu_host: Any = None, progress: Progress = no_progress) -> StageReport:
-    """Benchmark the drafter exported in `export_dir`: the path drafter_checkpoint's materialization names."""
+                    run_id: str, gpu_host: Any = None, progress: Progress = no_progress,
+                    out_dir: Path | None = None) -> StageReport:
+    """Benchmark the drafter exported in `export_dir`: the path drafter_checkpoint's materialization names,
+    or any standard EAGLE-3 export for the profile's target (another trainer's: `drafter.imported`).
+
+    Results go to `out_dir` (default the profile's bench folder).
+    """
     from eagle3_dagster.bench.report import render_report
 
     if profile.hidden.backend == "sglang":
@@ -31,14 +38,15 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
         results = _inprocess(profile, layout, Path(export_dir), progress)
     previous = read_json(previous_results) if previous_results and Path(previous_results).exists() else None
     markdown, results_json, pngs = render_report(results, previous)
-    out = layout.bench_dir
+    out = Path(out_dir) if out_dir is not None else layout.bench_dir
     results_path = out / f"results-{run_id}.json"
     atomic_write_json(results_path, results_json)
     atomic_write_text(out / "report.md", render_report(results, previous, embed_images=False)[0])
     for name, png in pngs.items():
         atomic_write_bytes(out / name, png)
+    drafter_meta = {k: v for k, v in results_json.get("meta", {}).items() if k.startswith("drafter_")}
     return StageReport(
-        metadata={"results_json": results_path, **headline(results_json["rows"])},
+        metadata={"results_json": results_path, **headline(results_json["rows"]), **drafter_meta},
         markdown={"report": markdown},
     )
 
@@ -55,7 +63,7 @@ def headline(rows: list[dict]) -> dict:
     band = out.get("headline_band")
     for method, key in [("eagle3_untrained", "untrained_acceptance_length"), ("ngram", "ngram_acceptance_length")]:
         row = next((r for r in rows if r["method"] == method and r.get("spec") == out.get("spec")
-                    and r["set"] == out.get("set")), None)
+                    and r["set"] == out.get("set") and not r.get("temperature")), None)
         if row is None:
             continue
         value = next((b["acceptance_length"] for b in row.get("bands", []) if b["band"] == band), None) if band \
@@ -102,12 +110,33 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
                           context_length=context, extra_args=extra,
                           trust_remote_code=profile.target.trust_remote_code)
 
+    drafter_meta = _served_drafter_notes(profile, export, target, progress)
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
         rows += run_on_host(host, server(spec), sets, method=method, spec=spec.label if spec else None,
                             max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
-    return results_document(attach_speedups(rows), "served", described, meta={"target_identity": target.identity})
+    return results_document(attach_speedups(rows), "served", described,
+                            meta={"target_identity": target.identity, **drafter_meta})
+
+
+def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress: Progress) -> dict:
+    """What the serving release will capture for another trainer's export (SGLang reads the export itself)."""
+    import json
+
+    from eagle3_dagster.drafter.imported import REFERENCE_SGLANG, is_own_export, resolve_aux_layers
+    from eagle3_dagster.target import target_summary
+
+    if is_own_export(export):
+        return {"drafter_source": "eagle3_dagster"}
+    cfg = json.loads((export / "config.json").read_text())
+    version = profile.gpu_host.sglang_version or REFERENCE_SGLANG
+    aux, origin, notes = resolve_aux_layers(cfg, target_summary(target.path)["architecture"], target.num_layers,
+                                            version)
+    for note in notes:
+        progress(f"drafter {export}: {note}")
+    return {"drafter_source": "external", "drafter_aux_layers": aux, "drafter_aux_layers_from": origin,
+            "drafter_notes": notes}
 
 
 def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress: Progress) -> dict:
@@ -119,13 +148,16 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     from eagle3_dagster.bench.report import LengthBands, results_document
     from eagle3_dagster.bench.served import prompt_token_limit
     from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, SpecConfig, run_inprocess_benchmark
-    from eagle3_dagster.drafter.export import load_drafter
+    from eagle3_dagster.drafter.imported import load_any_drafter
     from eagle3_dagster.drafter.model import Eagle3Drafter
 
     target = target_facts(profile, layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
-    drafter = load_drafter(export, target.path).float()
+    imported = load_any_drafter(export, target.path, sglang_version=profile.gpu_host.sglang_version)
+    for note in imported.notes:
+        progress(f"drafter {export}: {note}")
+    drafter = imported.model.float()
     torch.manual_seed(0)
     untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
                               drafter.d2t.clone(), drafter.t2d.clone()).float().eval()
@@ -153,8 +185,10 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
         rows = run_inprocess_benchmark(
             model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in profile.bench.spec_configs],
             profile.bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress, rounds=DEFAULT_ROUNDS,
-            bands=bands,
+            bands=bands, temperatures=profile.bench.temperatures, sampled_proposers={"eagle3"},
         )
     return results_document(rows, "inprocess", described, meta={
         "target_identity": target.identity, "training_max_seq_len": profile.data.max_seq_len,
-        "serving_context": context, "rounds": DEFAULT_ROUNDS})
+        "serving_context": context, "rounds": DEFAULT_ROUNDS, "temperatures": list(profile.bench.temperatures),
+        "sampling_rule": "SGLang tree_speculative_sampling_target_only (topk 1: one-hot draft), thresholds 1.0",
+        **imported.metadata()})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+
+import orjson
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -41,11 +43,21 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
         load = LoadStats()
         source = load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=on_reject)
     budget = profile.data.max_seq_len - profile.generation.max_new_tokens
-    kept = too_long = turns_cut = 0
+    kept = too_long = turns_cut = template_failed = 0
     for conv in source:
         if ds.max_conversations is not None and kept >= ds.max_conversations:
             break
-        fitted, num_cut = _fit_to_context(conv, tokenizer, budget) if tokenizer is not None else (conv, 0)
+        try:
+            fitted, num_cut = _fit_to_context(conv, tokenizer, budget) if tokenizer is not None else (conv, 0)
+        except Exception as e:  # noqa: BLE001 - the target's template raising on one conversation quarantines it
+            template_failed += 1
+            if on_reject is not None:
+                from eagle3_dagster.data.prompts import Rejected
+
+                on_reject(Rejected(reason=f"chat_template: {type(e).__name__}: {e}"[:300],
+                                   where=f"{ds.name} conversation {conv.id}",
+                                   raw=orjson.dumps({"id": conv.id, "messages": list(conv.messages)}).decode()))
+            continue
         if fitted is None:
             too_long += 1
             continue
@@ -60,7 +72,7 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
     else:
         stats.update(lines=load.lines, loaded=load.loaded, skipped_by_reason=dict(load.skipped_by_reason))
     stats.update(conversations_used=kept, conversations_skipped_prompt_too_long=too_long,
-                 num_turns_cut_to_fit_context=turns_cut)
+                 num_turns_cut_to_fit_context=turns_cut, conversations_quarantined_chat_template=template_failed)
 
 
 def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> tuple[Conversation | None, int]:
@@ -93,7 +105,7 @@ def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *,
         reasoning=gen.reasoning, max_turns=ds.max_turns, concurrency=gen.concurrency, budget_usd=gen.budget_usd,
         price_per_completion_token=gen.price_usd_per_completion_token,
         price_per_prompt_token=gen.price_usd_per_prompt_token, max_failure_fraction=gen.max_failure_fraction,
-        resend_interrupted=gen.resend_interrupted,
+        resend_interrupted=gen.resend_interrupted, producer=answer_producer_of(profile, layout),
     )
     if gen.backend == "local":
         from eagle3_dagster.generate.local_backend import LocalChatBackend
@@ -109,16 +121,37 @@ def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *,
     out = layout.raw_responses(name)
     tokenizer = _tokenizer(profile, layout)
     num_rejected = _quarantine_source(profile, ds, source_rejects_path(layout, name)) if ds.path else 0
-    stats = regenerate_dataset_sync(conversations(profile, ds, source_stats, tokenizer), out, backend, settings,
-                                    dataset=name, total=ds.max_conversations, progress=progress)
+    template_rejects: list = []  # conversations the chat template cannot render: tokenized_dataset counts them
+    try:
+        stats = regenerate_dataset_sync(conversations(profile, ds, source_stats, tokenizer, template_rejects.append),
+                                        out, backend, settings, dataset=name, total=ds.max_conversations,
+                                        progress=progress)
+    finally:
+        _write_rejects(template_rejects_path(layout, name), template_rejects)
     return StageReport(metadata={"path": out, **stats.as_dict(), "source": source_stats,
                                  "num_source_lines_quarantined": num_rejected,
-                                 "source_quarantine_path": source_rejects_path(layout, name)})
+                                 "source_quarantine_path": source_rejects_path(layout, name),
+                                 "num_conversations_quarantined_chat_template": len(template_rejects),
+                                 "chat_template_quarantine_path": template_rejects_path(layout, name)})
 
 
 def source_rejects_path(layout: ArtifactLayout, name: str) -> Path:
     """Lines of a dataset's source file that raw_responses could not use; tokenized_dataset counts them."""
     return layout.raw_responses(name).with_name(f"{name}.rejected.jsonl")
+
+
+def template_rejects_path(layout: ArtifactLayout, name: str) -> Path:
+    """Conversations raw_responses left out because the chat template raised on them; tokenized_dataset counts
+    them toward data.bad_fraction_threshold."""
+    return layout.raw_responses(name).with_name(f"{name}.template_rejected.jsonl")
+
+
+def _write_rejects(path: Path, rejects: list) -> None:
+    from eagle3_dagster.io import atomic_open
+
+    with atomic_open(path) as f:
+        for r in rejects:
+            f.write(orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")
 
 
 def _quarantine_source(profile: Profile, ds: DatasetConfig, path: Path) -> int:
@@ -155,6 +188,15 @@ def _registered_source(ds: DatasetConfig) -> StageReport:
     return StageReport(metadata=meta, data_version=meta.get("sha256"))
 
 
+def answer_producer_of(profile: Profile, layout: ArtifactLayout) -> dict:
+    """The producer every answer of this profile is recorded under: the target (in-process) or the served
+    model, with the target's tokenizer, which renders and reads every answer."""
+    from eagle3_dagster.target import answer_producer
+
+    gen = profile.generation
+    return answer_producer(gen.backend, target_dir(profile, layout), served_model=gen.model)
+
+
 def _tokenizer(profile: Profile, layout: ArtifactLayout):
     from eagle3_dagster.target import load_tokenizer
 
@@ -176,7 +218,9 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
     elif ds.regenerate:
         stats = tk.tokenize_regenerated(layout.raw_responses(name), tokenizer, out, quarantine, dataset=name,
                                         bad_fraction_threshold=threshold,
-                                        source_rejects_path=source_rejects_path(layout, name))
+                                        source_rejects_path=[source_rejects_path(layout, name),
+                                                             template_rejects_path(layout, name)],
+                                        producer=answer_producer_of(profile, layout))
     else:
         rejects: deque = deque()
         stats = tk.tokenize_conversations(conversations(profile, ds, source_stats, tokenizer, rejects.append),
@@ -185,9 +229,13 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
                                           source_rejects=rejects)
     progress(f"tokenized {name}: {stats.num_records} records, {stats.num_tokens} tokens")
     if stats.num_records == 0:
+        aside = (f"; {stats.num_set_aside} recorded turns were set aside ({stats.set_aside_by_reason}): "
+                 f"materialize raw_responses[{name}] again to regenerate them with this target") \
+            if stats.num_set_aside else ""
         raise ValueError(
             f"tokenized_dataset[{name}]: no usable record out of {stats.num_inputs} inputs "
             f"({stats.num_dropped_length} cut off by length, {stats.num_quarantined} quarantined in {quarantine})"
+            f"{aside}"
         )
     meta = {"path": out, "quarantine_path": quarantine, **stats.as_dict()}
     if source_stats:

@@ -85,10 +85,11 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
     (hf backend run on the host). Raises PreflightError naming the host and what is missing."""
     import sys
 
-    from eagle3_dagster.gpu_host import PreflightError
+    from eagle3_dagster.gpu_host import PreflightError, server_option
 
     sglang = profile.hidden.backend == "sglang"
-    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, profile.hidden.tp_size if sglang else 0),
+    on_gpus = sglang and server_option(profile.hidden.sglang_server_args, "--device") in (None, "cuda")
+    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, profile.hidden.tp_size if on_gpus else 0),
                             require_sglang=sglang, require_patch=sglang)
     if not sglang and not host.is_this_process(sys.executable) and not report["eagle3_dagster"]:
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
@@ -203,7 +204,8 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
                       dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers,
-                      sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code)
+                      sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code,
+                      extra_args=tuple(profile.hidden.sglang_server_args))
     results = []
     try:
         with sglang_server(host, spec, on_log=server_log) as server:

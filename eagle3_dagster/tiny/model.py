@@ -64,9 +64,18 @@ def tiny_model_config(
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=ROUTED_SCALING_FACTOR,
+        # SGLang reads these three directly (Kimi-K2.5's config.json has them); transformers 5's
+        # DeepseekV3Config does not write them, and its routing is this one (sigmoid, noaux_tc) anyway.
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         num_mtp_layers=0,  # Kimi ships no MTP head (num_nextn_predict_layers = 0)
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        # DeepSeek yarn at factor 1.0 is the plain RoPE (transformers' logits are bit-identical to
+        # rope_type "default"), and it is the only RoPE SGLang's CPU path builds for DeepSeek.
+        rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 1.0,
+                         "original_max_position_embeddings": cfg.max_position_embeddings,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         rope_interleave=True,
         rms_norm_eps=RMS_NORM_EPS,
         hidden_act="silu",

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3_dagster.io import atomic_write_json, atomic_write_text, read_json
+from eagle3_dagster.io import atomic_write_json, atomic_write_text, naming_full_disk, read_json
 
 LATEST = "latest"
 
@@ -55,10 +56,15 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
+        # torch.save reports a full disk as "RuntimeError: basic_ios::clear: iostream error", naming nothing
+        with naming_full_disk(tmp / f"rng_rank{self.rank}.pt", unnamed_errors=(RuntimeError,)):
+            torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
-            save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            with naming_full_disk(tmp / "model.safetensors", unnamed_errors=(SafetensorError,)):
+                save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()},
+                          str(tmp / "model.safetensors"))
+            with naming_full_disk(tmp / "optimizer.pt", unnamed_errors=(RuntimeError,)):
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             atomic_write_json(tmp / "trainer_state.json", {**trainer_state, "step": step,
                                                             "scheduler": scheduler.state_dict()})
         _barrier()

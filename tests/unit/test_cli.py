@@ -79,3 +79,16 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
     atomic_write_json(tmp_path / "atomic.json", {})
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(tmp_path / "atomic.json") == mode(plain)
+
+
+def test_bench_names_a_drafter_directory_without_config_and_a_target_never_built(tmp_path, capsys):
+    from eagle3_dagster.cli import main
+
+    profile = profile_in(tmp_path)
+    (tmp_path / "drafter").mkdir()
+    assert main(["--profile", str(profile), "bench", "--drafter", str(tmp_path / "drafter")]) == 2
+    assert "not a drafter directory (no config.json)" in capsys.readouterr().err
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    assert main(["bench", "--drafter", str(tmp_path / "drafter"), "--profile", str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert "target_model" in err and "Traceback" not in err

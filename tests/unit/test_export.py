@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_dagster.drafter.export import SGLANG_EAGLE3_WEIGHTS, check_export, export_drafter
-from eagle3_dagster.drafter.export import load_drafter
+from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 

@@ -52,8 +52,10 @@ def test_specforge_export_has_its_keys_shapes_and_file_layout(version, tmp_path)
         n = ds.lengths()[i]
         assert d["input_ids"].dtype == torch.int64 and d["loss_mask"].dtype == torch.int64
         assert d["hidden_state"].shape == (1, n, H) and d["aux_hidden_state"].shape == (1, n, 3 * H)
-        assert torch.equal(d["hidden_state"][0], ds[i]["last_hidden"])  # SpecForge expects post-norm, as stored
-        assert torch.equal(d["aux_hidden_state"][0], ds[i]["aux_hidden"])
+        # SpecForge expects post-norm, as stored, in the bfloat16 its TargetHead and draft compute in
+        assert d["hidden_state"].dtype == d["aux_hidden_state"].dtype == torch.bfloat16
+        assert torch.equal(d["hidden_state"][0], ds[i]["last_hidden"].to(torch.bfloat16))
+        assert torch.equal(d["aux_hidden_state"][0], ds[i]["aux_hidden"].to(torch.bfloat16))
         assert torch.equal(d["loss_mask"], ds[i]["loss_mask"])
 
 
@@ -95,3 +97,70 @@ def test_final_norm_weight_is_read_from_the_target_checkpoint(micro_target):
 
     model = AutoModelForCausalLM.from_pretrained(str(micro_target), dtype=torch.float32)
     assert torch.equal(load_final_norm_weight(micro_target), model.model.norm.weight.detach())
+
+
+@pytest.fixture()
+def float32_target(tmp_path):
+    """A float32 target as the tiny build writes it: config.json and one model.safetensors, no index."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    d = tmp_path / "target"
+    LlamaConfig(hidden_size=H, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
+                num_hidden_layers=4, vocab_size=50).save_pretrained(str(d))
+    g = torch.Generator().manual_seed(3)
+    save_file({"model.embed_tokens.weight": torch.randn(50, H, generator=g),
+               "lm_head.weight": torch.randn(50, H, generator=g)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_export(version, tmp_path,
+                                                                                      float32_target, monkeypatch):
+    """SpecForge 0.2.0 from PyPI: its offline reader, EAGLE-3 normaliser, TargetHead and draft fc on our files."""
+    from tests.specforge_release import release_dir
+
+    from eagle3_dagster.hidden.export_formats import specforge_target_dir
+    from eagle3_dagster.target import target_identity
+
+    monkeypatch.syspath_prepend(str(release_dir()))
+    from transformers import LlamaConfig
+
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    version_dir, _ = version
+    ds = HiddenStatesDataset(version_dir)
+    assert ds[0]["last_hidden"].dtype == torch.float32  # what a float32 target's extraction stores
+
+    with pytest.raises(FileNotFoundError, match="No index.json file found"):  # what SpecForge says of the target
+        TargetHead.from_pretrained(str(float32_target))
+    identity = target_identity(float32_target)
+    target = specforge_target_dir(float32_target, tmp_path / "specforge")
+    assert target == tmp_path / "specforge" / "target_model" and target_identity(float32_target) == identity
+    head = TargetHead.from_pretrained(str(target))  # bfloat16, always
+    draft = LlamaForCausalLMEagle3(LlamaConfig(hidden_size=H, intermediate_size=16, num_attention_heads=2,
+                                               num_key_value_heads=2, num_hidden_layers=1, vocab_size=50,
+                                               draft_vocab_size=20)).to(torch.bfloat16)
+
+    old = tmp_path / "float32_features"
+    export_specforge(version_dir, old, dtype=torch.float32)  # what the export wrote before issue 19
+    raw = load_feature_file(str(specforge_path(old, 0)))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        head(normalize_offline_sample(raw, 2048)["target"])
+
+    out = tmp_path / "specforge"
+    export_specforge(version_dir, out)
+    refs = OfflineManifestReader(str(out), validate_files=True).read()  # the eager pass checks keys and tensors
+    assert len(refs) == 3
+    for i, ref in enumerate(refs):
+        sample = normalize_offline_sample(load_feature_file(ref.feature_store_uri.removeprefix("file://")), 2048)
+        n = ds.lengths()[i]
+        logits = head(sample["target"])  # the teacher
+        assert logits.shape == (1, n, 50) and logits.dtype == torch.bfloat16
+        want = (ds[i]["last_hidden"].to(torch.bfloat16) @ head.fc.weight.T)
+        assert torch.equal(logits[0], want)
+        assert draft.project_hidden_states(sample["hidden_state"]).shape == (1, n, H)  # the draft's fc
+        assert torch.equal(sample["input_ids"][0], ds[i]["input_ids"])

@@ -198,3 +198,46 @@ def test_the_plan_gives_hours_on_the_profiles_hosts_and_on_1_2_4_in_whole_shards
     assert hours_table({str(n): h for n, h in plan.hours_by_hosts.items()}, 3).splitlines() == [
         "hours   1 host  2 hosts  3 hosts (profile)  4 hosts",
         "         5.0 h    3.0 h              2.0 h    2.0 h"]
+
+
+def test_a_symbolic_link_where_the_lease_file_goes_is_refused_and_its_target_left_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    leases = tmp_path / "leases"
+    leases.mkdir()
+    lease_path(leases, "a").symlink_to(victim)
+    with pytest.raises(NoHostError, match="is a symbolic link"):
+        with lease_host([("a", None)], leases, holder={"run_id": "r"}, log=lambda _l: None, wait_s=0):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("step_fails", [True, False])
+def test_a_lease_directory_that_cannot_be_written_at_release_never_replaces_the_steps_outcome(tmp_path, step_fails):
+    leases = tmp_path / "leases"
+    lines: list[str] = []
+
+    def step() -> str:
+        (leases / "history.jsonl").unlink()
+        (leases / "history.jsonl").mkdir()  # the release record cannot be written any more
+        if step_fails:
+            raise ValueError("the step's own error")
+        return "done"
+
+    if step_fails:
+        with pytest.raises(ValueError, match="the step's own error"):
+            with lease_host([("a", None)], leases, holder={"run_id": "r"}, log=lines.append):
+                step()
+    else:
+        with lease_host([("a", None)], leases, holder={"run_id": "r"}, log=lines.append):
+            assert step() == "done"
+    assert any("its release could not be recorded" in line and "history.jsonl" in line for line in lines)
+    assert try_lock(lease_path(leases, "a")) is not None  # given back all the same
+
+
+def test_a_lease_directory_that_cannot_be_written_is_a_no_host_error_naming_it(tmp_path):
+    leases = tmp_path / "leases"
+    (leases / "history.jsonl").mkdir(parents=True)
+    with pytest.raises(NoHostError, match="cannot record the lease of host a"):
+        with lease_host([("a", None)], leases, holder={"run_id": "r"}, log=lambda _l: None):
+            pass

@@ -81,3 +81,47 @@ def test_a_budget_without_a_price_bound_is_refused_naming_the_field(tmp_path):
     bad.write_text(text)
     with pytest.raises(ProfileError, match="generation.price_usd_per_completion_token"):
         load_profile_file(bad)
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", ".hidden", "", "with space", "x" * 65, "é"])
+def test_a_dataset_name_outside_the_safe_alphabet_is_refused_when_the_profile_loads(tmp_path, name):
+    bad = _profile_with(tmp_path, "  - name: sharegpt", f"  - name: {name!r}")
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    assert str(bad) in str(e.value) and "datasets.0.name" in str(e.value) and "not a dataset name" in str(e.value)
+
+
+def test_two_datasets_whose_names_differ_only_in_case_are_refused_naming_both(tmp_path):
+    second = "  - name: ShareGPT\n    source: sharegpt\n"
+    bad = _profile_with(tmp_path, "generation:", second + "generation:")
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    assert "datasets[1].name: 'ShareGPT' is already the name of datasets[0] ('sharegpt')" in str(e.value)
+
+
+def test_a_top_level_key_given_twice_is_refused_naming_the_key_and_the_file(tmp_path):
+    bad = _profile_with(tmp_path, "hidden:", "data:\n  max_seq_len: 64\nhidden:")
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    assert str(bad) in str(e.value) and "key 'data' appears twice" in str(e.value)
+
+
+@pytest.mark.parametrize("section,field,line", [
+    ("datasets.0", "max_conversations", "    max_conversations: 64"),
+    ("datasets.0", "max_turns", "    max_turns: 1"),
+    ("generation", "budget_usd", "  temperature: 0.0"),
+    ("data", "max_seq_len", "  max_seq_len: 192"),
+    ("data", "draft_vocab_size", "  draft_vocab_size: 256"),
+])
+def test_a_number_as_large_as_10_to_the_30_is_refused_naming_the_field(tmp_path, section, field, line):
+    indent = line[:len(line) - len(line.lstrip())]
+    new = f"{line}\n{indent}{field}: {10**30}" if not line.strip().startswith(field) else f"{indent}{field}: {10**30}"
+    text = (CONFIG_DIR / "micro.yaml").read_text()
+    if field == "budget_usd":
+        text = text.replace("  backend: local", "  backend: openai\n  base_url: http://x/v1\n  model: m\n"
+                            "  price_usd_per_completion_token: 0.00001", 1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(line, new, 1))
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(bad)
+    assert f"{section}.{field}" in str(e.value) and "less than or equal" in str(e.value)

@@ -160,3 +160,23 @@ def test_a_timing_change_inside_both_runs_spread_is_not_called_better_or_worse()
     eagle["tokens_per_s"] = 310.0
     verdicts = {c["metric"]: c["verdict"] for c in compare_results(current, previous) if c["method"] == "eagle3"}
     assert verdicts["tokens_per_s"] == "better"
+
+
+def test_sampled_rows_are_reported_beside_greedy_and_paired_with_no_speculation_at_their_temperature():
+    rows = [
+        _row("s", "no_spec", None, 50.0) | {"temperature": 0.0},
+        _row("s", "eagle3", "3,1,4", 110.0, verify_tokens=300, verify_ct=100) | {"temperature": 0.0},
+        _row("s", "no_spec", None, 40.0) | {"temperature": 0.8},
+        _row("s", "eagle3", "3,1,4", 60.0, verify_tokens=200, verify_ct=100) | {"temperature": 0.8},
+    ]
+    rows = attach_speedups(rows)
+    assert [round(r["speedup"], 3) for r in rows] == [1.0, 2.2, 1.0, 1.5]  # each over no_spec of its temperature
+    head = headline(rows)
+    assert head["acceptance_length"] == 3.0 and head["acceptance_length_t0.8"] == 2.0
+    md, _, _ = render_report(results_document(rows, "inprocess", {}), None, embed_images=False)
+    greedy, sampled = md.split("## s, sampled at temperature 0.8")
+    assert "| eagle3 | 3,1,4 | 3.000 |" in greedy and "| eagle3 | 3,1,4 | 2.000 |" in sampled
+    previous = results_document([dict(r) for r in rows[:2]], "inprocess", {})  # a run from before temperatures
+    verdicts = {(c["temperature"], c["metric"]): c["verdict"] for c in compare_results(
+        results_document(rows, "inprocess", {}), previous) if c["method"] == "eagle3"}
+    assert verdicts[(0.0, "acceptance_length")] == "same" and verdicts[(0.8, "acceptance_length")] == "new"

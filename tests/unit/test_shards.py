@@ -19,6 +19,7 @@ from eagle3_dagster.hidden.shards import (
     ShardWriter,
     is_shard_complete,
     load_manifest,
+    load_shard_manifest,
     manifest_path,
     sample_index,
     shard_path,
@@ -297,3 +298,14 @@ def test_fp8_shards_store_scaled_rows_in_about_half_the_bytes_of_bf16_exactly_as
     big = {d: shard_file_size(ShardFormat(7168, d, (2, 30, 58), "t", "sglang-1"), "s", ["x"], [1000])
            for d in ("bfloat16", "float8_e4m3fn")}
     assert 0.49 < big["float8_e4m3fn"] / big["bfloat16"] < 0.51
+
+
+def test_a_corrupt_manifest_is_an_error_naming_its_file_and_what_to_do(tmp_path):
+    _write(tmp_path, "shard-00000", SAMPLES)
+    manifest = manifest_path(tmp_path, "shard-00000")
+    manifest.write_bytes(manifest.read_bytes()[:40])  # cut off, as a full disk or a torn copy leaves it
+    with pytest.raises(ValueError) as err:
+        load_manifest(tmp_path)
+    assert str(manifest) in str(err.value) and "extracted again" in str(err.value)
+    with pytest.raises(ValueError, match=str(manifest)):
+        load_shard_manifest(tmp_path, "shard-00000")

@@ -241,3 +241,23 @@ def test_untrained_drafter_on_the_micro_target_reproduces_greedy_output(micro_ta
         ("ngram", "7,1,8"),
     ]
     assert all(1.0 <= r["acceptance_length"] <= 8.0 for r in rows[1:])
+
+
+def test_sampled_benchmark_rows_sit_beside_greedy_ones_and_rounds_reproduce_with_the_same_coins(target, prompts, greedy):
+    sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts)]}
+    proposers = {"eagle3": OracleProposer(greedy, name="eagle3"), "ngram": NgramProposer()}
+    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=2,
+                                   temperatures=(0.0, 1.0), sampled_proposers={"eagle3"})
+    assert [(r["method"], r["temperature"]) for r in rows] == [
+        ("no_spec", 0.0), ("eagle3", 0.0), ("ngram", 0.0), ("no_spec", 1.0), ("eagle3", 1.0)]
+    by = {(r["method"], r["temperature"]): r for r in rows}
+    assert by[("eagle3", 0.0)]["acceptance_length"] == 4.0  # the oracle drafts the greedy path
+    assert 1.0 <= by[("eagle3", 1.0)]["acceptance_length"] < 4.0  # sampling leaves it
+    sampled = by[("eagle3", 1.0)]
+    assert sampled["speedup_rounds"] == [m / t for m, t in zip(sampled["tokens_per_s_rounds"],
+                                                               by[("no_spec", 1.0)]["tokens_per_s_rounds"])]
+    again = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=1,
+                                    temperatures=(1.0,), sampled_proposers={"eagle3"})
+    assert [r["completion_tokens"] for r in again] == [by[("no_spec", 1.0)]["completion_tokens"],
+                                                       sampled["completion_tokens"]]
+    assert again[1]["acceptance_length"] == sampled["acceptance_length"]  # seeded coins: the same draws

@@ -36,6 +36,28 @@ def test_saved_config_is_kimi_text_architecture_at_micro_size(micro_target, micr
     assert (cfg["n_group"], cfg["topk_group"], cfg["num_nextn_predict_layers"]) == (1, 1, 0)
     assert cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == tiny.vocab_size
     assert (micro_target / "model.safetensors").exists() and (micro_target / "generation_config.json").exists()
+    # what SGLang reads directly to build the model (tests/real_sglang serve this target)
+    assert (cfg["rope_parameters"]["rope_type"], cfg["rope_parameters"]["factor"]) == ("yarn", 1.0)
+    assert (cfg["moe_layer_freq"], cfg["topk_method"], cfg["scoring_func"]) == (1, "noaux_tc", "sigmoid")
+
+
+def test_yarn_rope_at_factor_one_is_the_plain_rope_bit_for_bit(micro_profile):
+    """The tiny target writes DeepSeek yarn at factor 1.0 (SGLang's CPU path builds no other RoPE for
+    DeepSeek); transformers must compute exactly what rope_type "default" computes."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from eagle3_dagster.tiny.model import create_tiny_model, tiny_model_config
+
+    config = tiny_model_config(micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    yarn = create_tiny_model(config, seed=0).eval()
+    plain_config = tiny_model_config(micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2,
+                                     pad_token_id=0)
+    plain_config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+    plain = DeepseekV3ForCausalLM(plain_config).float().eval()
+    plain.load_state_dict(yarn.state_dict())
+    ids = torch.randint(0, 512, (2, micro_profile.target.tiny.max_position_embeddings), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(yarn(ids).logits, plain(ids).logits)
 
 
 def test_first_layer_is_dense_and_later_layers_route_tokens_to_several_experts(model, sample_ids):

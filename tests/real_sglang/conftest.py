@@ -1,0 +1,27 @@
+"""The real-SGLang tier: SGLang's release server on this machine's CPU (tests/sglang_cpu/README.md).
+
+The venv is built here, inside the test run (CI has no cache), from PyPI only; a failed download
+or install fails the tier. The production dump patch goes on with `eagle3 patch apply --python`,
+as on a GPU host.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.real_sglang.support import VERSION
+from tests.sglang_cpu import venv as sglang_venv
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    python = sglang_venv.build(VERSION, log=lambda line: print(f"[sglang venv] {line}", file=sys.stderr))
+    eagle3 = Path(sys.executable).parent / "eagle3"
+    proc = subprocess.run([str(eagle3), "patch", "apply", "--python", str(python)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return python
+

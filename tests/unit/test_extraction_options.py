@@ -1,0 +1,49 @@
+"""An extraction server never runs with an option that would make a prefill skip rows or store other states.
+
+A prefix served from a cache (radix, hierarchical, session, LMCache, a PD peer) is not recomputed and
+has no hidden states; a mixed batch is not the plain EXTEND forward the hook dumps. Such options are
+refused before anything starts, naming the option, both in the profile and in the launcher; the
+release's own options always turn the radix cache off. On the real server: tests/real_sglang/.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_dagster.config import load_profile
+from eagle3_dagster.gpu_host import EXTRACTION_REFUSED_OPTIONS, ServerSpec
+from eagle3_dagster.sglang import releases
+
+SKIPPING_ROWS = ["--enable-hierarchical-cache", "--enable-hicache", "--enable-session-radix-cache",
+                 "--radix-cache-backend=flexkv", "--enable-lmcache", "--enable-mixed-chunk",
+                 "--disaggregation-mode=prefill"]
+
+
+@pytest.mark.parametrize("option", SKIPPING_ROWS)
+def test_the_launcher_refuses_an_option_that_skips_prefill_rows_naming_it(option):
+    spec = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version="0.5.23",
+                      extra_args=("--device", "cpu", option))
+    with pytest.raises(ValueError, match=option.split("=")[0]):
+        spec.argv("python")
+    assert option.split("=")[0] in EXTRACTION_REFUSED_OPTIONS
+
+
+@pytest.mark.parametrize("option", ["--enable-hierarchical-cache", "--enable-mixed-chunk"])
+def test_the_profile_refuses_it_too_naming_the_field(option):
+    with pytest.raises(Exception, match=f"hidden.sglang_server_args(.|\n)*{option}"):
+        load_profile("micro", overrides={"hidden": {"sglang_server_args": ["--device", "cpu", option]}})
+
+
+def test_every_release_turns_the_radix_cache_off_for_extraction():
+    for version, release in releases.supported().items():
+        argv = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version=version).argv("python")
+        assert "--disable-radix-cache" in argv, version
+
+
+def test_a_cpu_device_gets_sglangs_cpu_engine_and_other_options_pass_through():
+    spec = ServerSpec("/m", dump_dir="/d", dump_layers=(1, 2, 3), sglang_version="0.5.23",
+                      extra_args=("--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"))
+    argv = spec.argv("python")
+    assert argv[-6:] == ["--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"]
+    assert spec.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert "SGLANG_USE_CPU_ENGINE" not in ServerSpec("/m", dump_dir="/d", dump_layers=(1, 2, 3)).environment()
