@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_dagster.bench.served import ServedBenchmarkError, prompt_token_limit, run_on_host, run_served_sets
+from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.gpu_host import GpuHost, HostSpec, ServerError, ServerSpec
+from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
 STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
 SPEC_ARGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -227,7 +229,7 @@ def test_a_prompt_record_without_a_prompt_field_is_named_in_the_error(tmp_path):
         load_prompt_set("gsm8k", 5, path)
 
 
-def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_target):
+def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_target, target_dir):
     """The stage end to end: prompts rendered and capped here, each server + client on the host.
 
     The host's interpreter is a wrapper whose `sglang.launch_server` is the stand-in, so the stage
@@ -262,8 +264,10 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     shutil.copytree(micro_target, layout.target_dir)
     host = GpuHost(HostSpec("local", str(python), str(tmp_path / "work")))
     logs: list[str] = []
-    report = benchmark_stage(profile, layout, export_dir=tmp_path / "export", previous_results=None, run_id="r1",
+    export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096)  # the project's own
+    report = benchmark_stage(profile, layout, export_dir=export, previous_results=None, run_id="r1",
                              gpu_host=host, progress=logs.append)
+    assert report.metadata["drafter_source"] == "eagle3_dagster"
     results = json.loads(Path(report.metadata["results_json"]).read_text())
     rows = {r["method"]: r for r in results["rows"]}
     assert set(rows) == {"no_spec", "eagle3"} and rows["eagle3"]["spec"] == "3,1,4"
