@@ -132,6 +132,9 @@ def two_host_extraction(tmp_path_factory) -> dict:
     raw["hidden"]["root"] = str(root / "run" / "hidden_states")  # both "hosts" see it: this machine
     raw["datasets"][0]["max_conversations"] = 100  # 15–37 records kept at micro size, by machine: shards of 2
     raw["hidden"]["samples_per_shard"] = 2
+    # The runs are the test's: the automation sensor would also request the killed shard at its next tick
+    # (every 10 minutes by default; a slow machine's test spans one), racing the test's own rerun.
+    raw["hidden"]["backfill_cron"] = "0 0 1 1 *"
     raw["gpu_host"] = {"hosts": hosts, "lease_dir": str(root / "leases")}
     profile = root / "micro_two_hosts.yaml"
     profile.write_text(yaml.safe_dump(raw, sort_keys=False))
