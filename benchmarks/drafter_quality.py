@@ -8,8 +8,9 @@ a run already finished is read back, not trained again), then prints one table:
 - held-out acc_0 … acc_k and simulated acceptance, measured by the training job on the samples
   `train.eval_fraction` keeps out (chosen by sample-id hash: the same samples for every variant, and
   no variant trains on them);
-- acceptance length of the in-process benchmark (greedy, the profile's held-out ShareGPT prompts,
-  each spec config, by prompt-length band);
+- acceptance length of the in-process benchmark (the profile's held-out ShareGPT prompts, each spec
+  config, by prompt-length band), greedy and sampled at each of `--temperatures` with SGLang's lossless
+  rule (default: the profile's `bench.temperatures` and 1, where Kimi-K2.5 thinks);
 - optimizer steps, tokens per optimizer step, and training CPU seconds (user + system of the whole
   torchrun process tree, start-up included, so ranks × threads are all counted).
 
@@ -58,6 +59,10 @@ VARIANTS: dict[str, dict] = {
     "one_sample_4ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
                           "loss": "lk_lambda"},
     "one_sample_6ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
+    # the demo's recipe with one change each: the LK lambda objective; Adam's beta2 of the old recipe
+    "one_sample_6ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
+                          "loss": "lk_lambda"},
+    "one_sample_6ep_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.95)},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -102,9 +107,10 @@ def train_variant(profile, layout, plan, log) -> dict:
 
 
 class Acceptance:
-    """The in-process benchmark of the asset, restricted to the trained drafter (one untimed round)."""
+    """The in-process benchmark of the asset, restricted to the trained drafter (one untimed round), greedy
+    and sampled at each of `temperatures` (SGLang's lossless rule, coins seeded per prompt)."""
 
-    def __init__(self, profile, layout, num_prompts: int | None) -> None:
+    def __init__(self, profile, layout, num_prompts: int | None, temperatures: list[float]) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,23 +130,32 @@ class Acceptance:
         self.bands = LengthBands.for_training(profile.data.max_seq_len, profile.target.serving_context)
         self.eos = {i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None}
         self.specs, self.max_new_tokens = bench.spec_configs, bench.max_new_tokens
+        self.temperatures = list(dict.fromkeys(float(t) for t in temperatures))
 
     def measure_once(self, run_dir: Path) -> dict[str, dict[str, float]]:
-        """`measure` of the run's export, kept beside it (greedy decoding is deterministic: a rerun of the
-        table reads it back instead of decoding again)."""
+        """`measure` of the run's export, kept beside it per temperature (outputs are deterministic: greedy,
+        or sampled with seeded coins), so a rerun of the table decodes only temperatures not yet measured."""
         from eagle3_dagster.io import atomic_write_json, read_json
 
         key = {"prompts": {n: [pid for pid, _ in p] for n, p in self.sets.items()}, "specs": list(map(list, self.specs)),
                "max_new_tokens": self.max_new_tokens}
         path = run_dir / "quality_bench_acceptance.json"
-        if path.exists() and read_json(path).get("key") == key:
-            return read_json(path)["acceptance"]
-        acc = self.measure(run_dir / "export")
-        atomic_write_json(path, {"key": key, "acceptance": acc})
-        return acc
+        cached = read_json(path) if path.exists() else {}
+        by_t = cached.get("by_temperature", {}) if cached.get("key") == key else {}
+        if not by_t and cached.get("key") == key and "acceptance" in cached:  # written before temperatures
+            by_t = {"0": cached["acceptance"]}
+        missing = [t for t in self.temperatures if f"{t:g}" not in by_t]
+        if missing:
+            by_t |= {f"{t:g}": acc for t, acc in self.measure(run_dir / "export", missing).items()}
+            atomic_write_json(path, {"key": key, "by_temperature": by_t})
+        out: dict[str, dict[str, float]] = {}
+        for t in self.temperatures:
+            for spec, bands in by_t[f"{t:g}"].items():
+                out[spec if not t else f"{spec} T{t:g}"] = bands
+        return out
 
-    def measure(self, export_dir: Path) -> dict[str, dict[str, float]]:
-        """{spec label: {band label or 'all': acceptance length}}."""
+    def measure(self, export_dir: Path, temperatures: list[float]) -> dict[float, dict[str, dict[str, float]]]:
+        """{temperature: {spec label: {band label or 'all': acceptance length}}}."""
         import torch
 
         from eagle3_dagster.bench.proposers import Eagle3Proposer
@@ -151,12 +166,13 @@ class Acceptance:
         with torch.inference_mode():
             rows = run_inprocess_benchmark(self.model, self.sets, {"eagle3": Eagle3Proposer(drafter, name="eagle3")},
                                            [SpecConfig.parse(tuple(c)) for c in self.specs], self.max_new_tokens,
-                                           eos_ids=self.eos, check=True, rounds=1, bands=self.bands)
-        out: dict[str, dict[str, float]] = {}
+                                           eos_ids=self.eos, check=True, rounds=1, bands=self.bands,
+                                           temperatures=temperatures)
+        out: dict[float, dict[str, dict[str, float]]] = {t: {} for t in temperatures}
         for row in rows:
             if row["method"] != "eagle3":
                 continue
-            out[row["spec"]] = {"all": row["acceptance_length"]} | {
+            out[row["temperature"]][row["spec"]] = {"all": row["acceptance_length"]} | {
                 b["band"]: b["acceptance_length"] for b in row.get("bands", []) if b.get("acceptance_length")}
         return out
 
@@ -190,6 +206,12 @@ def table(rows: list[dict], ttt_steps: int) -> str:
     return "\n".join(lines)
 
 
+def decoding(temperatures: list[float]) -> str:
+    sampled = ", ".join(f"{t:g}" for t in temperatures if t)
+    greedy = "greedy" if 0.0 in temperatures else ""
+    return " and ".join(filter(None, [greedy, sampled and f"sampled at T = {sampled} (columns 'T…')"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
@@ -197,6 +219,9 @@ def main() -> None:
                         help=f"comma-separated, from {sorted(VARIANTS)} (default: before,profile; with --table-from: all)")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--num-prompts", type=int, default=None, help="benchmark prompts (default: the profile's)")
+    parser.add_argument("--temperatures", default=None,
+                        help="comma-separated decoding temperatures of the acceptance benchmark, 0 = greedy "
+                        "(default: the profile's bench.temperatures and 1, the temperature Kimi-K2.5 thinks at)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
                         help="print the table of rows earlier runs wrote with --json (no training, no decoding)")
@@ -221,7 +246,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    acceptance = Acceptance(base, layout, args.num_prompts)
+    temperatures = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
+                    else [*base.bench.temperatures, 1.0])
+    acceptance = Acceptance(base, layout, args.num_prompts, temperatures)
     rows = []
     for seed in seeds:
         for name in names:
@@ -243,8 +270,9 @@ def main() -> None:
                 args.json.write_text(json.dumps(rows, indent=1))
     held = rows[0]["heldout"]
     print(f"\nprofile {args.profile}: held-out {held.get('num_samples')} samples, {held.get('num_scored_tokens')} "
-          f"scored tokens; benchmark: {sum(len(p) for p in acceptance.sets.values())} held-out prompts, greedy, "
-          f"{acceptance.max_new_tokens} new tokens; median (min–max) over seeds {seeds}\n")
+          f"scored tokens; benchmark: {sum(len(p) for p in acceptance.sets.values())} held-out prompts, "
+          f"{decoding(acceptance.temperatures)}, {acceptance.max_new_tokens} new tokens; median (min–max) over seeds "
+          f"{seeds}\n")
     print(table(rows, base.train.ttt_steps))
 
 
