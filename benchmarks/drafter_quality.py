@@ -42,8 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-# Overrides of the profile's `train` section. "profile" is the profile as it is; the others name what
-# they change. `lr_per_sqrt_tokens` is not a TrainConfig field: it sets lr from tokens per step.
+# Overrides of the profile's `train` section (and, under "drafter", of its `drafter` section). "profile"
+# is the profile as it is; the others name what they change.
 VARIANTS: dict[str, dict] = {
     "profile": {},
     # the demo's recipe before issue 19: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
@@ -63,6 +63,9 @@ VARIANTS: dict[str, dict] = {
     "one_sample_6ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
                           "loss": "lk_lambda"},
     "one_sample_6ep_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.95)},
+    # EAGLE 3.1: a norm on each captured state before fc, and the normed output carried to the next step
+    "one_sample_6ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
+                               "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -78,8 +81,11 @@ VARIANTS: dict[str, dict] = {
 
 
 def variant_profile(base, overrides: dict, seed: int):
+    overrides = dict(overrides)
+    drafter = base.drafter.model_copy(update=overrides.pop("drafter", {}))
     train = base.train.model_copy(update={**overrides, "seed": seed})
-    return base.model_copy(update={"train": type(base.train).model_validate(train.model_dump())})
+    return base.model_copy(update={"train": type(base.train).model_validate(train.model_dump()),
+                                   "drafter": type(base.drafter).model_validate(drafter.model_dump())})
 
 
 def train_variant(profile, layout, plan, log) -> dict:

@@ -341,6 +341,10 @@ class DrafterOverrides(_Strict):
     intermediate_size: int | None = Field(None, ge=1, description="MLP width; default: the target's")
     num_attention_heads: int | None = Field(None, ge=1, description="attention heads; default: the target's")
     num_key_value_heads: int | None = Field(None, ge=1, description="key/value heads; default: attention heads")
+    fc_norm: bool = Field(False, description="EAGLE 3.1: an RMSNorm on each captured target state before fc (served "
+                          "by SGLang >= 0.5.12 and vLLM, which read config.json `fc_norm`; refused for older releases)")
+    norm_output: bool = Field(False, description="EAGLE 3.1: the next draft step gets the normed output, not the "
+                              "pre-norm sum (config.json `norm_output`; SGLang >= 0.5.12 and vLLM)")
 
 
 class TrainConfig(_Strict):
@@ -495,6 +499,15 @@ class Profile(_Strict):
             except ValueError as e:
                 raise ValueError(f"hidden.aux_layers: {e}" + (" (gpu_host.sglang_version)" if version else "")) \
                     from None
+        options = [o for o in ("fc_norm", "norm_output") if getattr(self.drafter, o)]
+        if options and self.gpu_host.sglang_version:  # refused before training, not at export after it
+            from eagle3_dagster.sglang.releases import release
+
+            served = release(self.gpu_host.sglang_version)
+            if unread := [o for o in options if o not in served.eagle31_options]:
+                raise ValueError(f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does "
+                                 "not read it from the draft config and would serve the drafter without it (SGLang "
+                                 ">= 0.5.12 does)")
         return self
 
     @property

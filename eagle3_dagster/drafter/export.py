@@ -57,6 +57,17 @@ SGLANG_EAGLE3_WEIGHTS: dict[str, tuple[str, ...]] = {
 }
 
 
+# EAGLE 3.1's per-state norms before `fc` (config.json `fc_norm`, or SGLang's legacy `use_aux_norm`): SGLang
+# and vLLM build one RMSNorm of target_hidden_size per captured state, `fc_norm.{i}`.
+FC_NORM_WEIGHTS: dict[str, tuple[str, ...]] = {f"fc_norm.{i}.weight": ("target_hidden_size",) for i in range(3)}
+
+
+def eagle31_options(cfg: dict) -> list[str]:
+    """The EAGLE 3.1 options a draft config.json turns on, as SGLang's llama_eagle3.py reads them."""
+    return [o for o, on in (("fc_norm", cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+                            ("norm_output", cfg.get("norm_output"))) if on]
+
+
 def _sglang_dims(cfg: dict) -> dict[str, int]:
     """The sizes SGLang derives from config.json (LlamaAttention's head_dim default, target_hidden_size default)."""
     h = int(cfg["hidden_size"])
@@ -84,7 +95,8 @@ def _eval_dim(expr: str, dims: dict[str, int]) -> int:
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     dims = _sglang_dims(config)
-    return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in SGLANG_EAGLE3_WEIGHTS.items()}
+    names = SGLANG_EAGLE3_WEIGHTS | (FC_NORM_WEIGHTS if "fc_norm" in eagle31_options(config) else {})
+    return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in names.items()}
 
 
 def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, extra: dict | None = None, *,
@@ -92,7 +104,13 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
                   sglang_versions: list[str] | None = None) -> dict:
     canonical = list(cfg.aux_layers)
     family = releases.arch_family(target_architecture)
+    options = [o for o in ("fc_norm", "norm_output") if getattr(cfg, o)]
+    if options and not sglang_versions:  # the releases that would serve the drafter as it was trained
+        sglang_versions = [v for v, r in releases.supported().items() if set(options) <= set(r.eagle31_options)]
     sglang_ids, right_on = releases.draft_aux_ids(canonical, family, sglang_versions)
+    if unread := _unread_options(options, right_on):
+        raise ValueError(f"drafter {', '.join(options)} (EAGLE 3.1): {unread}; a drafter trained with them would "
+                         "be served without them")
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -122,8 +140,16 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
         "eagle_aux_hidden_state_layer_ids": layers.canonical_to_vllm(canonical),
         "eagle3_dagster_aux_layers_canonical": canonical,
         "eagle3_dagster_aux_numbering": layers.CANONICAL_NUMBERING,
+        **{o: True for o in options},
         **(extra or {}),
     }
+
+
+def _unread_options(options: list[str], versions: list[str]) -> str:
+    """Which of `versions` would ignore which EAGLE 3.1 options ('' when every one reads them all)."""
+    known = releases.supported()  # an unknown release is reported by the aux-id check
+    unread = {v: [o for o in options if o not in known[v].eagle31_options] for v in versions if v in known}
+    return "; ".join(f"SGLang {v} does not read {', '.join(o)}" for v, o in unread.items() if o)
 
 
 def export_drafter(
@@ -181,6 +207,8 @@ def check_export(export_dir: Path) -> ExportCheck:
         if cfg.get(key) != want:
             result.config_errors.append(f"config.json {key}={cfg.get(key)!r}, SGLang needs {want!r}")
     result.config_errors += _aux_id_errors(cfg)
+    if unread := _unread_options(eagle31_options(cfg), (cfg.get("eagle3_dagster_sglang") or {}).get("releases", [])):
+        result.config_errors.append(f"config.json turns on {', '.join(eagle31_options(cfg))}: {unread}")
     want = expected_shapes(cfg)
     with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as h:
         got = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
@@ -239,6 +267,7 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         aux_layers=tuple(canonical),
+        **{o: True for o in eagle31_options(cfg)},
     )
     with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as h:
         state = {k: h.get_tensor(k) for k in h.keys()}

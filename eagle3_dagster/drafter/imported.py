@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_dagster import layers
-from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, expected_shapes, load_own_drafter
+from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, eagle31_options, expected_shapes, load_own_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.sglang import releases
 
@@ -46,8 +46,10 @@ from eagle3_dagster.sglang import releases
 REFERENCE_SGLANG = "0.5.23"
 OWN_FIELD = "eagle3_dagster_aux_layers_canonical"
 # Variants this drafter does not implement: loading them as plain EAGLE-3 would silently draft garbage.
-_UNSUPPORTED_CONFIG = ("fc_norm", "norm_before_fc", "num_aux_hidden_states")
-_UNSUPPORTED_WEIGHT_PREFIXES = ("fc_norm.", "input_norm.", "layers.1.", "midlayer.1.")
+_UNSUPPORTED_CONFIG = ("norm_before_fc", "num_aux_hidden_states")
+_UNSUPPORTED_WEIGHT_PREFIXES = ("input_norm.", "layers.1.", "midlayer.1.")
+# SGLang's load_weights renames these legacy EAGLE 3.1 names (llama_eagle3.py, legacy_name_map)
+_LEGACY_NAMES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
 
 
 @dataclass
@@ -179,6 +181,12 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     check.raise_for_errors()
     aux, origin, notes = resolve_aux_layers(cfg, arch, int(target["num_hidden_layers"]), version)
     state = _read_weights(export_dir)
+    for legacy, name in _LEGACY_NAMES.items():
+        state = {k.replace(legacy, name): v for k, v in state.items()}
+    options = eagle31_options(cfg)
+    if unread := [o for o in options if o not in releases.release(version).eagle31_options]:
+        raise ValueError(f"{export_dir}: config.json turns on {', '.join(unread)}, which SGLang {version} does not "
+                         "read: it would serve this drafter without them")
     unsupported = sorted(k for k in state if k.startswith(_UNSUPPORTED_WEIGHT_PREFIXES))
     if unsupported:
         raise ValueError(f"{export_dir}: weights {unsupported} belong to a variant this benchmark's drafter does "
@@ -209,7 +217,7 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
         num_key_value_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"], vocab_size=dims["vocab_size"],
         draft_vocab_size=dims["draft_vocab_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        aux_layers=tuple(aux),
+        aux_layers=tuple(aux), **{o: True for o in options},
     )
     d2t = state["d2t"].to(torch.int64)
     hot = torch.arange(dcfg.draft_vocab_size) + d2t

@@ -9,7 +9,8 @@ lives in `ttt.py`, the loss in `loss.py`, the file format in `export.py`.
 
 Semantics follow SGLang/EAGLE: the drafter input at position t is
 (token_{t+1}, fc(aux_t)) during prefill/extend; on later draft steps the hidden
-input is the drafter's own pre-`norm` output of the previous step.
+input is the drafter's own pre-`norm` output of the previous step (the normed output with EAGLE 3.1's
+`norm_output`, whose `fc_norm` also normalises each captured state before `fc`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     aux_layers: tuple[int, ...] = field(default=())  # canonical numbering (eagle3_dagster/layers.py)
+    # EAGLE 3.1, as SGLang (>= 0.5.12) and vLLM read them from config.json: `fc_norm` puts an RMSNorm on
+    # each captured state before `fc`; `norm_output` carries the normed output (not the pre-norm sum) to
+    # the next draft step.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -64,6 +70,8 @@ class DrafterConfig:
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 2048,
+        fc_norm: bool = False,
+        norm_output: bool = False,
         hidden_size: int | None = None,
         intermediate_size: int | None = None,
         num_attention_heads: int | None = None,
@@ -88,6 +96,8 @@ class DrafterConfig:
             rope_theta=rope_theta,
             max_position_embeddings=max_position_embeddings,
             aux_layers=tuple(aux_layers),
+            fc_norm=fc_norm,
+            norm_output=norm_output,
         )
 
 
@@ -230,6 +240,9 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.data.copy_(embed_weight)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; never exported
+        # SGLang's names: `fc_norm.{i}` (one per captured state, low to high), before `fc`
+        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) \
+            if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -238,10 +251,17 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d.to(torch.bool).clone())
 
     def project_aux(self, aux_hidden_BT3H: torch.Tensor) -> torch.Tensor:
+        if self.fc_norm is not None:
+            chunks = aux_hidden_BT3H.chunk(3, dim=-1)
+            aux_hidden_BT3H = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux_hidden_BT3H)
 
     def logits(self, out_hidden_BTH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out_hidden_BTH))
+
+    def carried(self, out_hidden_BTH: torch.Tensor, normed_BTH: torch.Tensor) -> torch.Tensor:
+        """The hidden input of the next draft step: the pre-`norm` output, or with `norm_output` the normed one."""
+        return normed_BTH if self.cfg.norm_output else out_hidden_BTH
 
     def step(
         self,
@@ -250,7 +270,8 @@ class Eagle3Drafter(nn.Module):
         position_ids_BT: torch.Tensor,
         cache: DraftKVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder pass, causal over the cached keys plus the new tokens; returns (out_hidden, draft_logits)."""
+        """One decoder pass, causal over the cached keys plus the new tokens; returns (the hidden input of the
+        next step, draft_logits)."""
         embeds = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
         q, k, v = self.midlayer.qkv(embeds, hidden_BTH, position_ids_BT)
         past = 0
@@ -266,7 +287,8 @@ class Eagle3Drafter(nn.Module):
             mask = torch.ones(t, past + t, dtype=torch.bool, device=q.device).tril(diagonal=past)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out_hidden = self.midlayer.finish(attn, hidden_BTH)
-        return out_hidden, self.logits(out_hidden)
+        normed = self.norm(out_hidden)
+        return self.carried(out_hidden, normed), self.lm_head(normed)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -247,5 +247,6 @@ def ttt_unroll(
             extra_v.append(v)
         attn = ttt_attention(q, k0, v0, extra_k, extra_v, block, fused)
         h = layer.attn_residual(attn, hidden)
-        hidden, normed = checkpoint(tail, h, use_reentrant=False) if recompute_mlp else tail(h)
+        out, normed = checkpoint(tail, h, use_reentrant=False) if recompute_mlp else tail(h)
+        hidden = model.carried(out, normed)
         yield normed

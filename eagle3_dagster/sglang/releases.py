@@ -39,6 +39,7 @@ class Release:
     aux_id_rules: dict[str, str]  # architecture family ("deepseek", "llama") -> rule
     extraction_args: tuple[str, ...]  # server options an extraction launch adds on this release
     capture_only_mode: bool  # --enable-return-aux-hidden-states exists (not used: see README)
+    eagle31_options: tuple[str, ...]  # EAGLE 3.1 draft config options its llama_eagle3.py reads (fc_norm, norm_output)
 
     @property
     def patch_file(self) -> Path:
@@ -57,6 +58,7 @@ def supported() -> dict[str, Release]:
             version=r["version"], pristine_sha256=r["pristine_sha256"], patched_sha256=r["patched_sha256"],
             style=r["style"], serves_kimi_k25_eagle3=r["serves_kimi_k25_eagle3"], aux_id_rules=r["aux_id_rules"],
             extraction_args=tuple(r["extraction_args"]), capture_only_mode=r["capture_only_mode"],
+            eagle31_options=tuple(r["eagle31_options"]),
         )
         for r in rows
     }

@@ -37,7 +37,10 @@ class TrainJobConfig:
     def to_json(self) -> str:
         d = asdict(self)
         d["train"] = self.train.model_dump()
-        d["drafter"] = self.drafter.model_dump()
+        # The EAGLE 3.1 switches are written only when on: the job's JSON names the run folder (its hash), and
+        # a run trained before they existed is then found again, not trained twice.
+        d["drafter"] = self.drafter.model_dump(exclude={k for k in ("fc_norm", "norm_output")
+                                                        if not getattr(self.drafter, k)})
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod

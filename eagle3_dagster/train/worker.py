@@ -68,7 +68,7 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
         draft_vocab_size=int(mapping["d2t"].shape[0]), aux_layers=aux, rms_norm_eps=a.rms_norm_eps,
         rope_theta=a.rope_theta, max_position_embeddings=job.serving_context, hidden_size=o.hidden_size,
         intermediate_size=o.intermediate_size, num_attention_heads=o.num_attention_heads,
-        num_key_value_heads=o.num_key_value_heads)
+        num_key_value_heads=o.num_key_value_heads, fc_norm=o.fc_norm, norm_output=o.norm_output)
     torch.manual_seed(job.train.seed)
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
     return drafter, target.lm_head

@@ -210,6 +210,19 @@ def _has_option(sources: str, flag: str) -> bool:
     return bool(decls) and not any("no_cli=True" in d for d in decls)
 
 
+EAGLE31_OPTIONS = ("fc_norm", "norm_output")
+
+
+def eagle31_options(source: str | None) -> list[str]:
+    """The EAGLE 3.1 config.json options a release's `llama_eagle3.py` reads (`getattr(config, "fc_norm", ...)`)."""
+    if source is None:
+        return []
+    read = {node.args[1].value for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)}
+    return [o for o in EAGLE31_OPTIONS if o in read]
+
+
 def analyze(version: str) -> tuple[dict, str]:
     """(releases.json row, patch text) for one release, or Refused naming why."""
     pristine = read_file(version, MODEL_FILE)
@@ -244,6 +257,7 @@ def analyze(version: str) -> tuple[dict, str]:
         },
         "extraction_args": args,
         "capture_only_mode": _has_option(sources, "--enable-return-aux-hidden-states"),
+        "eagle31_options": eagle31_options(read_file(version, "sglang/srt/models/llama_eagle3.py")),
     }
     return row, diff
 

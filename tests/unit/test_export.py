@@ -102,3 +102,45 @@ def test_reloaded_export_gives_identical_outputs(tmp_path, target_dir):
     with torch.no_grad():
         for a, b in zip(model.step(ids, hidden, pos), reloaded.step(ids, hidden, pos)):
             assert torch.equal(a, b)
+
+
+def test_an_eagle31_export_writes_its_options_and_norms_for_the_releases_that_read_them(tmp_path, target_dir):
+    base = _drafter(target_dir)
+    model = Eagle3Drafter(dataclasses.replace(base.cfg, fc_norm=True, norm_output=True), base.embed_tokens.weight,
+                          base.d2t, base.t2d)
+    model.load_state_dict(base.state_dict(), strict=False)
+    for i, norm in enumerate(model.fc_norm):
+        norm.weight.data.fill_(0.5 + i)
+    out = export_drafter(model.eval(), tmp_path / "e", 4096, dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    releases = cfg["eagle3_dagster_sglang"]["releases"]
+    assert releases and "0.5.11" not in releases and "0.5.12" in releases  # 0.5.12 is the first that reads them
+    assert set(load_file(str(out / "model.safetensors"))) == set(SGLANG_EAGLE3_WEIGHTS) | {
+        f"fc_norm.{i}.weight" for i in range(3)}
+    reloaded = load_drafter(out, target_dir)
+    assert reloaded.cfg == dataclasses.replace(model.cfg, max_position_embeddings=4096)
+    ids, pos, aux = torch.randint(0, V, (1, 7)), torch.arange(7)[None], torch.randn(1, 7, 3 * H)
+    with torch.no_grad():
+        assert torch.equal(model.project_aux(aux), reloaded.project_aux(aux))
+        hidden = model.project_aux(aux)
+        for a, b in zip(model.step(ids, hidden, pos), reloaded.step(ids, hidden, pos)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"SGLang 0.5.11 does not read fc_norm, norm_output"):
+        export_drafter(model, tmp_path / "old", 4096, sglang_versions=["0.5.11", "0.5.23"])
+    # config.json edited to name a release that ignores the norms: the check says so
+    cfg["eagle3_dagster_sglang"]["releases"].append("0.5.10")
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert any("SGLang 0.5.10 does not read fc_norm, norm_output" in e for e in check_export(out).config_errors)
+    cfg.pop("fc_norm")
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert check_export(out).unexpected == [f"fc_norm.{i}.weight" for i in range(3)]  # SGLang would drop them
+
+
+def test_a_profile_with_eagle31_options_for_a_release_that_ignores_them_is_refused_before_training():
+    from eagle3_dagster.config import load_profile
+
+    with pytest.raises(ValueError, match=r"drafter.fc_norm: gpu_host.sglang_version 0.5.11 does not read it"):
+        load_profile("micro", overrides={"drafter": {"fc_norm": True}, "gpu_host": {"sglang_version": "0.5.11"}})
+    assert load_profile("micro", overrides={"drafter": {"fc_norm": True, "norm_output": True},
+                                            "gpu_host": {"sglang_version": "0.5.12"}}).drafter.norm_output

@@ -125,9 +125,14 @@ def test_variants_the_benchmark_drafter_does_not_implement_are_refused(tmp_path,
     with pytest.raises(ValueError, match=r"rope_.* type 'llama3'.*plain RoPE only"):
         load_any_drafter(rope, target_dir)
     norms = {f"fc_norm.{i}.weight": torch.ones(H, dtype=torch.bfloat16) for i in range(3)}
+    # per-state norms whose config does not turn fc_norm on: SGLang would build no fc_norm and drop them
     fc_norm = write_specforge_export(drafter, tmp_path / "fc_norm", draft_config(drafter), extra_weights=norms)
-    with pytest.raises(ValueError, match=r"fc_norm.0.weight.*variant"):
+    with pytest.raises(ValueError, match=r"unexpected=\['fc_norm.0.weight', 'fc_norm.1.weight', 'fc_norm.2.weight'\]"):
         load_any_drafter(fc_norm, target_dir)
+    old = write_specforge_export(drafter, tmp_path / "old", draft_config(drafter) | {"fc_norm": True},
+                                 extra_weights=norms)
+    with pytest.raises(ValueError, match=r"turns on fc_norm, which SGLang 0.5.11 does not read"):
+        load_any_drafter(old, target_dir, sglang_version="0.5.11")
     other_target = write_specforge_export(drafter, tmp_path / "vocab", draft_config(drafter) | {"vocab_size": V + 1})
     with pytest.raises(ValueError, match=rf"vocab_size={V + 1}, the target's vocab_size is {V}"):
         load_any_drafter(other_target, target_dir)
@@ -181,3 +186,24 @@ def test_benchmark_stage_measures_a_specforge_export_and_records_how_it_read_it(
     assert results["meta"]["drafter_notes"] == meta["drafter_notes"]
     assert {r["method"] for r in results["rows"]} == {"no_spec", "eagle3", "eagle3_untrained", "ngram"}
     assert (tmp_path / "out" / "report.md").exists()
+
+
+def test_an_eagle31_export_loads_with_its_norms_under_legacy_or_current_names(tmp_path, target_dir):
+    """SGLang >= 0.5.12 builds `fc_norm` from config.json `fc_norm` (or `use_aux_norm`) and renames the legacy
+    `aux_norm_low/mid/high` weights to `fc_norm.0/1/2`; `norm_output` changes what the next step gets."""
+    plain = _trained_elsewhere(target_dir)
+    want = Eagle3Drafter(DrafterConfig(**{**plain.cfg.__dict__, "fc_norm": True, "norm_output": True}),
+                         _embed(target_dir), plain.d2t, plain.t2d)
+    want.load_state_dict(plain.state_dict(), strict=False)
+    for i, norm in enumerate(want.fc_norm):
+        norm.weight.data = torch.linspace(0.5, 1.5, H).roll(i).to(torch.bfloat16).float()
+    want = _bf16_rounded(want)
+    norms = {f"fc_norm.{i}.weight": n.weight.detach().to(torch.bfloat16) for i, n in enumerate(want.fc_norm)}
+    legacy = {f"aux_norm_{p}.weight": norms[f"fc_norm.{i}.weight"] for i, p in enumerate(("low", "mid", "high"))}
+    for name, config, weights in (("current", {"fc_norm": True}, norms), ("legacy", {"use_aux_norm": True}, legacy)):
+        export = write_specforge_export(plain, tmp_path / name, draft_config(plain) | config | {"norm_output": True},
+                                        extra_weights=weights)
+        got = load_any_drafter(export, target_dir).model
+        assert got.cfg.fc_norm and got.cfg.norm_output
+        aux = torch.randn(1, 7, 3 * H) * 50
+        assert torch.equal(got.project_aux(aux), want.project_aux(aux)) and _same_outputs(got, want), name

@@ -76,10 +76,11 @@ def test_blockwise_causal_logsumexp_equals_dense_logsumexp():
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
 
 
-def _drafter(seed=0) -> tuple[Eagle3Drafter, DrafterConfig]:
+def _drafter(seed=0, **eagle31) -> tuple[Eagle3Drafter, DrafterConfig]:
     torch.manual_seed(seed)
     cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=20, aux_layers=(1, 2, 3))
+                        num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=20, aux_layers=(1, 2, 3),
+                        **eagle31)
     t2d = torch.zeros(40, dtype=torch.bool)
     t2d[::2] = True
     d2t = torch.arange(0, 40, 2) - torch.arange(20)
@@ -90,9 +91,13 @@ def _drafter(seed=0) -> tuple[Eagle3Drafter, DrafterConfig]:
     return model, cfg
 
 
-def test_ttt_step_j_equals_serve_time_drafting_with_kv_cache():
+EAGLE31 = [{}, {"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]
+
+
+@pytest.mark.parametrize("eagle31", EAGLE31, ids=["eagle3", "fc_norm", "norm_output", "eagle3.1"])
+def test_ttt_step_j_equals_serve_time_drafting_with_kv_cache(eagle31):
     """Step j at position t is what the drafter computes after prefill up to t and j draft steps."""
-    model, _ = _drafter()
+    model, _ = _drafter(**eagle31)
     t_len, steps = 11, 3
     ids = torch.randint(0, 40, (1, t_len))
     aux = torch.randn(1, t_len, 36, dtype=torch.float64)
@@ -168,3 +173,32 @@ def test_ttt_unroll_equals_the_step_by_step_reference_in_outputs_and_gradients(f
     assert got_grads.keys() == want_grads.keys() and "midlayer.input_layernorm.weight" in got_grads
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+def _sglang_rmsnorm(x, weight, eps):
+    """sglang.srt.layers.layernorm.RMSNorm.forward_native without residual (fp32 inside, cast back, scale)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_eagle31_options_do_what_sglangs_llama_eagle3_does():
+    """SGLang 0.5.23 `LlamaModel.forward` (llama_eagle3.py): with `fc_norm` each of the 3 captured states
+    (chunks of the concatenation, low to high) gets its own RMSNorm before `fc`; the hidden state the
+    next draft step gets is `norm`'s residual sum, or with `norm_output` the normed output."""
+    plain, cfg = _drafter(seed=3)
+    full, _ = _drafter(seed=3, fc_norm=True, norm_output=True)
+    full.load_state_dict(plain.state_dict(), strict=False)
+    for i, norm in enumerate(full.fc_norm):
+        norm.weight.data.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(i))
+    aux = torch.randn(1, 5, 36, dtype=torch.float64) * torch.tensor([1.0, 30.0, 300.0]).repeat_interleave(12)
+    chunks = aux.chunk(3, dim=-1)
+    want = full.fc(torch.cat([_sglang_rmsnorm(c, n.weight, cfg.rms_norm_eps) for c, n in zip(chunks, full.fc_norm)], -1))
+    torch.testing.assert_close(full.project_aux(aux), want)
+    assert not torch.allclose(plain.project_aux(aux), want)
+    ids, pos = torch.randint(0, 40, (1, 5)), torch.arange(5)[None]
+    hidden = plain.project_aux(aux)
+    with torch.no_grad():
+        carried_plain, logits_plain = plain.step(ids, hidden, pos)
+        carried_full, logits_full = full.step(ids, hidden, pos)
+    torch.testing.assert_close(logits_full, logits_plain)  # the same pass; only what is carried differs
+    torch.testing.assert_close(carried_full, _sglang_rmsnorm(carried_plain, plain.norm.weight, cfg.rms_norm_eps))
