@@ -5,7 +5,7 @@
 and the profile's hosts in whole shards) on samples of equal length adding up
 to `--tokens`, at the profile's hidden size, layers, shard size and throughput,
 in bf16 and fp8, and the training schedule the profile's `train` makes of them
-(optimizer steps, tokens per step: what `eagle3 plan` prints for a real corpus). The README's production figures come from:
+(optimizer steps, tokens per step: what `eagle3 plan` prints for a real corpus). The production figures in docs/production.md come from:
 
     .venv/bin/python scripts/production_plan.py --profile production --tokens 87800000 --samples 21436
 """

@@ -6,7 +6,7 @@ unprivileged user when run as root, since postgres refuses root), runs the micro
 holding a copy of the checked-in production config, then reads PostgreSQL itself: the runs,
 the materializations and the shard partitions are rows there, and nothing fell back to SQLite.
 The pool limits the scripts set (`dagster instance concurrency set`) live in the same store, and
-a code server and a daemon started as the README's production section says run two queued GPU
+a code server and a daemon started as docs/deployment.md says run two queued GPU
 runs from it one at a time.
 """
 
@@ -236,7 +236,7 @@ def code_server_serves(port: int) -> bool:
 
 
 def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, pipeline_on_postgres, tmp_path) -> None:
-    """The README's production processes: the pool limits set as scripts/ui.sh sets them land in Postgres;
+    """docs/deployment.md's production processes: the pool limits set as scripts/ui.sh sets them land in Postgres;
     `dagster code-server start` and `dagster-daemon run` with deploy/postgres/workspace.yaml (pointed at the
     test's port) then take two shard runs queued together (both complete in the manifest, so each is short):
     both succeed, one after the other, the daemon's queue holding the second on the gpu_host limit."""

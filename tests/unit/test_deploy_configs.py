@@ -32,7 +32,7 @@ CONNECTION = {"DAGSTER_PG_HOST": "db.internal", "DAGSTER_PG_PORT": "6543", "DAGS
 
 
 def home_with(tmp_path: Path, *parts: str) -> Path:
-    """A DAGSTER_HOME whose dagster.yaml is deploy/postgres/dagster.yaml with `parts` appended, as the README says."""
+    """A DAGSTER_HOME whose dagster.yaml is deploy/postgres/dagster.yaml with `parts` appended, as docs/deployment.md says."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     text = "\n".join((DEPLOY / name).read_text() for name in ("dagster.yaml", *parts))
