@@ -6,16 +6,17 @@ import asyncio
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from eagle3_dagster.generate.client import ChatRequestError, OpenAIChatBackend, parse_chat_response
+from tests.loopback_http import LoopbackHTTPServer
 
 SECRET = "sk-or-v1-SECRETSECRETSECRET"
 
 
-class FakeOpenRouter:
+class FakeOpenRouter(LoopbackHTTPServer):
     """A loopback `/v1/chat/completions`. `faults` are consumed one per arriving request, in order:
     "429" (Retry-After: 0), "500", "timeout" (sleeps past the client timeout), "garbage" (not JSON),
     "nochoices", "truncated" (a 200 whose JSON body is cut off), "echo_key" (a 400 whose body echoes the
@@ -34,22 +35,11 @@ class FakeOpenRouter:
         self.blocked: list[str] = []
         self.release = threading.Event()
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self) -> "FakeOpenRouter":
-        self.thread.start()
-        return self
+        super().__init__()
 
     def __exit__(self, *exc: object) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        self.release.set()  # handlers held back by the test return before the server stops
+        super().__exit__(*exc)
 
     @staticmethod
     def answer(body: dict) -> dict:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import orjson
@@ -22,13 +22,14 @@ from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate import RegenerationFailedError, ResponseStore
 from eagle3_dagster.generate.client import OpenAIChatBackend
 from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync
+from tests.loopback_http import LoopbackHTTPServer
 
 MODEL = "moonshotai/kimi-k2.5"
 COST = 0.01  # what the provider bills per finished request; also each request's bound below
 TIMEOUT_S = 0.3
 
 
-class BillingProvider:
+class BillingProvider(LoopbackHTTPServer):
     """`/v1/chat/completions` answering after `delay_s` (the first `slow_first` requests; the rest after
     `fast_delay_s`) and billing `cost` for every request it finishes, even when the client hung up."""
 
@@ -40,21 +41,7 @@ class BillingProvider:
         self.in_handler = 0
         self.billed_usd = 0.0
         self.num_billed = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self) -> "BillingProvider":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__()
 
     def settle(self, timeout_s: float = 30.0) -> None:
         """Wait until every request that arrived is finished (and billed)."""
