@@ -141,6 +141,7 @@ extract_all_hf(Path(sys.argv[1]), Path(sys.argv[2]), version_dir, samples_per_sh
 """
 
 
+@pytest.mark.slow  # an extraction subprocess killed and resumed
 def test_resume_after_kill_writes_identical_shards(micro_target, extracted, tmp_path):
     merged, reference_dir, _ = extracted
     version_dir = tmp_path / "hs-000000000000"

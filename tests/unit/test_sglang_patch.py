@@ -16,6 +16,8 @@ import importlib.util  # noqa: E402
 
 from eagle3_dagster.sglang import patch, releases  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every supported SGLang release's wheel: generated, patched, reverted
+
 UNSUPPORTED_RELEASE = "0.5.9"  # real release whose KimiK25ForConditionalGeneration cannot serve EAGLE-3
 ROOT = Path(__file__).resolve().parents[2]
 
