@@ -8,7 +8,6 @@ profile from `EAGLE3_PROFILE`. It does not read the environment at import time:
 
 from __future__ import annotations
 
-import hashlib
 import re
 import os
 from pathlib import Path
@@ -519,16 +518,6 @@ class Profile(_Strict):
             if d.name == name:
                 return d
         raise KeyError(f"no dataset named {name!r} in profile {self.profile!r}")
-
-    def fingerprint(self, *sections: str) -> str:
-        """Stable hash of some sections; part of each asset's code version, so a changed config marks it stale."""
-        h = hashlib.sha256()
-        for section in sections:
-            value = getattr(self, section)
-            payload = value.model_dump_json() if hasattr(value, "model_dump_json") else \
-                "[" + ",".join(v.model_dump_json() for v in value) + "]"
-            h.update(section.encode() + b"\0" + payload.encode() + b"\0")
-        return h.hexdigest()[:12]
 
     def path(self, *parts: str) -> Path:
         root = Path(self.run_root)

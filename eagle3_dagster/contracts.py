@@ -1,18 +1,15 @@
-"""Where each stage's artifact lives and what its records hold.
+"""Where each stage's artifact lives, and the versions of the contracts between stages.
 
 Stages never guess paths from the file system: the asset layer builds an
 `ArtifactLayout` from the profile and hands each engine function the explicit
-upstream paths it needs. Record shapes here are the versioned contract between
-stages; bump `FORMAT_VERSION` when one changes.
+upstream paths it needs. The plan contract carries `PLAN_CONTRACT_VERSION`; a
+shard carries the backend code version below (and `hidden.shards.SHARD_FORMAT_VERSION`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
-
-FORMAT_VERSION = 1
 
 # Shard-format code versions, one per extraction backend. Each is written into every shard header and is part
 # of the hidden-state version, so the plan's byte prediction and the shards agree; the SGLang driver is handed
@@ -28,17 +25,6 @@ BACKEND_CODE_VERSIONS = {"hf": HF_BACKEND_CODE_VERSION, "sglang": SGLANG_BACKEND
 PLAN_CONTRACT = "plan.json"
 PLAN_CONTRACT_KEY = "plan_contract"
 PLAN_CONTRACT_VERSION = 1
-
-
-class TokenizedRecord(TypedDict, total=False):
-    """One line of tokenized_data.jsonl and merged_train.jsonl."""
-
-    id: str  # unique across datasets: "{dataset}/{conversation_id}" (+ "/{turn}" when split)
-    dataset: str
-    input_ids: list[int]
-    loss_mask: list[int]  # 1 where the target generated the token, else 0; same length as input_ids
-    source: str  # provenance: where the text came from (e.g. "regenerated:local", "sharegpt", "pretokenized")
-    truncated: bool  # set by merged_train when the record was cut to max_seq_len
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from eagle3_dagster.io import iter_jsonl
+
 GPU_POOL = "gpu_host"  # the Dagster pool of every asset that runs on a GPU host
 HISTORY = "history.jsonl"
 
@@ -110,7 +112,7 @@ def who_holds(lease_dir: Path | str, name: str) -> dict | None:
 def history(lease_dir: Path | str) -> list[dict]:
     """Every `leased` / `released` record written under `lease_dir`, oldest first."""
     path = Path(lease_dir) / HISTORY
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return list(iter_jsonl(path)) if path.exists() else []
 
 
 def _append_history(lease_dir: Path | str, record: Mapping) -> None:

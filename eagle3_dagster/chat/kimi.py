@@ -54,9 +54,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     THINK_OPEN, THINK_CLOSE, UNK, PAD,
 )
 
-ASSISTANT_HEADER = f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
-GENERATION_PROMPT = ASSISTANT_HEADER + THINK_OPEN
-
 # Only `{{ }}` expressions produce text besides the literal markers; every tag trims
 # whitespace, so the layout below never leaks into the rendering.
 CHAT_TEMPLATE = r"""

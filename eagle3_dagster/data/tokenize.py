@@ -1,8 +1,12 @@
 """tokenized_dataset: exact token ids and assistant-only loss masks, one record per assistant turn.
 
 Owns: turning regenerated turns (the `raw_responses` store), finished
-conversations, or pretokenized records into `tokenized_data.jsonl` lines
-(`contracts.TokenizedRecord`), the quarantine side file, and the stage's stats.
+conversations, or pretokenized records into `tokenized_data.jsonl` lines, the
+quarantine side file, and the stage's stats. A line (and one of merged_train.jsonl):
+`id` (unique across datasets: "{dataset}/{conversation_id}", + "/{turn}" when split),
+`dataset`, `input_ids`, `loss_mask` (1 where the target generated the token, same
+length), `source` (e.g. "regenerated:local", "sharegpt", "pretokenized"), and
+`truncated` when merged_train cut it to max_seq_len.
 
 How a turn becomes ids. The prompt is rendered by the target's own chat
 template with the generation prompt (for Kimi it ends in `<think>`), the
@@ -35,7 +39,7 @@ from eagle3_dagster.chat.kimi import render_completion
 from eagle3_dagster.data.prompts import iter_pretokenized
 from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate.store import iter_turns, set_aside_reason
-from eagle3_dagster.io import atomic_open
+from eagle3_dagster.io import atomic_open, iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +157,9 @@ def _rejects_file(path: Path | None, stats: TokenizeStats) -> Iterator[tuple[str
     """The input lines raw_responses quarantined from its source file (one JSON object per line)."""
     if path is None or not Path(path).exists():
         return
-    with open(path, "rb") as f:
-        for line in f:
-            q = orjson.loads(line)
-            stats.num_inputs += 1
-            yield "bad", (q["reason"], q["where"], q["input"])
+    for q in iter_jsonl(path):
+        stats.num_inputs += 1
+        yield "bad", (q["reason"], q["where"], q["input"])
 
 
 def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine_path: Path, *, dataset: str,

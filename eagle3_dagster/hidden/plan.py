@@ -87,11 +87,6 @@ def shard_manifest_bytes(spec: ShardSpec, fmt: ShardFormat) -> int:
     return len(manifest_bytes(entry))
 
 
-def bytes_per_token(hidden_size: int, itemsize: int) -> int:
-    """4 hidden states (3 aux + last) plus an int64 id and a uint8 mask; the header and offsets are per shard."""
-    return 4 * hidden_size * itemsize + 8 + 1
-
-
 def free_bytes_at(path: Path) -> int:
     """Free space on the file system that holds `path` (or its nearest existing parent)."""
     p = Path(path).absolute()

@@ -367,17 +367,6 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     return out
 
 
-def sample_index(manifest: dict[str, dict]) -> dict[str, tuple[str, int, int]]:
-    """sample id -> (shard key, first row, end row) over a whole version."""
-    out: dict[str, tuple[str, int, int]] = {}
-    for key, entry in manifest.items():
-        for s in entry["samples"]:
-            if s["id"] in out:
-                raise ValueError(f"sample {s['id']!r} appears in both {out[s['id']][0]} and {key}")
-            out[s["id"]] = (key, s["rows"][0], s["rows"][1])
-    return out
-
-
 def is_shard_complete(version_dir: storage.Location, key: str, expected_ids: Sequence[str] | None = None) -> bool:
     """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
     entry = load_shard_manifest(version_dir, key)

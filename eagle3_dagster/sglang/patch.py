@@ -43,10 +43,6 @@ class PatchError(RuntimeError):
     """The patch cannot be applied/reverted; the message says why and what to do."""
 
 
-def supported_versions() -> list[str]:
-    return list(releases.supported())
-
-
 def release_for(version: str) -> releases.Release:
     try:
         return releases.release(version)

@@ -66,6 +66,7 @@ def test_hidden_state_shards_are_dynamic_partitions_and_datasets_static() -> Non
     assert datasets.get_partition_keys() == profile.dataset_names
 
 
+@pytest.mark.slow  # the dagster CLI in a subprocess
 def test_dagster_cli_validates_the_workspace() -> None:
     out = subprocess.run(
         [str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w", "workspace.yaml"],

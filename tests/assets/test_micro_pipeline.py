@@ -21,6 +21,8 @@ import dagster as dg
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # the demo pipeline end to end in a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = [
     "target_model",

@@ -9,6 +9,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # builds and installs the wheel
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

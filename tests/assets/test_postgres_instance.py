@@ -32,6 +32,8 @@ import dagster as dg
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # a PostgreSQL server and the micro pipeline through extraction on it
+
 ROOT = Path(__file__).resolve().parents[2]
 INSTANCE_YAML = ROOT / "deploy" / "postgres" / "dagster.yaml"
 SERVER_USER = "nobody"  # postgres refuses to run as root

@@ -30,6 +30,8 @@ from eagle3_dagster.sglang import patch
 from eagle3_dagster.stages.target import build_target
 from tests import sglang_wheels
 
+pytestmark = pytest.mark.slow  # a patched SGLang site and stand-in servers on the host
+
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "0.5.12"  # a loop-style release; the micro target's aux layers [1, 2, 3] are expressible there
 

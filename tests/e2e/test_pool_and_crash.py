@@ -8,6 +8,7 @@ slots of dead runs) with shorter intervals.
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from tests.e2e.conftest import wait_for_file
 pytestmark = pytest.mark.e2e
 
 DEAD_WITHIN_S = 15
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def sleep_config(asset: str, seconds: float, record: Path) -> dict:
@@ -36,6 +38,24 @@ def process_state(pid: int) -> str | None:
 
 def alive(pid: int) -> bool:
     return process_state(pid) not in (None, "Z", "X")
+
+
+def pool_block(dep, run_id: str, timeout_s: float = 60) -> dict | None:
+    """What the queued-run daemon logged when it held `run_id` back for a full pool, per pool; None if it never did.
+
+    Dagster 1.13's QueuedRunCoordinatorDaemon logs, once per blocked run, "Run <id> is blocked by
+    global concurrency limits: <json>" with each pool's slot_count, launched_count (this tick) and
+    in_progress_count. A run still QUEUED without that line may only not have been looked at yet.
+    """
+    line = re.compile(rf"Run {re.escape(run_id)} is blocked by global concurrency limits: (\{{.*\}})$", re.M)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = line.search(ANSI.sub("", dep.log_path.read_text(errors="replace")))
+        if found:
+            return json.loads(found.group(1))
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -81,8 +101,8 @@ def killed_run(fixture_deployment, tmp_path_factory) -> dict:
     own_group = child_pgid != os.getpgid(dep.proc.pid)
     # Queued behind the victim in pool gpu_host: it can only start once the dead run's slot is freed.
     waiting = dep.submit("gpu_b_job", run_config=sleep_config("gpu_b", 1, scratch / "waiting.json"))
-    time.sleep(2)
-    waiting_before = dep.run(waiting)["status"]
+    waiting_block = pool_block(dep, waiting)  # None fails the test below, after the victim's child is gone
+    waiting_before = dep.run(waiting)["status"]  # after the daemon's tick that held it back
 
     # The whole Dagster side of the run dies at once, as in an OOM kill: run worker, then step worker.
     for pid in (worker["step_ppid"], worker["step_pid"]):
@@ -98,6 +118,7 @@ def killed_run(fixture_deployment, tmp_path_factory) -> dict:
         "own_group": own_group,
         "orphans": orphans,
         "victim": dep.wait_for_run(victim, timeout_s=120),
+        "waiting_block": waiting_block,
         "waiting_before": waiting_before,
         "waiting": dep.wait_for_run(waiting, timeout_s=120),
         "waiting_log": lambda: dep.run_log(waiting),
@@ -116,5 +137,9 @@ def test_sigkilled_run_worker_takes_its_gpu_child_with_it(killed_run):
 
 def test_sigkilled_run_is_failed_and_frees_its_pool_slot_for_the_queued_run(killed_run):
     assert killed_run["victim"]["status"] == "FAILURE"
+    # Held back because the victim fills gpu_host's one slot, not because the daemon had not ticked yet.
+    assert killed_run["waiting_block"] is not None, "the daemon never held the queued run back for the pool"
+    assert killed_run["waiting_block"]["gpu_host"]["slot_count"] == 1
+    assert killed_run["waiting_block"]["gpu_host"]["in_progress_count"] == 1
     assert killed_run["waiting_before"] == "QUEUED"
     assert killed_run["waiting"]["status"] == "SUCCESS", killed_run["waiting_log"]()

@@ -30,6 +30,8 @@ from eagle3_dagster.target import target_identity
 from tests.real_sglang.support import AUX, ENVELOPE_FACTOR, VERSION, free_port, hf_states, rel_err
 from tests.sglang_cpu.venv import SERVER_ARGS
 
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+
 CHUNK = 64
 LENGTHS = [150, 97, 64, 40, 23, 130]
 SHARED_PREFIX = 40  # samples 0 and 1 begin with the same 40 tokens

@@ -26,6 +26,8 @@ from eagle3_dagster.stages.target import build_target
 from tests.real_sglang.support import AUX, ENVELOPE_FACTOR, free_port, hf_states, rel_err
 from tests.sglang_cpu.venv import SERVER_ARGS
 
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+
 LENGTHS = [90, 17, 130, 66]
 
 

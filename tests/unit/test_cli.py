@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from eagle3_dagster.io import atomic_write_json
@@ -39,6 +40,7 @@ def test_a_wrong_profile_is_one_line_and_exit_2_without_a_traceback():
     assert "no_such_profile.yaml: profile file not found" in out.stderr.strip().splitlines()[0]
 
 
+@pytest.mark.slow  # the eagle3 command in subprocesses
 def test_profile_is_accepted_after_the_subcommand_too(tmp_path):
     profile = profile_in(tmp_path)
     before, after = eagle3("--profile", str(profile), "plan"), eagle3("plan", "--profile", str(profile))

@@ -141,6 +141,7 @@ def validate_launchers(configs: dict[str, tuple[str, str, dict]]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # installs dagster-k8s and dagster-docker into .cache/
 def test_launcher_samples_pass_the_launchers_own_schemas_and_a_typo_does_not() -> None:
     samples = {name: yaml.safe_load((DEPLOY / name).read_text())["run_launcher"] for name in LAUNCHERS}
     configs = {name: (s["module"], s["class"], s["config"]) for name, s in samples.items()}

@@ -28,6 +28,8 @@ import sglang_wheels  # noqa: E402
 from sshd_server import free_port, start_sshd  # noqa: E402
 from resources.gpu_host import GpuHostResource  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real sshd and server processes
+
 FAKE_SERVER = r'''
 import json, os, subprocess, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer

@@ -31,6 +31,8 @@ from packaging.utils import canonicalize_name
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sglang_wheels  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every supported SGLang release's metadata
+
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "eagle3-dagster"
 # Every release the patches support: the first that serves Kimi-K2.5 with EAGLE-3 (0.5.10) through 0.5.23.

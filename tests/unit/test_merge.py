@@ -126,6 +126,7 @@ _MERGE_IN_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a 150 MB corpus
 def test_peak_memory_stays_bounded_on_a_corpus_far_larger_than_the_bound(tmp_path):
     rng = np.random.default_rng(0)
     src = tmp_path / "big.jsonl"

@@ -23,6 +23,8 @@ from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.gpu_host import GpuHost, HostSpec, ServerError, ServerSpec
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
+pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host
+
 STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
 SPEC_ARGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "4")

@@ -16,6 +16,8 @@ import importlib.util  # noqa: E402
 
 from eagle3_dagster.sglang import patch, releases  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every supported SGLang release's wheel: generated, patched, reverted
+
 UNSUPPORTED_RELEASE = "0.5.9"  # real release whose KimiK25ForConditionalGeneration cannot serve EAGLE-3
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,7 @@ def _model_file(python: Path) -> Path:
     return python.parent / "site" / sglang_wheels.MODEL_FILE
 
 
-@pytest.mark.parametrize("version", patch.supported_versions())
+@pytest.mark.parametrize("version", list(releases.supported()))
 def test_apply_compile_verify_idempotent_revert_restores_pristine_bytes(version, tmp_path):
     python = sglang_wheels.make_site(version, tmp_path)
     target = _model_file(python)
@@ -56,7 +58,7 @@ def test_apply_compile_verify_idempotent_revert_restores_pristine_bytes(version,
     assert patch.revert(str(python)).startswith("already pristine")
 
 
-@pytest.mark.parametrize("version", patch.supported_versions())
+@pytest.mark.parametrize("version", list(releases.supported()))
 def test_patched_module_is_inert_without_dump_dir_and_imports_hook_with_it(version, tmp_path):
     """The inserted guard binds the hook only when SGLANG_HS_DUMP_DIR is set at import."""
     python = sglang_wheels.make_site(version, tmp_path)
@@ -76,7 +78,7 @@ def test_unsupported_release_is_refused_naming_supported_ones(tmp_path):
     with pytest.raises(patch.PatchError) as err:
         patch.apply(str(python))
     assert UNSUPPORTED_RELEASE in str(err.value)
-    for v in patch.supported_versions():
+    for v in list(releases.supported()):
         assert v in str(err.value)
     assert _model_file(python).read_bytes() == before
 
@@ -114,7 +116,7 @@ def test_diff_context_mismatch_is_an_error_not_a_fuzzy_apply():
 
 
 def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_through_0_5_23():
-    assert patch.supported_versions() == [
+    assert list(releases.supported()) == [
         "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14",
         "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
     ]
@@ -126,7 +128,7 @@ def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_
             make_patch.refuse_unless_serves(row)
 
 
-@pytest.mark.parametrize("version", patch.supported_versions())
+@pytest.mark.parametrize("version", list(releases.supported()))
 def test_table_patch_and_matrix_are_what_the_generator_makes_from_the_wheel(version):
     make_patch = _make_patch_module()
     row, diff = make_patch.analyze(version)

@@ -149,6 +149,7 @@ def test_heldout_split_is_a_fixed_sha256_function_of_the_id():
     assert split_key("QWJhYvA_12") == "QWJhYvA" and split_key("plain") == "plain"
 
 
+@pytest.mark.slow  # reads the whole bundled ShareGPT file
 def test_heldout_and_train_splits_are_disjoint_stable_and_cover_everything(real_file):
     n = 2000
     everything = [c.id for c in ShareGPTReader(real_file, limit=n)]

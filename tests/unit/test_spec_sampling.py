@@ -163,6 +163,7 @@ def _residual_keeps_the_rejected_draft(probs_KV, drafts, coins_K, final_coin):
     return len(drafts), sample_from(probs_KV[len(drafts)], final_coin)
 
 
+@pytest.mark.slow  # 1,200 seeded generations of a tiny target
 def test_plain_sampling_passes_the_check_against_the_exact_distribution(target, exact):
     runner, g = TargetRunner(target), torch.Generator().manual_seed(99)
     samples = [generate_sampled(runner, PROMPT, DEPTH, temperature=T, generator=g).output_ids for _ in range(RUNS)]
@@ -170,6 +171,7 @@ def test_plain_sampling_passes_the_check_against_the_exact_distribution(target, 
     assert min(p.values()) > PASS_P, p
 
 
+@pytest.mark.slow  # 1,200 seeded speculative generations of a tiny target
 def test_speculative_sampling_with_sglangs_rule_is_distributed_as_the_target(target, exact):
     samples = _speculative_samples(target, exact, verify_target_only)
     assert all(len(s) == DEPTH for s in samples)
@@ -177,6 +179,7 @@ def test_speculative_sampling_with_sglangs_rule_is_distributed_as_the_target(tar
     assert min(p.values()) > PASS_P, p
 
 
+@pytest.mark.slow  # 2 x 600 seeded speculative generations
 @pytest.mark.parametrize("rule", [_greedy_acceptance, _residual_keeps_the_rejected_draft])
 def test_a_lossy_verification_rule_fails_the_same_check(target, exact, rule):
     p = _p_values(_speculative_samples(target, exact, rule, runs=RUNS // 2), exact)

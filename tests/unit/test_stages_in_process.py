@@ -214,6 +214,7 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(
     assert not (tmp_path / "published" / "run-bad").exists()  # nothing refused is published
 
 
+@pytest.mark.slow  # speculative decoding of the micro target, twice
 def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report(tmp_path, micro_target):
     from eagle3_dagster.stages.bench import benchmark_stage
 

@@ -107,6 +107,7 @@ def test_build_report_shows_the_model_learned_and_names_its_identity(micro_targe
     assert (micro_target / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # two target builds
 def test_build_is_deterministic_for_a_seed(micro_target, micro_profile, tmp_path):
     again = tmp_path / "target"
     build_tiny_target(micro_profile.target.tiny, again)

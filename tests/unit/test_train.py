@@ -117,6 +117,7 @@ def uninterrupted(workspace) -> Path:
     return workspace / "run_a"
 
 
+@pytest.mark.slow  # torchrun, 2 ranks
 def test_two_rank_gloo_training_lowers_loss_and_beats_untrained_drafter_on_acc0(uninterrupted):
     m = json.loads((uninterrupted / "metrics.json").read_text())
     before, after = m["initial_eval"], m["final_eval"]
@@ -133,6 +134,7 @@ def test_two_rank_gloo_training_lowers_loss_and_beats_untrained_drafter_on_acc0(
     assert check_export(uninterrupted / "export").ok
 
 
+@pytest.mark.slow  # torchrun twice
 def test_resume_after_kill_ends_with_identical_parameters(workspace, uninterrupted):
     cfg = _job(workspace, "run_b")
     crashed = _torchrun(workspace, cfg, "--stop-after-step", "12")
@@ -257,6 +259,7 @@ def test_multi_node_command_joins_a_c10d_rendezvous_and_needs_an_endpoint(tmp_pa
     assert load_profile("production", {"train": {"nnodes": 2, "rdzv_endpoint": "gpu-host-0:29500"}}).train.nnodes == 2
 
 
+@pytest.mark.slow  # torchrun with a c10d rendezvous
 def test_single_node_run_through_the_c10d_rendezvous_backend_trains(workspace):
     import socket
 
