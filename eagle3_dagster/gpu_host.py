@@ -410,7 +410,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
     trust_remote_code: bool = False  # the profile's target.trust_remote_code; off unless it says so
-    sglang_version: str | None = None  # extraction: the release's own options (patches/sglang/releases.json)
+    sglang_version: str | None = None  # the host's release: its own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
         args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
@@ -423,6 +423,8 @@ class ServerSpec:
             args += ["--context-length", str(self.context_length)]
         if self.dump_dir is not None:
             args += self._extraction_args()
+        elif self.sglang_version is not None:  # serving: no fused all-reduce (releases.json serving_args)
+            args += sglang_patch.release_for(self.sglang_version).serving_args
         return [*args, *self.extra_args]
 
     def _extraction_args(self) -> list[str]:

@@ -83,6 +83,14 @@ EXTRACTION_OPTIONS = [
     "--skip-server-warmup",
 ]
 
+# Options a serving launch (the served benchmark) needs, where the release has them.
+SERVING_OPTIONS = [
+    # 0.5.10-0.5.23 turn FlashInfer all-reduce fusion on by themselves for DeepSeek-V3 and Kimi-K2.5 on Hopper and
+    # Blackwell with TP > 1 (server_args.py, "Auto-enabling FlashInfer AllReduce Fusion"); SGLang's own EAGLE-3 aux
+    # capture then sees per-rank partial sums, not the all-reduced states the drafter was trained on
+    "--enforce-disable-flashinfer-allreduce-fusion",
+]
+
 
 class Refused(SystemExit):
     pass
@@ -256,6 +264,7 @@ def analyze(version: str) -> tuple[dict, str]:
             "llama": _aux_rule(read_file(version, "sglang/srt/models/llama.py"), "LlamaForCausalLM"),
         },
         "extraction_args": args,
+        "serving_args": [opt for opt in SERVING_OPTIONS if _has_option(sources, opt)],
         "capture_only_mode": _has_option(sources, "--enable-return-aux-hidden-states"),
         "eagle31_options": eagle31_options(read_file(version, "sglang/srt/models/llama_eagle3.py")),
     }
