@@ -297,14 +297,15 @@ def write(rows: dict[str, dict], diffs: dict[str, str]) -> None:
 
 
 def matrix(rows: list[dict]) -> str:
-    out = ["| release | serves Kimi-K2.5 with EAGLE-3 | extraction path | patch | aux ids (DeepSeek / Llama) | extraction options |",
-           "|---|---|---|---|---|---|"]
+    out = ["| release | serves Kimi-K2.5 with EAGLE-3 | extraction path | patch | aux ids (DeepSeek / Llama) "
+           "| extraction options | serving options |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         path = "patch (dump hook)" + (" — capture-only mode exists, not used" if r["capture_only_mode"] else "")
         rules = " / ".join(r["aux_id_rules"][k] or "–" for k in ("deepseek", "llama"))
-        opts = " ".join(a for a in r["extraction_args"] if a not in ("--disable-radix-cache", "--chunked-prefill-size", "-1"))
         out.append(f"| {r['version']} | {'yes' if r['serves_kimi_k25_eagle3'] else 'no'} | {path} | "
-                   f"{r['style']}, verified | {rules} | `{opts}` |")
+                   f"{r['style']}, verified | {rules} | `{' '.join(r['extraction_args'])}` "
+                   f"| `{' '.join(r['serving_args'])}` |")
     return "\n".join(out) + "\n"
 
 

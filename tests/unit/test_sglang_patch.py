@@ -158,3 +158,12 @@ def test_generator_refuses_a_moved_anchor():
     moved = pristine.replace("        if len(aux_hidden_states) == 0:\n", "        if not len(aux_hidden_states):\n")
     with pytest.raises(SystemExit, match="anchor 'return'"):
         make_patch.render(moved, "collector")
+
+
+def test_readme_matrix_lists_every_extraction_option_the_table_passes():
+    """The README's options column is the launch's: radix cache and chunked prefill included."""
+    text = (ROOT / "patches" / "sglang" / "README.md").read_text()
+    for version, release in releases.supported().items():
+        line = next(s for s in text.splitlines() if s.startswith(f"| {version} |"))
+        assert f"`{' '.join(release.extraction_args)}`" in line, version
+        assert f"`{' '.join(release.serving_args)}`" in line, version
