@@ -151,6 +151,8 @@ def hours_table(hours_by_hosts: dict[str, float], num_hosts: int) -> str:
 def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list[tuple[str, str, str]]:
     """(check, PASS|FAIL|SKIP, detail) for everything the profile needs of a GPU host (`num_gpus`: that
     host's; default the profile's first host's)."""
+    from eagle3_dagster.gpu_host import other_sglang_release
+
     needs_sglang = profile.hidden.backend == "sglang"
     host_gpus = profile.gpu_host.all_hosts[0].num_gpus if num_gpus is None else num_gpus
     min_gpus = max(host_gpus, profile.hidden.tp_size if needs_sglang else 0)
@@ -162,6 +164,9 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
     return [
         ("interpreter", "PASS", f"{report.get('python')} (Python {report.get('python_version')})"),
         row("sglang", needs_sglang, not report.get("sglang_error"), str(sglang)),
+        row("sglang_release", needs_sglang and profile.gpu_host.sglang_version is not None,
+            other_sglang_release(report, profile.gpu_host.sglang_version) is None,
+            f"{report.get('sglang_version')} installed, gpu_host.sglang_version {profile.gpu_host.sglang_version}"),
         row("patch", needs_sglang, report.get("patch_state") == "patched", str(report.get("patch_state", "n/a"))),
         row("eagle3_dagster", needs_sglang, bool(report.get("eagle3_dagster")),
             "importable" if report.get("eagle3_dagster") else "not importable on the host"),

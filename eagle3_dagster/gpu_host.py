@@ -86,12 +86,13 @@ import hashlib, importlib.util, json, os, shutil, subprocess, sys
 out = {"python": sys.executable, "python_version": sys.version.split()[0], "sglang_version": None,
        "sglang_error": None, "deepseek_v2_sha256": None, "gpu_count": 0, "gpu_error": None,
        "eagle3_dagster": importlib.util.find_spec("eagle3_dagster") is not None}
-try:
+try:  # the release that is imported: sglang.__version__ (sglang/version.py), else the installed metadata
     import sglang
     from importlib.metadata import version
-    out["sglang_version"] = version("sglang")
+    out["sglang_version"] = getattr(sglang, "__version__", None) or version("sglang")
     f = os.path.join(os.path.dirname(sglang.__file__), "srt", "models", "deepseek_v2.py")
-    out["deepseek_v2_sha256"] = hashlib.sha256(open(f, "rb").read()).hexdigest()
+    if os.path.exists(f):
+        out["deepseek_v2_sha256"] = hashlib.sha256(open(f, "rb").read()).hexdigest()
 except Exception as e:
     out["sglang_error"] = f"{type(e).__name__}: {e}"
 try:  # nvidia-smi answers in a second; importing torch takes several
@@ -279,8 +280,11 @@ class GpuHost:
         self.signal_group(pidfile, "KILL")
 
     def preflight(self, output_dir: str, *, min_free_bytes: int = 0, min_gpus: int = 0,
-                  require_sglang: bool = True, require_patch: bool = False, timeout: float = 180.0) -> dict:
-        """Check the host in seconds; returns the report or raises PreflightError naming the problem."""
+                  require_sglang: bool = True, require_patch: bool = False, sglang_version: str | None = None,
+                  timeout: float = 180.0) -> dict:
+        """Check the host in seconds; returns the report or raises PreflightError naming the problem.
+
+        `sglang_version` (the profile's `gpu_host.sglang_version`): another installed release is refused."""
         try:
             proc = self.run([self.spec.python, "-c", PROBE, output_dir], timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
@@ -294,6 +298,8 @@ class GpuHost:
         py = f"{self.where()}: interpreter {self.spec.python}"
         if require_sglang and report["sglang_error"]:
             raise PreflightError(f"{py} has no sglang: {report['sglang_error']}")
+        if (why := other_sglang_release(report, sglang_version)) is not None:
+            raise PreflightError(f"{py} {why}")
         if report.get("sglang_version") and report.get("deepseek_v2_sha256"):
             try:
                 release = sglang_patch.release_for(report["sglang_version"])
@@ -317,6 +323,20 @@ class GpuHost:
             raise PreflightError(f"{self.where()}: {report['free_bytes'] / 2**30:.1f} GiB free at {output_dir}, "
                                  f"{min_free_bytes / 2**30:.1f} GiB needed")
         return report
+
+
+def other_sglang_release(report: dict, expected: str | None) -> str | None:
+    """Why a host whose preflight `report` this is cannot run a step for `expected`, or None.
+
+    The export writes its aux ids for `gpu_host.sglang_version`, and releases read them differently
+    (DeepSeek: `always_plus_one` up to 0.5.12, `plus_one_if_first_is_one` from 0.5.13): a host on
+    another release would extract, or serve, a set that is not the one the export names."""
+    installed = report.get("sglang_version")
+    if expected is None or installed is None or installed == expected:
+        return None
+    return (f"has SGLang {installed} installed, but gpu_host.sglang_version is {expected}: the drafter's aux ids "
+            f"are written for {expected}, and another release may read them as other layers; install SGLang "
+            f"{expected} there or set gpu_host.sglang_version to {installed}")
 
 
 class HostProcess:
@@ -390,7 +410,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
     trust_remote_code: bool = False  # the profile's target.trust_remote_code; off unless it says so
-    sglang_version: str | None = None  # extraction: the release's own options (patches/sglang/releases.json)
+    sglang_version: str | None = None  # the host's release: its own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
         args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
@@ -403,6 +423,8 @@ class ServerSpec:
             args += ["--context-length", str(self.context_length)]
         if self.dump_dir is not None:
             args += self._extraction_args()
+        elif self.sglang_version is not None:  # serving: no fused all-reduce (releases.json serving_args)
+            args += sglang_patch.release_for(self.sglang_version).serving_args
         return [*args, *self.extra_args]
 
     def _extraction_args(self) -> list[str]:

@@ -153,6 +153,13 @@ def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except ImportError as e:  # shipped code importing a package this interpreter lacks (Kimi-K2.5: tiktoken)
+        missing = getattr(e, "name", None) or str(e).split("environment: ", 1)[-1].split(". Run", 1)[0]
+        raise ValueError(
+            f"{model_dir}: this model's tokenizer needs the Python package {missing}, which is not installed in "
+            f"{__import__('sys').executable}; pip install {missing} (tiktoken comes with this project's "
+            f"[pipeline] extra): {e}"
+        ) from e
     except ValueError as e:
         if trust_remote_code or "trust_remote_code" not in str(e):
             raise

@@ -19,9 +19,10 @@ without DP attention; every DP group's rank 0 with it, each holding its own
 requests). Each request's rows become one chunk file
 `{quote(key)}.{start}.safetensors` with absolute positions `[start, start+n)`;
 the driver stitches chunks of a chunked prefill by position. The key is the
-request id (`forward_batch.rids`, SGLang >= 0.5.11); older releases carry no
-request ids, so there the key is `ids-` + sha256 of the token ids, which
-requires whole-prompt extends (`--chunked-prefill-size -1 --disable-radix-cache`).
+request id (`forward_batch.rids`, filled by `ForwardBatch.init_new` in every
+supported release, 0.5.10 on); without request ids (older releases) the key is
+`ids-` + sha256 of the token ids, which requires whole-prompt extends
+(`--chunked-prefill-size -1 --disable-radix-cache`).
 
 GPU tensors are copied into pinned host buffers with non_blocking copies on the
 current stream (so later in-place updates of the residual cannot race them). A
@@ -98,6 +99,8 @@ def _inside_graph_or_trace() -> bool:
 
 
 def _refuse_partial_sum(t) -> None:
+    # SGLang sets this marker in 0.5.10-0.5.20 only; from 0.5.21 the extraction launch's
+    # --enforce-disable-flashinfer-allreduce-fusion alone guards (tests/unit/test_sglang_patch.py)
     if getattr(t, "_sglang_needs_allreduce_fusion", False):
         raise RuntimeError(
             "hidden-state dump: captured a layer output whose all-reduce is fused into the next layer "

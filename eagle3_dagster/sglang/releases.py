@@ -6,7 +6,7 @@ of its pristine and patched `deepseek_v2.py`, the patch style, whether it serves
 Kimi-K2.5 with EAGLE-3, how its `set_eagle3_layers_to_capture` turns a draft
 config's `eagle_aux_hidden_state_layer_ids` into captured layers (found by running
 that method from the release's source), and the server options an extraction
-launch needs on it. Everything version-dependent reads this table, so adding a
+launch and a serving launch need on it. Everything version-dependent reads this table, so adding a
 release is one command and no code change.
 
 Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i]`):
@@ -38,6 +38,7 @@ class Release:
     serves_kimi_k25_eagle3: bool
     aux_id_rules: dict[str, str]  # architecture family ("deepseek", "llama") -> rule
     extraction_args: tuple[str, ...]  # server options an extraction launch adds on this release
+    serving_args: tuple[str, ...]  # server options a serving launch (the served benchmark) adds on this release
     capture_only_mode: bool  # --enable-return-aux-hidden-states exists (not used: see README)
     eagle31_options: tuple[str, ...]  # EAGLE 3.1 draft config options its llama_eagle3.py reads (fc_norm, norm_output)
 
@@ -57,7 +58,8 @@ def supported() -> dict[str, Release]:
         r["version"]: Release(
             version=r["version"], pristine_sha256=r["pristine_sha256"], patched_sha256=r["patched_sha256"],
             style=r["style"], serves_kimi_k25_eagle3=r["serves_kimi_k25_eagle3"], aux_id_rules=r["aux_id_rules"],
-            extraction_args=tuple(r["extraction_args"]), capture_only_mode=r["capture_only_mode"],
+            extraction_args=tuple(r["extraction_args"]), serving_args=tuple(r["serving_args"]),
+            capture_only_mode=r["capture_only_mode"],
             eagle31_options=tuple(r["eagle31_options"]),
         )
         for r in rows

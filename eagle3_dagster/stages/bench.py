@@ -88,6 +88,7 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
 
     if host is None:
         raise ValueError("benchmark_report: the served benchmark (hidden.backend 'sglang') needs the gpu_host resource")
+    installed = _serving_release(profile, export, host)
     target = target_facts(profile, layout)
     tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code)
     context, bench = profile.target.serving_context, profile.bench
@@ -107,10 +108,10 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
                      "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                      "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
         return ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                          context_length=context, extra_args=extra,
+                          context_length=context, extra_args=extra, sglang_version=installed,
                           trust_remote_code=profile.target.trust_remote_code)
 
-    drafter_meta = _served_drafter_notes(profile, export, target, progress)
+    drafter_meta = _served_drafter_notes(profile, export, target, progress, installed)
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
@@ -120,7 +121,25 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
                             meta={"target_identity": target.identity, **drafter_meta})
 
 
-def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress: Progress) -> dict:
+def _serving_release(profile: Profile, export: Path, host: Any) -> str:
+    """The SGLang release installed on the host, refused unless it is `gpu_host.sglang_version` (when set) and
+    one the export's aux ids are right on (config.json `eagle3_dagster_sglang.releases`): releases read a draft
+    config's ids differently, so another one would feed the drafter other layers than it was trained on."""
+    import json
+
+    installed = host.preflight(".", sglang_version=profile.gpu_host.sglang_version)["sglang_version"]
+    right_on = (json.loads((export / "config.json").read_text()).get("eagle3_dagster_sglang") or {}).get("releases")
+    if right_on is not None and installed not in right_on:
+        raise ValueError(
+            f"benchmark_report: {host.where()} has SGLang {installed}, but the export {export} has aux ids right on "
+            f"SGLang {', '.join(right_on)} only (config.json eagle3_dagster_sglang.releases): {installed} would "
+            f"capture other layers for the drafter; install one of those there, or export again with "
+            f"gpu_host.sglang_version: {installed}")
+    return installed
+
+
+def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress: Progress,
+                          installed: str | None = None) -> dict:
     """What the serving release will capture for another trainer's export (SGLang reads the export itself)."""
     import json
 
@@ -130,7 +149,7 @@ def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress:
     if is_own_export(export):
         return {"drafter_source": "eagle3_dagster"}
     cfg = json.loads((export / "config.json").read_text())
-    version = profile.gpu_host.sglang_version or REFERENCE_SGLANG
+    version = installed or profile.gpu_host.sglang_version or REFERENCE_SGLANG  # the release that will serve it
     aux, origin, notes = resolve_aux_layers(cfg, target_summary(target.path)["architecture"], target.num_layers,
                                             version)
     for note in notes:

@@ -90,7 +90,8 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
     sglang = profile.hidden.backend == "sglang"
     on_gpus = sglang and server_option(profile.hidden.sglang_server_args, "--device") in (None, "cuda")
     report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, profile.hidden.tp_size if on_gpus else 0),
-                            require_sglang=sglang, require_patch=sglang)
+                            require_sglang=sglang, require_patch=sglang,
+                            sglang_version=profile.gpu_host.sglang_version if sglang else None)
     if not sglang and not host.is_this_process(sys.executable) and not report["eagle3_dagster"]:
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
                              "runs the hf extraction there; install this project on the host")
@@ -193,12 +194,14 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     included), so nothing that explains it passes through a throttle."""
     import time
 
-    from eagle3_dagster.gpu_host import LogTail, ServerSpec, sglang_server
+    from eagle3_dagster.gpu_host import LogTail, PreflightError, ServerSpec, other_sglang_release, sglang_server
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
     local_root = ctx.staging_dir or ctx.version_dir.parent  # dumps and logs stay on the host's disk
     report = host_report or extraction_preflight(profile, host, local_root)
+    if (why := other_sglang_release(report, profile.gpu_host.sglang_version)) is not None:  # a report from elsewhere
+        raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")
     dump_dir = local_root / ".dumps" / ctx.version
     log_path = local_root / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))

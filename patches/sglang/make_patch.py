@@ -83,6 +83,14 @@ EXTRACTION_OPTIONS = [
     "--skip-server-warmup",
 ]
 
+# Options a serving launch (the served benchmark) needs, where the release has them.
+SERVING_OPTIONS = [
+    # 0.5.10-0.5.23 turn FlashInfer all-reduce fusion on by themselves for DeepSeek-V3 and Kimi-K2.5 on Hopper and
+    # Blackwell with TP > 1 (server_args.py, "Auto-enabling FlashInfer AllReduce Fusion"); SGLang's own EAGLE-3 aux
+    # capture then sees per-rank partial sums, not the all-reduced states the drafter was trained on
+    "--enforce-disable-flashinfer-allreduce-fusion",
+]
+
 
 class Refused(SystemExit):
     pass
@@ -256,6 +264,7 @@ def analyze(version: str) -> tuple[dict, str]:
             "llama": _aux_rule(read_file(version, "sglang/srt/models/llama.py"), "LlamaForCausalLM"),
         },
         "extraction_args": args,
+        "serving_args": [opt for opt in SERVING_OPTIONS if _has_option(sources, opt)],
         "capture_only_mode": _has_option(sources, "--enable-return-aux-hidden-states"),
         "eagle31_options": eagle31_options(read_file(version, "sglang/srt/models/llama_eagle3.py")),
     }
@@ -288,14 +297,15 @@ def write(rows: dict[str, dict], diffs: dict[str, str]) -> None:
 
 
 def matrix(rows: list[dict]) -> str:
-    out = ["| release | serves Kimi-K2.5 with EAGLE-3 | extraction path | patch | aux ids (DeepSeek / Llama) | extraction options |",
-           "|---|---|---|---|---|---|"]
+    out = ["| release | serves Kimi-K2.5 with EAGLE-3 | extraction path | patch | aux ids (DeepSeek / Llama) "
+           "| extraction options | serving options |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         path = "patch (dump hook)" + (" — capture-only mode exists, not used" if r["capture_only_mode"] else "")
         rules = " / ".join(r["aux_id_rules"][k] or "–" for k in ("deepseek", "llama"))
-        opts = " ".join(a for a in r["extraction_args"] if a not in ("--disable-radix-cache", "--chunked-prefill-size", "-1"))
         out.append(f"| {r['version']} | {'yes' if r['serves_kimi_k25_eagle3'] else 'no'} | {path} | "
-                   f"{r['style']}, verified | {rules} | `{opts}` |")
+                   f"{r['style']}, verified | {rules} | `{' '.join(r['extraction_args'])}` "
+                   f"| `{' '.join(r['serving_args'])}` |")
     return "\n".join(out) + "\n"
 
 

@@ -47,3 +47,15 @@ def test_a_cpu_device_gets_sglangs_cpu_engine_and_other_options_pass_through():
     assert argv[-6:] == ["--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"]
     assert spec.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
     assert "SGLANG_USE_CPU_ENGINE" not in ServerSpec("/m", dump_dir="/d", dump_layers=(1, 2, 3)).environment()
+
+
+def test_a_serving_launch_forces_flashinfer_allreduce_fusion_off_on_every_release_that_has_the_option():
+    """Releases 0.5.10-0.5.23 turn the fusion on by themselves for DeepSeek-V3 / Kimi-K2.5 on Hopper and
+    Blackwell with TP > 1; SGLang's aux capture would then see per-rank partial sums at serve time, unlike
+    the all-reduced states the drafter was trained on. The option is read from each release's sources."""
+    for version, release in releases.supported().items():
+        assert release.serving_args == ("--enforce-disable-flashinfer-allreduce-fusion",), version
+        argv = ServerSpec("/m", tp_size=8, sglang_version=version).argv("python")
+        assert "--enforce-disable-flashinfer-allreduce-fusion" in argv, version
+        assert "--disable-radix-cache" not in argv, version  # a serving launch keeps the release's defaults
+    assert "--enforce-disable-flashinfer-allreduce-fusion" not in ServerSpec("/m").argv("python")  # release unknown

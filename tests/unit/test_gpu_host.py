@@ -243,3 +243,37 @@ def test_server_runs_code_shipped_with_a_checkpoint_only_when_the_profile_says_s
     extraction = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version="0.5.23")
     assert "--trust-remote-code" not in extraction.argv("python")
     assert "--trust-remote-code" in ServerSpec("/m", trust_remote_code=True).argv("python")
+
+
+def _site_with_version(tmp_path, version: str) -> Path:
+    """A host interpreter whose `sglang/__init__.py` sets `__version__` (no dist-info, as a source checkout)."""
+    site = tmp_path / "site" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_preflight_refuses_an_installed_sglang_other_than_gpu_host_sglang_version(tmp_path):
+    """The export writes aux ids for the profile's release; another installed release may read them one layer off."""
+    host = GpuHost(HostSpec("local", str(_site_with_version(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    assert host.preflight(str(tmp_path))["sglang_version"] == "0.5.13"
+    assert host.preflight(str(tmp_path), sglang_version="0.5.13")["sglang_version"] == "0.5.13"
+    with pytest.raises(PreflightError, match=r"has SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12"):
+        host.preflight(str(tmp_path), sglang_version="0.5.12")
+
+
+def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path):
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.stages import hidden as hidden_stage
+
+    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"), "hidden": {"backend": "sglang"},
+                                               "gpu_host": {"sglang_version": "0.5.12"}})
+    host = GpuHost(HostSpec("local", str(_site_with_version(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
+        hidden_stage.extraction_preflight(profile, host, tmp_path)
+    ctx = type("Ctx", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
+    with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
+        hidden_stage._extract_sglang(profile, ctx, [], host, {"sglang_version": "0.5.13"}, lambda _m: None)

@@ -108,3 +108,21 @@ def test_code_shipped_with_an_external_target_runs_only_when_the_profile_says_so
     with pytest.raises(ValueError, match="target.trust_remote_code"):
         _tokenizer(profile, ArtifactLayout.from_profile(profile))
     assert not ran.exists()
+
+
+def test_a_tokenizer_whose_shipped_code_imports_a_missing_package_is_an_error_naming_the_package(tmp_path):
+    """Kimi-K2.5's tokenization_kimi.py imports tiktoken: a host without it gets the package's name, not a
+    bare ImportError from deep inside transformers."""
+    from eagle3_dagster.target import load_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}, '
+        '"tokenizer_class": "TikTokenTokenizer"}')
+    (model / "tokenization_kimi.py").write_text("import eagle3_missing_bpe_package\n"
+                                                "from transformers import PreTrainedTokenizer\n"
+                                                "class TikTokenTokenizer(PreTrainedTokenizer):\n    pass\n")
+    with pytest.raises(ValueError, match=r"eagle3_missing_bpe_package.*pip install"):
+        load_tokenizer(model, trust_remote_code=True)

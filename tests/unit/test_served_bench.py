@@ -231,6 +231,52 @@ def test_a_prompt_record_without_a_prompt_field_is_named_in_the_error(tmp_path):
         load_prompt_set("gsm8k", 5, path)
 
 
+def _standin_host_python(tmp_path, version: str) -> Path:
+    """A host interpreter whose `sglang` is release `version` (`__version__`) and whose launch_server is the stand-in."""
+    import shutil
+
+    site = tmp_path / "site" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    shutil.copy(STANDIN, site / "launch_server.py")
+    python = tmp_path / "python"
+    root = Path(__file__).resolve().parents[2]
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:{root}" STANDIN_LOAD_S=0.5 exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def _bench_profile(tmp_path, port: int, **gpu_host):
+    from eagle3_dagster.config import load_profile
+
+    return load_profile("micro", overrides={
+        "run_root": str(tmp_path / "run"), "gpu_host": gpu_host,
+        "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
+        "bench": {"sets": ["gsm8k"], "num_prompts": 2, "max_new_tokens": 16, "spec_configs": [[3, 1, 4]]}})
+
+
+@pytest.mark.parametrize("case", ["export", "profile"])
+def test_served_benchmark_refuses_a_host_release_the_export_or_profile_does_not_name(tmp_path, target_dir, case):
+    """The export's aux ids are right on `eagle3_dagster_sglang.releases` only; 0.5.13 reads 0.5.12's ids
+    for a non-default aux set one layer off. Refused before any server starts, naming both releases."""
+    from eagle3_dagster.contracts import ArtifactLayout
+    from eagle3_dagster.gpu_host import PreflightError
+    from eagle3_dagster.stages.bench import benchmark_stage
+
+    port = _free_port()
+    profile = _bench_profile(tmp_path, port, **({"sglang_version": "0.5.12"} if case == "profile" else {}))
+    export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096,
+                            sglang_versions=["0.5.12"] if case == "export" else None)
+    host = GpuHost(HostSpec("local", str(_standin_host_python(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    logs: list[str] = []
+    want = (r"SGLang 0\.5\.13\b.*0\.5\.12" if case == "export"
+            else r"SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12")
+    with pytest.raises((ValueError, PreflightError), match=want):
+        benchmark_stage(profile, ArtifactLayout.from_profile(profile), export_dir=export, previous_results=None,
+                        run_id="r1", gpu_host=host, progress=logs.append)
+    assert not any(line.startswith("[sglang]") for line in logs), "a server was launched anyway"
+
+
 def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_target, target_dir):
     """The stage end to end: prompts rendered and capped here, each server + client on the host.
 
@@ -245,14 +291,7 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     from eagle3_dagster.contracts import ArtifactLayout
     from eagle3_dagster.stages.bench import benchmark_stage
 
-    site = tmp_path / "site" / "sglang"
-    site.mkdir(parents=True)
-    (site / "__init__.py").write_text("")
-    shutil.copy(STANDIN, site / "launch_server.py")
-    python = tmp_path / "python"
-    root = Path(__file__).resolve().parents[2]
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:{root}" STANDIN_LOAD_S=0.5 exec "{sys.executable}" "$@"\n')
-    python.chmod(0o755)
+    python = _standin_host_python(tmp_path, "0.5.23")
     questions = [f"What is {i} plus {i}?" for i in range(4)] + ["Explain this. " + "word " * 2000]
     prompts = tmp_path / "gsm8k.jsonl"
     prompts.write_bytes(b"".join(orjson.dumps({"question": q, "answer": "x"}) + b"\n" for q in questions))

@@ -160,3 +160,38 @@ def test_generator_refuses_a_moved_anchor():
     moved = pristine.replace("        if len(aux_hidden_states) == 0:\n", "        if not len(aux_hidden_states):\n")
     with pytest.raises(SystemExit, match="anchor 'return'"):
         make_patch.render(moved, "collector")
+
+
+def test_readme_matrix_lists_every_extraction_option_the_table_passes():
+    """The README's options column is the launch's: radix cache and chunked prefill included."""
+    text = (ROOT / "patches" / "sglang" / "README.md").read_text()
+    for version, release in releases.supported().items():
+        line = next(s for s in text.splitlines() if s.startswith(f"| {version} |"))
+        assert f"`{' '.join(release.extraction_args)}`" in line, version
+        assert f"`{' '.join(release.serving_args)}`" in line, version
+
+
+# SGLang marks a tensor whose all-reduce is fused into the next layer with this attribute; dump_hook refuses it.
+FUSED_MARKER = "_sglang_needs_allreduce_fusion"
+RELEASES_WITH_MARKER = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
+                        "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20"]
+
+
+def test_which_fused_all_reduce_guard_is_live_on_each_release():
+    """Two guards against per-rank partial sums: the server option (every release: the launch forces the fusion
+    off) and dump_hook's check of SGLang's marker attribute, which only 0.5.10-0.5.20 still set (0.5.21 on,
+    the marker is gone from the sources, so there the option alone guards)."""
+    import zipfile
+
+    from eagle3_dagster.sglang import dump_hook
+
+    assert FUSED_MARKER in Path(dump_hook.__file__).read_text()
+    with_marker = []
+    for version, release in releases.supported().items():
+        assert "--enforce-disable-flashinfer-allreduce-fusion" in release.extraction_args, version
+        assert "--enforce-disable-flashinfer-allreduce-fusion" in release.serving_args, version
+        with zipfile.ZipFile(sglang_wheels.wheel_path(version)) as z:
+            if any(FUSED_MARKER.encode() in z.read(n) for n in z.namelist()
+                   if n.startswith("sglang/srt/") and n.endswith(".py")):
+                with_marker.append(version)
+    assert with_marker == RELEASES_WITH_MARKER
