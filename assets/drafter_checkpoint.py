@@ -115,8 +115,13 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
 
 RESULT_COLUMNS = {  # column → what it means, with its unit
     "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
-    "acceptance_length": "tokens per verify step, bonus included", "speedup": "tokens/s over no_spec on the set",
-    "tokens_per_s": "completion tokens per second", "num_prompts": "prompts", "completion_tokens": "tokens generated",
+    "acceptance_length": "tokens per verify step, bonus included",
+    "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), on the set",
+    "speedup_min": "the lowest round's speed-up", "speedup_max": "the highest round's speed-up",
+    "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s: the ratio of the two tokens_per_s cells",
+    "tokens_per_s": "completion tokens per second, the median over timing rounds",
+    "tokens_per_s_min": "the slowest round's tokens/s", "tokens_per_s_max": "the fastest round's tokens/s",
+    "num_prompts": "prompts", "completion_tokens": "tokens generated",
 }
 
 
