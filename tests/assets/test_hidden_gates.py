@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from assets import hidden_states as hidden_assets
+from assets.metadata_legend import undescribed
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
@@ -68,6 +69,8 @@ def test_a_plan_larger_than_the_free_space_fails_its_blocking_check_and_no_shard
     assert check.check_name == "fits_on_disk" and not check.passed
     meta = plan.asset_materializations_for_node("extraction_plan")[0].metadata
     assert meta["fits"].value is False and meta["free_bytes"].value == 1024
+    assert "| `fits` | needed_bytes <= free_bytes" in meta["metadata_legend"].value
+    assert not undescribed("extraction_plan", meta)
     assert meta["remaining_bytes"].value > 1024
     keys = [f"shard-{i:05d}" for i in range(meta["num_shards"].value)]
     instance.add_dynamic_partitions("hidden_state_shards", keys)
@@ -152,3 +155,5 @@ def test_force_reextracts_a_complete_shard_and_replaces_it_whole_while_a_plain_r
     assert shard.read_bytes() == data
     assert forced["shard_sha256"] == first["shard_sha256"]
     assert not list(shard.parent.glob(".*.tmp"))  # the temp was renamed into place, nothing left behind
+    for meta in (first, forced):  # every key the asset page shows is described in its legend
+        assert "metadata_legend" in meta and not undescribed("hidden_states", meta)

@@ -1,0 +1,86 @@
+"""What each metadata key an asset emits measures, and on what data: the `metadata_legend` entry.
+
+Dagster 1.13 has no per-key description for materialization metadata (`MetadataEntry`, which had
+one, is unusable since 1.x; table columns are the only values with descriptions, see
+`_common.table`). So every materialization carries one markdown entry, `metadata_legend`, listing
+its keys with their descriptions. The engine's keys stay as the engine emits them; this module
+only describes them. A key with no description is listed as such, so the legend never hides one
+(tests/assets/test_hidden_gates.py asserts the hidden-state assets have none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import dagster as dg
+
+LEGEND_KEY = "metadata_legend"
+UNDESCRIBED = "(not described yet)"
+
+# Keys that mean the same on every asset that emits them.
+COMMON: dict[str, str] = {
+    "settings": "the profile settings this asset was built with (a change shows in the settings sensor)",
+    "run_tags": "the run tags every run of this asset gets, however it is launched",
+}
+
+BY_ASSET: dict[str, dict[str, str]] = {
+    "extraction_plan": {
+        "version": "hidden-state version: a hash of everything that changes the shard bytes (target, merged_train, "
+                   "layers, dtype, backend, shard size)",
+        "version_dir": "the folder (or store URL) this version's shards and manifests go to",
+        "num_shards": "shards in the plan: the partitions of hidden_states",
+        "num_samples": "samples of merged_train the plan covers (all shards)",
+        "num_tokens": "tokens of merged_train the plan covers (all shards)",
+        "total_bytes": "exact bytes of every shard and its manifest, predicted from the shard format",
+        "total_human": "total_bytes in binary units",
+        "remaining_bytes": "bytes of the shards not yet complete in their manifest",
+        "num_hosts": "GPU hosts in the profile (gpu_host.hosts)",
+        "estimated_hours": "hours to extract the remaining shards on num_hosts hosts at hidden.throughput_tokens_per_s",
+        "hours_by_hosts": "estimated hours by number of hosts",
+        "free_bytes": "free bytes read on the leased host at free_at when the plan was made",
+        "free_human": "free_bytes in binary units",
+        "free_at": "where free space was measured: hidden.root, or the staging folder for a store",
+        "needed_bytes": "bytes that must fit in free_bytes: remaining_bytes, or for a store the largest shard in flight",
+        "fits": "needed_bytes <= free_bytes (the fits_on_disk check)",
+        "superseded_versions": "other hidden-state versions under hidden.root with their size (job "
+                               "cleanup_hidden_states deletes them)",
+        "superseded_bytes": "bytes the superseded versions take",
+        "aux_layers_canonical": "the target layers whose input is captured, in canonical numbering",
+        "merged_train_sha256": "sha256 of the merged_train file the plan was made for",
+        "plan_contract": "the plan file the shard runs read (never recomputed by them)",
+        "train_schedule": "what training makes of these shards: optimizer steps and tokens per step",
+    },
+    "hidden_states": {
+        "version": "hidden-state version this run wrote (as in extraction_plan)",
+        "version_dir": "the folder (or store URL) the shards were written to",
+        "shards": "the shard keys (partitions) of this run",
+        "num_samples": "samples in this run's shards",
+        "num_tokens": "tokens in this run's shards",
+        "bytes_written": "bytes of this run's shards and their manifests, read back from storage",
+        "resumed_shards": "shards found complete in their manifest (size and sha256 checked) and skipped",
+        "reextracted_corrupt_shards": "shards whose manifest existed but whose bytes failed it, extracted again",
+        "uploaded_from_staging_shards": "shards found complete in the staging folder and only uploaded to the store",
+        "forced": "whether the run config set force: complete shards extracted again and replaced",
+        "sglang_log": "the SGLang server's log file on the host (sglang backend)",
+        "backend": "hidden.backend that computed the states (hf or sglang)",
+        "gpu_host": "the GPU host this run leased",
+        "shard_sha256": "each shard's sha256 from its manifest (a single shard's is the data version)",
+    },
+}
+
+
+def describe(asset: str, key: str) -> str | None:
+    return BY_ASSET.get(asset, {}).get(key) or COMMON.get(key)
+
+
+def undescribed(asset: str, keys: Iterable[str]) -> list[str]:
+    return [k for k in keys if k != LEGEND_KEY and describe(asset, k) is None]
+
+
+def legend(asset: str, keys: Iterable[str]) -> dg.MetadataValue:
+    """A markdown table of `keys` (in their order) with what each measures."""
+    lines = ["| key | what it measures |", "|---|---|"]
+    for k in keys:
+        if k != LEGEND_KEY:
+            lines.append(f"| `{k}` | {(describe(asset, k) or UNDESCRIBED).replace('|', '/')} |")
+    return dg.MetadataValue.md("\n".join(lines))
