@@ -17,6 +17,7 @@ from assets._common import (
     GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
 from assets.hidden_states import current_plan
+from assets.metadata_legend import LEGEND_KEY, legend
 from assets.settings import code_version, settings_metadata
 from eagle3_dagster.config import Profile
 
@@ -57,6 +58,7 @@ def build(profile: Profile) -> list:
         report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
         meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
                 **settings_metadata(profile, "drafter_checkpoint")}
+        meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
         weights = report.metadata["export_dir"] / "model.safetensors"
         return dg.MaterializeResult(metadata=meta, check_results=[check],

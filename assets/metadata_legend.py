@@ -66,11 +66,59 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "gpu_host": "the GPU host this run leased",
         "shard_sha256": "each shard's sha256 from its manifest (a single shard's is the data version)",
     },
+    "drafter_checkpoint": {
+        "run_dir": "the training run's folder (checkpoints, metrics.json, curves.png)",
+        "export_dir": "the exported drafter (config.json + model.safetensors) SGLang and vLLM load",
+        "export_location": "where the export was published (train.export_location)",
+        "steps": "optimizer steps trained",
+        "tokens_per_s": "training throughput: tokens per second over the run",
+        "eval_scope": "what the final figures were measured on: heldout (samples never trained on) or "
+                      "train_batches (training batches, which flatter the drafter)",
+        "heldout_loss": "final evaluation loss (forward KL to the target) on held-out samples never trained on",
+        "heldout_sim_accept_length": "simulated acceptance length (tokens per verify step) on held-out samples",
+        "heldout_samples": "held-out samples the final evaluation scored",
+        "heldout_scored_tokens": "supervised tokens of the held-out samples that were scored",
+        "train_batches_loss": "final loss on training batches (no held-out samples: it flatters the drafter)",
+        "train_batches_sim_accept_length": "simulated acceptance length on training batches (flatters the drafter)",
+        "untrained_acc_0": "acc_0 of the untrained drafter on the same samples, before the first step",
+        "last_step_train_loss": "loss of the last optimizer step's own training batch (the end of the loss curve), "
+                                "not an evaluation",
+        "loss_by_step": "training loss by optimizer step (the training batches), as a sparkline",
+        "acc_0_by_step": "acc_0 by optimizer step on the training batches, as a sparkline",
+        "curves": "loss and per-step accuracy curves (curves.png)",
+        "target_identity": "identity of the target model the hidden states came from",
+        "merged_train_sha256": "sha256 of the merged_train the hidden states were extracted from",
+        "hidden_version": "the hidden-state version trained on",
+        "num_shards": "hidden-state shards trained on",
+        "shards": "each shard trained on with its sha256 (its data version), samples and bytes",
+        "git_sha": "git commit of this project that trained",
+        "code_version": "the asset's code version (a hash of the settings it reads)",
+        "packages": "versions of the packages that trained",
+    },
+}
+
+# Keys numbered by draft position j (0 = the first drafted token).
+PATTERNS: dict[str, list[tuple[str, str]]] = {
+    "drafter_checkpoint": [
+        (r"heldout_acc_(\d+)", "argmax agreement with the target at draft position {0} on held-out samples never "
+                               "trained on"),
+        (r"train_batches_acc_(\d+)", "argmax agreement with the target at draft position {0} on training batches "
+                                     "(flatters the drafter)"),
+    ],
 }
 
 
 def describe(asset: str, key: str) -> str | None:
-    return BY_ASSET.get(asset, {}).get(key) or COMMON.get(key)
+    import re
+
+    found = BY_ASSET.get(asset, {}).get(key) or COMMON.get(key)
+    if found:
+        return found
+    for pattern, text in PATTERNS.get(asset, []):
+        m = re.fullmatch(pattern, key)
+        if m:
+            return text.format(*m.groups())
+    return None
 
 
 def undescribed(asset: str, keys: Iterable[str]) -> list[str]:

@@ -53,3 +53,17 @@ def test_every_materialization_carries_a_legend_naming_each_key_and_the_ones_not
     assert "| `forced` | whether the run config set force" in text
     assert "| `settings` | the profile settings" in text
     assert "| `something_new` | (not described yet) |" in text and "`metadata_legend`" not in text
+
+
+def test_the_trained_drafters_figures_are_described_with_what_they_were_measured_on():
+    from assets.metadata_legend import describe, undescribed
+    from eagle3_dagster.train.outputs import summary_metadata
+
+    metrics = {"steps": 3, "tokens_per_s": 10.0, "curves": {"loss": [2.0, 1.5]}, "initial_eval": {"acc_0": 0.1},
+               "final_eval": {"scope": "heldout", "loss": 1.2, "sim_accept_length": 1.7, "acc_0": 0.5, "acc_1": 0.3,
+                              "num_samples": 4, "num_scored_tokens": 40}}
+    keys = summary_metadata(metrics)
+    assert not undescribed("drafter_checkpoint", keys)
+    assert "held-out samples never trained on" in describe("drafter_checkpoint", "heldout_acc_1")
+    assert "draft position 1" in describe("drafter_checkpoint", "heldout_acc_1")
+    assert "training batch" in describe("drafter_checkpoint", "last_step_train_loss")
