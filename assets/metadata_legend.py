@@ -24,6 +24,17 @@ COMMON: dict[str, str] = {
 }
 
 BY_ASSET: dict[str, dict[str, str]] = {
+    "target_model": {
+        "path": "the target's folder (tokenizer, chat template, weights)",
+        "num_parameters": "parameters of the tiny target",
+        "tokens_seen": "tokens of pre-training the tiny target saw",
+        "final_loss": "the tiny target's pre-training loss at its last step (its training batch)",
+        "build_seconds": "seconds the build took (tokenizer, pre-training, verified save)",
+        "tokenizer_vocab_size": "tokens in the target's tokenizer",
+        "identity": "the target's identity: a hash of its config and weights (its data version)",
+        "loss_curve": "the pre-training loss curve (loss_curve.png)",
+        "loss_by_step": "pre-training loss by step (its training batches), as a sparkline",
+    },
     "extraction_plan": {
         "version": "hidden-state version: a hash of everything that changes the shard bytes (target, merged_train, "
                    "layers, dtype, backend, shard size)",
