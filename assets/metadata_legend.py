@@ -24,6 +24,21 @@ COMMON: dict[str, str] = {
 }
 
 BY_ASSET: dict[str, dict[str, str]] = {
+    "benchmark_report": {
+        "results_json": "every result row (sets × methods × configurations × temperatures) as written",
+        "report": "the benchmark report: grids per prompt set, bands, caveats",
+        "headline_config": "which row the headline figures are: the trained drafter at the first configuration on "
+                           "the first set, in its training band",
+        "spec": "the headline's num_steps,topk,num_draft_tokens",
+        "set": "the headline's prompt set (held-out prompts, never trained on)",
+        "acceptance_length": "tokens per verify step, bonus included, of the headline row in its training band",
+        "acceptance_length_all_prompts": "the same over all prompts of the set",
+        "headline_band": "the prompt-length band of the headline's acceptance length",
+        "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), all prompts",
+        "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s (the grid's two tokens/s cells), all "
+                              "prompts; differs from speedup when rounds vary in load",
+        "results": "the result rows as a table (column descriptions in its schema)",
+    },
     "target_model": {
         "path": "the target's folder (tokenizer, chat template, weights)",
         "num_parameters": "parameters of the tiny target",
@@ -110,6 +125,11 @@ BY_ASSET: dict[str, dict[str, str]] = {
 
 # Keys numbered by draft position j (0 = the first drafted token).
 PATTERNS: dict[str, list[tuple[str, str]]] = {
+    "benchmark_report": [
+        (r"acceptance_length_t([\d.]+)", "acceptance length of the headline configuration sampled at temperature {0}, "
+                                          "in the same band"),
+        (r"drafter_(\w+)", "the benchmarked drafter's {0} (from results.json meta)"),
+    ],
     "drafter_checkpoint": [
         (r"heldout_acc_(\d+)", "argmax agreement with the target at draft position {0} on held-out samples never "
                                "trained on"),
