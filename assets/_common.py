@@ -156,16 +156,16 @@ def sparkline(values: list[float], x_axis: str, width: int = 48) -> str:
 def materialize_result(report: StageReport, profile: Profile, asset: str, *, data_version: str | None = None,
                        **kwargs: Any) -> dg.MaterializeResult:
     """The stage's report as metadata, the settings it was built with, and a data version from its content."""
+    from assets.metadata_legend import LEGEND_KEY, legend
     from assets.settings import settings_metadata
 
     version = data_version or report.data_version
     if version is None:
         raise ValueError(f"{asset}: the stage reported no content version; every asset's data version must come "
                          "from its content")
-    return dg.MaterializeResult(
-        metadata={**report_metadata(report), **settings_metadata(profile, asset)},
-        data_version=dg.DataVersion(version), **kwargs,
-    )
+    metadata = {**report_metadata(report), **settings_metadata(profile, asset)}
+    metadata[LEGEND_KEY] = legend(asset, metadata)
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version), **kwargs)
 
 
 def file_version(path: Path) -> str:

@@ -17,6 +17,7 @@ from assets._common import (
     GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
 from assets.hidden_states import current_plan
+from assets.metadata_legend import LEGEND_KEY, legend
 from assets.settings import code_version, settings_metadata
 from eagle3_dagster.config import Profile
 
@@ -57,6 +58,7 @@ def build(profile: Profile) -> list:
         report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
         meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
                 **settings_metadata(profile, "drafter_checkpoint")}
+        meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
         weights = report.metadata["export_dir"] / "model.safetensors"
         return dg.MaterializeResult(metadata=meta, check_results=[check],
@@ -115,8 +117,13 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
 
 RESULT_COLUMNS = {  # column → what it means, with its unit
     "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
-    "acceptance_length": "tokens per verify step, bonus included", "speedup": "tokens/s over no_spec on the set",
-    "tokens_per_s": "completion tokens per second", "num_prompts": "prompts", "completion_tokens": "tokens generated",
+    "acceptance_length": "tokens per verify step, bonus included",
+    "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), on the set",
+    "speedup_min": "the lowest round's speed-up", "speedup_max": "the highest round's speed-up",
+    "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s: the ratio of the two tokens_per_s cells",
+    "tokens_per_s": "completion tokens per second, the median over timing rounds",
+    "tokens_per_s_min": "the slowest round's tokens/s", "tokens_per_s_max": "the fastest round's tokens/s",
+    "num_prompts": "prompts", "completion_tokens": "tokens generated",
 }
 
 

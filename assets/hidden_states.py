@@ -13,6 +13,7 @@ import hashlib
 import json
 
 import dagster as dg
+from pydantic import Field
 
 from assets._common import GPU_POOL, layout, materialize_result, progress_logger, run_tags, tag_run
 from assets.automation import shard_automation_condition
@@ -82,10 +83,12 @@ def build(profile: Profile) -> list:
         automation_condition=shard_automation_condition(profile.hidden.backfill_batch, profile.hidden.backfill_cron),
         metadata={"run_tags": dg.MetadataValue.json(run_tags(profile, "hidden_states"))},
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
-        f"({profile.hidden.backend} backend). Resumes from the manifest when retried. Requested by automation "
+        f"({profile.hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "
+        f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
+        f"and replaces each whole (metadata `forced`). Requested by automation "
         f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}.",
     )
-    def hidden_states(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
         from eagle3_dagster.hidden.context import load_plan
         from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight, free_space_location
@@ -100,7 +103,7 @@ def build(profile: Profile) -> list:
         preflight = lambda host: reports.append(extraction_preflight(profile, host, free_space_location(layout(profile))))  # noqa: E731
         with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
             report, checks = extract_stage(profile, plan, keys, gpu_host=host, host_report=reports[-1],
-                                           progress=progress_logger(context))
+                                           force=config.force, progress=progress_logger(context))
         report.metadata["gpu_host"] = host.name
         results = [
             dg.AssetCheckResult(check_name=name, passed=passed, severity=dg.AssetCheckSeverity.ERROR,
@@ -135,6 +138,18 @@ def build(profile: Profile) -> list:
         cleanup_op()
 
     return [extraction_plan, hidden_states, cleanup_job]
+
+
+class HiddenStatesConfig(dg.Config):
+    """The launchpad's switches for a shard run (automation's runs take the defaults)."""
+
+    force: bool = Field(
+        default=False,
+        description="Extract the selected shards again even when their manifest says they are complete (a "
+        "suspect host, a changed backend). Each new shard is written to a temporary file and renamed over the "
+        "old one; its manifest entry is removed first and written again last, so no reader sees a half-written "
+        "shard as complete. The metadata key `forced` records it.",
+    )
 
 
 class CleanupConfig(dg.Config):

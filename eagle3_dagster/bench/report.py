@@ -120,7 +120,9 @@ def attach_speedups(rows: list[dict]) -> list[dict]:
 
     Rows timed over several interleaved rounds (`wall_s_rounds`) get per-round figures: the
     speed-up of round i divides by no_spec's tokens/s of the same round; rows carry the median
-    and the spread (`*_min`, `*_max`) of tokens/s and speed-up.
+    and the spread (`*_min`, `*_max`) of tokens/s and speed-up. The median of ratios is not the
+    ratio of the two median tokens/s a reader sees side by side, so every row with a speed-up also
+    carries that ratio (`speedup_of_medians`); the two differ when rounds vary in load.
     """
     for r in rows:
         walls = r.get("wall_s_rounds")
@@ -134,6 +136,7 @@ def attach_speedups(rows: list[dict]) -> list[dict]:
         if b is None or not b["tokens_per_s"] or r["tokens_per_s"] is None:
             r["speedup"] = None
             continue
+        r["speedup_of_medians"] = r["tokens_per_s"] / b["tokens_per_s"]
         mine, theirs = r.get("tokens_per_s_rounds"), b.get("tokens_per_s_rounds")
         if mine and theirs and len(mine) == len(theirs):
             per_round = [m / t for m, t in zip(mine, theirs) if t]
@@ -175,6 +178,7 @@ def headline(rows: list[dict]) -> dict:
         out["headline_band"] = band["band"]
     if row.get("speedup") is not None:
         out["speedup"] = round(float(row["speedup"]), 3)  # all prompts: speed is not split by band
+        out["speedup_of_medians"] = round(float(row["speedup_of_medians"]), 3)  # what the two tokens/s cells give
     for r in rows:  # the same configuration sampled, in the same band
         if r["method"] == "eagle3" and (r["set"], r["spec"]) == (row["set"], row["spec"]) and temperature_of(r):
             b = next((x for x in r.get("bands", []) if band and x["band"] == band["band"]), None)
@@ -286,7 +290,9 @@ def _caveats(results: dict) -> list[str]:
     rounds = max((len(r.get("wall_s_rounds", [])) for r in rows), default=0)
     if rounds:
         md.append(f"Timing: every method warmed up once, then {rounds} interleaved rounds over the whole set; "
-                  "tokens/s and speed-up are the median round, (min–max) the spread across rounds.")
+                  "tokens/s and speed-up are the median round, (min–max) the spread across rounds. Speed-up is "
+                  "the median of per-round ratios (each over no_spec's same round), not the ratio of the two "
+                  "median tokens/s; that ratio is `speedup_of_medians` in results.json.")
     if results.get("mode") == "inprocess":
         ratio = draft_target_cost_ratio(rows)
         cost = f" Here one drafter step costs {ratio:.2f} of a target decode step." if ratio is not None else ""

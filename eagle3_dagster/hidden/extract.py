@@ -5,7 +5,9 @@ samples into `(sample, aux_hidden [T, 3H], last_hidden [T, H])` rows, in any ord
 `extract_shard` owns everything else:
 - resume: a shard is skipped only when its manifest entry exists *and* the file's
   size and sha256 match it; a shard that fails its checksum is extracted again (and
-  said so), never trusted;
+  said so), never trusted; `force=True` extracts it again even when complete (the
+  commit below replaces it whole: its manifest goes first, the new file is renamed
+  over the old one, the new manifest comes last);
 - the shard format (`ShardFormat`, whose code version comes from the plan, so the
   bytes are exactly the ones the plan predicted) and the commit protocol
   (`ShardWriter`: temporary name, rename, manifest last);
@@ -81,8 +83,10 @@ def extract_shard(
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda _line: None,
     staging_dir: Path | None = None,
+    force: bool = False,
 ) -> ShardResult:
-    """Extract one shard through `backend` unless its manifest and bytes say it is already complete.
+    """Extract one shard through `backend` unless its manifest and bytes say it is already complete
+    (`force`: even then).
 
     `fmt` and `vocab_size` may be callables, asked only when the shard has to be computed (a complete
     shard is skipped without reading the model directory). A `version_dir` on a store needs
@@ -90,26 +94,28 @@ def extract_shard(
     version_dir = storage.location(version_dir)
     if storage.is_remote(version_dir):
         return _extract_to_store(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size,
-                                 progress=progress, log=log, staging_dir=staging_dir)
+                                 progress=progress, log=log, staging_dir=staging_dir, force=force)
     return _extract_local(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size, progress=progress,
-                          log=log)
+                          log=log, force=force)
 
 
 def _extract_to_store(spec: ShardSpec, merged_train: Path, version_dir: str, fmt, backend: Backend, *, vocab_size,
-                      progress, log, staging_dir: Path | None) -> ShardResult:
+                      progress, log, staging_dir: Path | None, force: bool = False) -> ShardResult:
     if staging_dir is None:
         raise ValueError(f"{version_dir} is on an object store: hidden.staging_dir (a local folder) is needed to "
                          "write shards before they are uploaded")
     start = time.perf_counter()
     local = Path(staging_dir) / storage.name(version_dir)
     complete, distrust = verified_complete(version_dir, spec)
-    if complete:
+    if complete and not force:
         _remove_staged(local, spec.key)  # left by a run killed after its manifest went up
         return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
+    elif complete:
+        log(f"shard {spec.key}: complete on the store, extracting it again (force)")
     result = _extract_local(spec, merged_train, local, fmt, backend, vocab_size=vocab_size, progress=progress,
-                            log=log)
+                            log=log, force=force)
     if result.skipped:
         log(f"shard {spec.key}: complete in staging {local} (an upload was interrupted), uploading it again")
     entry = publish_shard(local, version_dir, spec.key, log=log)
@@ -136,14 +142,19 @@ def _remove_staged(local_dir: Path, key: str) -> None:
 
 
 def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, backend: Backend, *, vocab_size,
-                   progress, log) -> ShardResult:
+                   progress, log, force: bool = False) -> ShardResult:
     start = time.perf_counter()
     complete, distrust = verified_complete(version_dir, spec)
-    if complete:
+    if complete and not force:
         entry = load_shard_manifest(version_dir, spec.key)
         return _result(spec, version_dir, entry, 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
+    elif complete:
+        # ShardWriter deletes the manifest before it writes a byte, so for the length of the extraction the
+        # shard counts as missing (never as complete with a half-written file); the old file stays in place
+        # until the new one is renamed over it.
+        log(f"shard {spec.key}: complete in {version_dir}, extracting it again (force)")
     fmt = fmt() if callable(fmt) else fmt
     records = read_shard_records(merged_train, spec, vocab_size=vocab_size() if callable(vocab_size) else vocab_size)
     done = 0

@@ -158,9 +158,10 @@ def extract_shard_hf(
     code_version: str = HF_BACKEND_CODE_VERSION,
     log=lambda _line: None,
     staging_dir: Path | None = None,
+    force: bool = False,
 ) -> ShardResult:
     """One shard through the hf backend (resume, format and commit are `extract_shard`'s); the model is
-    loaded only if the shard has to be computed."""
+    loaded only if the shard has to be computed (`force`: even when complete)."""
     from functools import cache
 
     from eagle3_dagster.target import target_summary
@@ -176,7 +177,7 @@ def extract_shard_hf(
         yield from hf_rows(loaded, aux_layers, batch_tokens)(records)
 
     return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=lambda: summary()["vocab_size"],
-                         progress=progress, log=log, staging_dir=staging_dir)
+                         progress=progress, log=log, staging_dir=staging_dir, force=force)
 
 
 def extract_all_hf(

@@ -6,7 +6,7 @@ environment). It reads the plan contract (extraction_plan's output, on storage
 the host sees), extracts the named shards with the same function the in-process
 path uses (`extract_shards_hf`), prints progress lines and, per
 shard, one JSON summary line starting with `{"shard"`. Resume is the engine's:
-a shard complete in its manifest is skipped, a half-written one is redone.
+a shard complete in its manifest is skipped (unless `--force`), a half-written one is redone.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", action="append", required=True, help="a shard key of the plan (repeatable)")
     parser.add_argument("--dtype", required=True, help="hidden.dtype")
     parser.add_argument("--batch-tokens", type=int, required=True, help="hidden.batch_tokens")
+    parser.add_argument("--force", action="store_true", help="extract the shards again even when complete")
     args = parser.parse_args(argv)
 
     from eagle3_dagster.hidden.context import load_plan
@@ -40,15 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shards {unknown} are not in the plan {args.plan} ({len(by_key)} shards)", file=sys.stderr)
         return 2
     results = extract_shards_hf(ctx, [by_key[k] for k in args.shard], dtype=args.dtype,
-                                batch_tokens=args.batch_tokens, progress=lambda line: print(line, flush=True))
+                                batch_tokens=args.batch_tokens, progress=lambda line: print(line, flush=True),
+                                force=args.force)
     for r in results:
         print(json.dumps(r), flush=True)
     return 0
 
 
 def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str, batch_tokens: int,
-                      progress: Progress) -> list[dict]:
-    """The hf backend over some shards of a plan, with one loaded model."""
+                      progress: Progress, force: bool = False) -> list[dict]:
+    """The hf backend over some shards of a plan, with one loaded model (`force`: complete shards too)."""
     from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
 
     model = load_target_hf(ctx.target.path, dtype)
@@ -59,7 +61,7 @@ def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str,
         r = extract_shard_hf(
             ctx.target.path, ctx.merged_train, spec, ctx.version_dir, aux_layers=list(ctx.target.aux_layers),
             dtype=dtype, batch_tokens=batch_tokens, code_version=ctx.fmt.code_version, log=progress,
-            target_identity=ctx.target.identity, progress=meter, model=model, staging_dir=ctx.staging_dir,
+            target_identity=ctx.target.identity, progress=meter, model=model, staging_dir=ctx.staging_dir, force=force,
         )
         if r.skipped:
             progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")

@@ -183,12 +183,14 @@ def extract_shard_sglang(
     progress: Progress | None = None,
     log: Callable[[str], None] = lambda _line: None,
     staging_dir: Path | None = None,
+    force: bool = False,
 ) -> ShardResult:
-    """One shard through the server (resume, format, commit and upload to a store are `extract_shard`'s)."""
+    """One shard through the server (resume, format, commit and upload to a store are `extract_shard`'s;
+    `force`: extract it again even when complete)."""
     fmt = ShardFormat(hidden_size=hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
                       target_identity=target_identity, code_version=code_version)
     return extract_shard(spec, merged_train, version_dir, fmt, sglang_rows(settings, aux_layers, hidden_size),
-                         progress=progress, log=log, staging_dir=staging_dir)
+                         progress=progress, log=log, staging_dir=staging_dir, force=force)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code-version", default=SGLANG_BACKEND_CODE_VERSION, help="the plan's shard-format code version")
     p.add_argument("--max-seq-len", type=int, default=None, help="the plan's max_seq_len (shard boundaries)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--force", action="store_true", help="extract the shard again even when its manifest says complete")
     a = p.parse_args(argv)
     specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard, max_seq_len=a.max_seq_len)}
     if a.shard not in specs:
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
         a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
         dtype=a.dtype, target_identity=a.target_identity, code_version=a.code_version, progress=progress,
-        log=lambda line: print(line, flush=True), staging_dir=a.staging_dir,
+        log=lambda line: print(line, flush=True), staging_dir=a.staging_dir, force=a.force,
     )
     print(orjson.dumps({
         "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,

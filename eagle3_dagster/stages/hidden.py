@@ -99,10 +99,11 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
 
 
 def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
-                  host_report: dict | None = None,
+                  host_report: dict | None = None, force: bool = False,
                   progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
     """Extract the named shards of the plan contract at `plan` (extraction_plan's output) on `gpu_host`
-    (`host_report`: its preflight, when the caller already ran it)."""
+    (`host_report`: its preflight, when the caller already ran it). `force` extracts shards complete in
+    their manifest again, each replacing the old one whole (`extract.extract_shard`)."""
     ctx = load_plan(plan)
     by_key = {s.key: s for s in ctx.shards}
     unknown = [k for k in keys if k not in by_key]
@@ -112,9 +113,9 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
     specs = [by_key[k] for k in keys]
     extra: dict = {}
     if profile.hidden.backend == "hf":
-        results = _extract_hf(profile, plan, ctx, specs, gpu_host, progress)
+        results = _extract_hf(profile, plan, ctx, specs, gpu_host, progress, force)
     else:
-        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, host_report, progress)
+        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, host_report, progress, force)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
@@ -127,6 +128,7 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
         "resumed_shards": sum(1 for r in results if r.get("skipped")),
         "reextracted_corrupt_shards": sum(1 for r in results if r.get("reextracted_corrupt")),
         "uploaded_from_staging_shards": sum(1 for r in results if r.get("uploaded_from_staging")),
+        "forced": force,
         **extra,
         "backend": profile.hidden.backend,
     })
@@ -151,7 +153,7 @@ def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[
 
 
 def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: list[ShardSpec],
-                host: "GpuHost | None", progress: Progress) -> list[dict]:
+                host: "GpuHost | None", progress: Progress, force: bool = False) -> list[dict]:
     """In this process when the host is this process's own interpreter on this machine; otherwise the
     hf driver on the host (`python -m eagle3_dagster.hidden.hf_driver`), one process for the shards."""
     import sys
@@ -160,10 +162,10 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
         from eagle3_dagster.hidden.hf_driver import extract_shards_hf
 
         return extract_shards_hf(ctx, specs, dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
-                                 progress=progress)
+                                 progress=progress, force=force)
     argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),
             "--dtype", profile.hidden.dtype, "--batch-tokens", str(profile.hidden.batch_tokens),
-            *(a for s in specs for a in ("--shard", s.key))]
+            *(a for s in specs for a in ("--shard", s.key)), *(["--force"] if force else [])]
     returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
     if returncode != 0:
         raise RuntimeError(f"hidden_states{[s.key for s in specs]}: the hf driver exited {returncode} on "
@@ -186,7 +188,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
 
 
 def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
-                    host_report: dict | None, progress: Progress) -> list:
+                    host_report: dict | None, progress: Progress, force: bool = False) -> list:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder.
 
     The server's log goes to a file under the hidden-states root (its path is in the metadata) and the
@@ -222,7 +224,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
                         "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),
                         "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
                         "--target-identity", ctx.target.identity, "--code-version", ctx.fmt.code_version,
-                        "--concurrency", str(profile.hidden.sglang_concurrency)]
+                        "--concurrency", str(profile.hidden.sglang_concurrency), *(["--force"] if force else [])]
                 returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
                 if returncode != 0:
                     raise RuntimeError(

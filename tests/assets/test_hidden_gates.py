@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from assets import hidden_states as hidden_assets
+from assets.metadata_legend import undescribed
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
@@ -68,6 +69,8 @@ def test_a_plan_larger_than_the_free_space_fails_its_blocking_check_and_no_shard
     assert check.check_name == "fits_on_disk" and not check.passed
     meta = plan.asset_materializations_for_node("extraction_plan")[0].metadata
     assert meta["fits"].value is False and meta["free_bytes"].value == 1024
+    assert "| `fits` | needed_bytes <= free_bytes" in meta["metadata_legend"].value
+    assert not undescribed("extraction_plan", meta)
     assert meta["remaining_bytes"].value > 1024
     keys = [f"shard-{i:05d}" for i in range(meta["num_shards"].value)]
     instance.add_dynamic_partitions("hidden_state_shards", keys)
@@ -119,3 +122,38 @@ def test_cleanup_job_lists_superseded_versions_in_a_dry_run_and_deletes_only_the
     done = cleanup(dry_run=False)
     assert done["dry_run"] is False and [r["version"] for r in done["removed"]] == ["hs-0123456789ab"]
     assert not old.exists() and (current / "plan.json").exists()
+
+
+def test_force_reextracts_a_complete_shard_and_replaces_it_whole_while_a_plain_run_skips_it(setup):
+    """`force: true` in the launchpad re-extracts a shard its manifest calls complete: a new file (new inode)
+    renamed over the old one, with the same bytes (extraction is deterministic); without it the shard is
+    skipped and its file left untouched."""
+    profile, layout, defs, instance = setup
+    assert _plan(profile, instance, SmallDiskHost(free=1 << 40)).success
+    instance.add_dynamic_partitions("hidden_state_shards", ["shard-00000"])
+    job = defs.resolve_job_def("extract_job")
+
+    def extract(**config) -> dict:
+        run_config = {"ops": {"hidden_states": {"config": config}}} if config else None
+        run = job.execute_in_process(instance=instance, partition_key="shard-00000", run_config=run_config)
+        assert run.success
+        [materialization] = run.asset_materializations_for_node("hidden_states")
+        return {k: v.value for k, v in materialization.metadata.items()}
+
+    first = extract()
+    [shard] = Path(profile.hidden.root).rglob("shard-00000.safetensors")
+    before, data = shard.stat(), shard.read_bytes()
+
+    skipped = extract()
+    assert skipped["resumed_shards"] == 1 and skipped["forced"] is False
+    assert (shard.stat().st_ino, shard.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+    forced = extract(force=True)
+    after = shard.stat()
+    assert forced["forced"] is True and forced["resumed_shards"] == 0
+    assert after.st_ino != before.st_ino and after.st_mtime_ns >= before.st_mtime_ns
+    assert shard.read_bytes() == data
+    assert forced["shard_sha256"] == first["shard_sha256"]
+    assert not list(shard.parent.glob(".*.tmp"))  # the temp was renamed into place, nothing left behind
+    for meta in (first, forced):  # every key the asset page shows is described in its legend
+        assert "metadata_legend" in meta and not undescribed("hidden_states", meta)

@@ -40,3 +40,30 @@ def test_a_series_is_an_inline_sparkline_from_its_first_to_its_last_value():
     bars = text.split(" ")[1]
     assert len(bars) == 48 and list(bars) == sorted(bars, reverse=True)  # a falling curve draws falling bars
     assert "empty" not in meta
+
+
+def test_every_materialization_carries_a_legend_naming_each_key_and_the_ones_not_described():
+    """Dagster 1.13 has no per-key metadata description: the legend is one markdown entry listing them."""
+    from assets._common import materialize_result
+    from eagle3_dagster.config import load_profile
+
+    report = StageReport(metadata={"forced": True, "resumed_shards": 0, "something_new": 1}, data_version="v")
+    meta = materialize_result(report, load_profile("micro"), "hidden_states").metadata
+    text = meta["metadata_legend"].value
+    assert "| `forced` | whether the run config set force" in text
+    assert "| `settings` | the profile settings" in text
+    assert "| `something_new` | (not described yet) |" in text and "`metadata_legend`" not in text
+
+
+def test_the_trained_drafters_figures_are_described_with_what_they_were_measured_on():
+    from assets.metadata_legend import describe, undescribed
+    from eagle3_dagster.train.outputs import summary_metadata
+
+    metrics = {"steps": 3, "tokens_per_s": 10.0, "curves": {"loss": [2.0, 1.5]}, "initial_eval": {"acc_0": 0.1},
+               "final_eval": {"scope": "heldout", "loss": 1.2, "sim_accept_length": 1.7, "acc_0": 0.5, "acc_1": 0.3,
+                              "num_samples": 4, "num_scored_tokens": 40}}
+    keys = summary_metadata(metrics)
+    assert not undescribed("drafter_checkpoint", keys)
+    assert "held-out samples never trained on" in describe("drafter_checkpoint", "heldout_acc_1")
+    assert "draft position 1" in describe("drafter_checkpoint", "heldout_acc_1")
+    assert "training batch" in describe("drafter_checkpoint", "last_step_train_loss")

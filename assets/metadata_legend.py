@@ -1,0 +1,165 @@
+"""What each metadata key an asset emits measures, and on what data: the `metadata_legend` entry.
+
+Dagster 1.13 has no per-key description for materialization metadata (`MetadataEntry`, which had
+one, is unusable since 1.x; table columns are the only values with descriptions, see
+`_common.table`). So every materialization carries one markdown entry, `metadata_legend`, listing
+its keys with their descriptions. The engine's keys stay as the engine emits them; this module
+only describes them. A key with no description is listed as such, so the legend never hides one
+(tests/assets/test_hidden_gates.py asserts the hidden-state assets have none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import dagster as dg
+
+LEGEND_KEY = "metadata_legend"
+UNDESCRIBED = "(not described yet)"
+
+# Keys that mean the same on every asset that emits them.
+COMMON: dict[str, str] = {
+    "settings": "the profile settings this asset was built with (a change shows in the settings sensor)",
+    "run_tags": "the run tags every run of this asset gets, however it is launched",
+}
+
+BY_ASSET: dict[str, dict[str, str]] = {
+    "benchmark_report": {
+        "results_json": "every result row (sets × methods × configurations × temperatures) as written",
+        "report": "the benchmark report: grids per prompt set, bands, caveats",
+        "headline_config": "which row the headline figures are: the trained drafter at the first configuration on "
+                           "the first set, in its training band",
+        "spec": "the headline's num_steps,topk,num_draft_tokens",
+        "set": "the headline's prompt set (held-out prompts, never trained on)",
+        "acceptance_length": "tokens per verify step, bonus included, of the headline row in its training band",
+        "acceptance_length_all_prompts": "the same over all prompts of the set",
+        "headline_band": "the prompt-length band of the headline's acceptance length",
+        "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), all prompts",
+        "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s (the grid's two tokens/s cells), all "
+                              "prompts; differs from speedup when rounds vary in load",
+        "results": "the result rows as a table (column descriptions in its schema)",
+    },
+    "target_model": {
+        "path": "the target's folder (tokenizer, chat template, weights)",
+        "num_parameters": "parameters of the tiny target",
+        "tokens_seen": "tokens of pre-training the tiny target saw",
+        "final_loss": "the tiny target's pre-training loss at its last step (its training batch)",
+        "build_seconds": "seconds the build took (tokenizer, pre-training, verified save)",
+        "tokenizer_vocab_size": "tokens in the target's tokenizer",
+        "identity": "the target's identity: a hash of its config and weights (its data version)",
+        "loss_curve": "the pre-training loss curve (loss_curve.png)",
+        "loss_by_step": "pre-training loss by step (its training batches), as a sparkline",
+    },
+    "extraction_plan": {
+        "version": "hidden-state version: a hash of everything that changes the shard bytes (target, merged_train, "
+                   "layers, dtype, backend, shard size)",
+        "version_dir": "the folder (or store URL) this version's shards and manifests go to",
+        "num_shards": "shards in the plan: the partitions of hidden_states",
+        "num_samples": "samples of merged_train the plan covers (all shards)",
+        "num_tokens": "tokens of merged_train the plan covers (all shards)",
+        "total_bytes": "exact bytes of every shard and its manifest, predicted from the shard format",
+        "total_human": "total_bytes in binary units",
+        "remaining_bytes": "bytes of the shards not yet complete in their manifest",
+        "num_hosts": "GPU hosts in the profile (gpu_host.hosts)",
+        "estimated_hours": "hours to extract the remaining shards on num_hosts hosts at hidden.throughput_tokens_per_s",
+        "hours_by_hosts": "estimated hours by number of hosts",
+        "free_bytes": "free bytes read on the leased host at free_at when the plan was made",
+        "free_human": "free_bytes in binary units",
+        "free_at": "where free space was measured: hidden.root, or the staging folder for a store",
+        "needed_bytes": "bytes that must fit in free_bytes: remaining_bytes, or for a store the largest shard in flight",
+        "fits": "needed_bytes <= free_bytes (the fits_on_disk check)",
+        "superseded_versions": "other hidden-state versions under hidden.root with their size (job "
+                               "cleanup_hidden_states deletes them)",
+        "superseded_bytes": "bytes the superseded versions take",
+        "aux_layers_canonical": "the target layers whose input is captured, in canonical numbering",
+        "merged_train_sha256": "sha256 of the merged_train file the plan was made for",
+        "plan_contract": "the plan file the shard runs read (never recomputed by them)",
+        "train_schedule": "what training makes of these shards: optimizer steps and tokens per step",
+    },
+    "hidden_states": {
+        "version": "hidden-state version this run wrote (as in extraction_plan)",
+        "version_dir": "the folder (or store URL) the shards were written to",
+        "shards": "the shard keys (partitions) of this run",
+        "num_samples": "samples in this run's shards",
+        "num_tokens": "tokens in this run's shards",
+        "bytes_written": "bytes of this run's shards and their manifests, read back from storage",
+        "resumed_shards": "shards found complete in their manifest (size and sha256 checked) and skipped",
+        "reextracted_corrupt_shards": "shards whose manifest existed but whose bytes failed it, extracted again",
+        "uploaded_from_staging_shards": "shards found complete in the staging folder and only uploaded to the store",
+        "forced": "whether the run config set force: complete shards extracted again and replaced",
+        "sglang_log": "the SGLang server's log file on the host (sglang backend)",
+        "backend": "hidden.backend that computed the states (hf or sglang)",
+        "gpu_host": "the GPU host this run leased",
+        "shard_sha256": "each shard's sha256 from its manifest (a single shard's is the data version)",
+    },
+    "drafter_checkpoint": {
+        "run_dir": "the training run's folder (checkpoints, metrics.json, curves.png)",
+        "export_dir": "the exported drafter (config.json + model.safetensors) SGLang and vLLM load",
+        "export_location": "where the export was published (train.export_location)",
+        "steps": "optimizer steps trained",
+        "tokens_per_s": "training throughput: tokens per second over the run",
+        "eval_scope": "what the final figures were measured on: heldout (samples never trained on) or "
+                      "train_batches (training batches, which flatter the drafter)",
+        "heldout_loss": "final evaluation loss (forward KL to the target) on held-out samples never trained on",
+        "heldout_sim_accept_length": "simulated acceptance length (tokens per verify step) on held-out samples",
+        "heldout_samples": "held-out samples the final evaluation scored",
+        "heldout_scored_tokens": "supervised tokens of the held-out samples that were scored",
+        "train_batches_loss": "final loss on training batches (no held-out samples: it flatters the drafter)",
+        "train_batches_sim_accept_length": "simulated acceptance length on training batches (flatters the drafter)",
+        "untrained_acc_0": "acc_0 of the untrained drafter on the same samples, before the first step",
+        "last_step_train_loss": "loss of the last optimizer step's own training batch (the end of the loss curve), "
+                                "not an evaluation",
+        "loss_by_step": "training loss by optimizer step (the training batches), as a sparkline",
+        "acc_0_by_step": "acc_0 by optimizer step on the training batches, as a sparkline",
+        "curves": "loss and per-step accuracy curves (curves.png)",
+        "target_identity": "identity of the target model the hidden states came from",
+        "merged_train_sha256": "sha256 of the merged_train the hidden states were extracted from",
+        "hidden_version": "the hidden-state version trained on",
+        "num_shards": "hidden-state shards trained on",
+        "shards": "each shard trained on with its sha256 (its data version), samples and bytes",
+        "git_sha": "git commit of this project that trained",
+        "code_version": "the asset's code version (a hash of the settings it reads)",
+        "packages": "versions of the packages that trained",
+    },
+}
+
+# Keys numbered by draft position j (0 = the first drafted token).
+PATTERNS: dict[str, list[tuple[str, str]]] = {
+    "benchmark_report": [
+        (r"acceptance_length_t([\d.]+)", "acceptance length of the headline configuration sampled at temperature {0}, "
+                                          "in the same band"),
+        (r"drafter_(\w+)", "the benchmarked drafter's {0} (from results.json meta)"),
+    ],
+    "drafter_checkpoint": [
+        (r"heldout_acc_(\d+)", "argmax agreement with the target at draft position {0} on held-out samples never "
+                               "trained on"),
+        (r"train_batches_acc_(\d+)", "argmax agreement with the target at draft position {0} on training batches "
+                                     "(flatters the drafter)"),
+    ],
+}
+
+
+def describe(asset: str, key: str) -> str | None:
+    import re
+
+    found = BY_ASSET.get(asset, {}).get(key) or COMMON.get(key)
+    if found:
+        return found
+    for pattern, text in PATTERNS.get(asset, []):
+        m = re.fullmatch(pattern, key)
+        if m:
+            return text.format(*m.groups())
+    return None
+
+
+def undescribed(asset: str, keys: Iterable[str]) -> list[str]:
+    return [k for k in keys if k != LEGEND_KEY and describe(asset, k) is None]
+
+
+def legend(asset: str, keys: Iterable[str]) -> dg.MetadataValue:
+    """A markdown table of `keys` (in their order) with what each measures."""
+    lines = ["| key | what it measures |", "|---|---|"]
+    for k in keys:
+        if k != LEGEND_KEY:
+            lines.append(f"| `{k}` | {(describe(asset, k) or UNDESCRIBED).replace('|', '/')} |")
+    return dg.MetadataValue.md("\n".join(lines))
