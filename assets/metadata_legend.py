@@ -39,6 +39,19 @@ BY_ASSET: dict[str, dict[str, str]] = {
                               "prompts; differs from speedup when rounds vary in load",
         "results": "the result rows as a table (column descriptions in its schema)",
     },
+    "vocab_mapping": {
+        "path": "the d2t/t2d safetensors the drafter trains and serves with",
+        "target_vocab_size": "ids in the target's vocabulary",
+        "draft_vocab_size": "ids in the draft vocabulary as built (the target's when that is not larger)",
+        "requested_draft_vocab_size": "data.draft_vocab_size",
+        "draft_vocab_covers_target": "true when the target's vocabulary is not larger than the requested size",
+        "num_loss_tokens": "supervised (loss-masked) tokens of merged_train counted",
+        "num_distinct_loss_tokens": "distinct ids among them",
+        "loss_token_coverage": "share of the supervised tokens whose id is in the draft vocabulary",
+        "coverage_by_size": "share of the supervised tokens the n most frequent ids cover, n = 1,024, 2,048, ... "
+                            "up to the target's vocabulary: read it on the real corpus to choose "
+                            "data.draft_vocab_size (lm_head cost grows with n)",
+    },
     "target_model": {
         "path": "the target's folder (tokenizer, chat template, weights)",
         "num_parameters": "parameters of the tiny target",

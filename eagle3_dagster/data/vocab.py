@@ -39,6 +39,9 @@ class VocabStats:
     num_loss_tokens: int
     num_distinct_loss_tokens: int
     loss_token_coverage: float  # share of loss tokens whose id is in the draft vocab
+    # share of loss tokens the top-n ids cover, n = 1,024, 2,048, ... up to the target vocab: the curve a
+    # user reads on the real corpus to choose `data.draft_vocab_size` (lm_head cost grows with n)
+    coverage_by_size: dict[str, float]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +74,14 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     return np.sort(ranked[:n])
 
 
+def coverage_curve(counts: np.ndarray) -> dict[str, float]:
+    """{n: share of the counted tokens the n most frequent ids cover}, n doubling from 1,024 to the vocab."""
+    total = int(counts.sum())
+    cumulative = np.cumsum(np.sort(counts)[::-1])
+    sizes = [n for n in (2 ** k for k in range(10, 40)) if n < counts.size] + [counts.size]
+    return {str(n): round(float(cumulative[n - 1] / total), 6) if total else 0.0 for n in sizes}
+
+
 def build_mapping(draft_ids: np.ndarray, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 offsets, t2d bool mask) for ascending draft ids."""
     d2t = torch.from_numpy(draft_ids.astype(np.int64) - np.arange(len(draft_ids), dtype=np.int64))
@@ -95,6 +106,7 @@ def build_vocab_mapping(paths: Iterable[str | os.PathLike], out_path: str | os.P
         requested_draft_vocab_size=draft_vocab_size, draft_vocab_covers_target=covers,
         num_loss_tokens=total, num_distinct_loss_tokens=int((counts > 0).sum()),
         loss_token_coverage=float(counts[draft_ids].sum() / total) if total else 0.0,
+        coverage_by_size=coverage_curve(counts),
     )
     metadata = {k: str(v) for k, v in stats.as_dict().items()}
     atomic_write_bytes(Path(out_path), save({"d2t": d2t, "t2d": t2d}, metadata=metadata))

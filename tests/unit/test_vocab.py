@@ -65,3 +65,16 @@ def test_an_id_outside_the_target_vocab_is_an_error_naming_the_line(tmp_path):
     path.write_bytes(b'{"input_ids":[1,2],"loss_mask":[1,1]}\n{"input_ids":[1,99],"loss_mask":[1,1]}\n')
     with pytest.raises(ValueError, match="m.jsonl:2"):
         build_vocab_mapping([path], tmp_path / "v.safetensors", target_vocab_size=10, draft_vocab_size=4)
+
+
+def test_the_coverage_curve_is_what_the_top_n_ids_cover_up_to_the_whole_vocab(tmp_path):
+    path, recs = _corpus(tmp_path, n=400, vocab=5000)
+    counter = Counter(t for r in recs for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    stats = build_vocab_mapping([path], tmp_path / "v.safetensors", target_vocab_size=5000, draft_vocab_size=2048)
+    total = sum(counter.values())
+    top = sorted(counter.values(), reverse=True)
+    assert list(stats.coverage_by_size) == ["1024", "2048", "4096", "5000"]
+    for n, share in stats.coverage_by_size.items():
+        assert share == pytest.approx(sum(top[: int(n)]) / total, abs=1e-6)
+    assert stats.coverage_by_size["2048"] == pytest.approx(stats.loss_token_coverage, abs=1e-6)
+    assert stats.coverage_by_size["5000"] == 1.0
