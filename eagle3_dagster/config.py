@@ -498,9 +498,10 @@ class Profile(_Strict):
             except ValueError as e:
                 raise ValueError(f"hidden.aux_layers: {e}" + (" (gpu_host.sglang_version)" if version else "")) \
                     from None
-        options = [o for o in ("fc_norm", "norm_output") if getattr(self.drafter, o)]
+        from eagle3_dagster.sglang.releases import EAGLE31_OPTIONS, release
+
+        options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
         if options and self.gpu_host.sglang_version:  # refused before training, not at export after it
-            from eagle3_dagster.sglang.releases import release
 
             served = release(self.gpu_host.sglang_version)
             if unread := [o for o in options if o not in served.eagle31_options]:

@@ -104,7 +104,7 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
                   sglang_versions: list[str] | None = None) -> dict:
     canonical = list(cfg.aux_layers)
     family = releases.arch_family(target_architecture)
-    options = [o for o in ("fc_norm", "norm_output") if getattr(cfg, o)]
+    options = [o for o in releases.EAGLE31_OPTIONS if getattr(cfg, o)]
     if options and not sglang_versions:  # the releases that would serve the drafter as it was trained
         sglang_versions = [v for v, r in releases.supported().items() if set(options) <= set(r.eagle31_options)]
     sglang_ids, right_on = releases.draft_aux_ids(canonical, family, sglang_versions)

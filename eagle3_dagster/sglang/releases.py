@@ -27,6 +27,8 @@ TABLE = PATCH_DIR / "releases.json"
 
 ALWAYS_PLUS_ONE = "always_plus_one"
 PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
+# The EAGLE 3.1 draft-config options (`drafter.*` in a profile) a release may read from config.json.
+EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from eagle3_dagster.sglang.patch import apply_unified_diff  # noqa: E402
-from eagle3_dagster.sglang.releases import ALWAYS_PLUS_ONE, PLUS_ONE_IF_FIRST_IS_ONE, TABLE  # noqa: E402
+from eagle3_dagster.sglang.releases import ALWAYS_PLUS_ONE, EAGLE31_OPTIONS, PLUS_ONE_IF_FIRST_IS_ONE, TABLE  # noqa: E402
 from tests.sglang_wheels import read_file, run_set_eagle3_layers_to_capture  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -216,9 +216,6 @@ def _has_option(sources: str, flag: str) -> bool:
     field = flag.lstrip("-").replace("-", "_")
     decls = re.findall(rf"^\s+{field}: .*?\] = ", sources, flags=re.M | re.S)  # the whole A[...] annotation
     return bool(decls) and not any("no_cli=True" in d for d in decls)
-
-
-EAGLE31_OPTIONS = ("fc_norm", "norm_output")
 
 
 def eagle31_options(source: str | None) -> list[str]:
