@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 # Overrides of the profile's `train` section (and, under "drafter", of its `drafter` section). "profile"
-# is the profile as it is; the others name what they change.
+# is the profile as it is; the others name what they change, from a plain EAGLE-3 drafter (PLAIN_DRAFTER)
+# whatever the profile trains, so a name means the same recipe when the profile's default moves.
+PLAIN_DRAFTER = {"fc_norm": False, "norm_output": False}
 VARIANTS: dict[str, dict] = {
     "profile": {},
     # the demo's recipe before issue 19: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
@@ -66,6 +68,9 @@ VARIANTS: dict[str, dict] = {
     # EAGLE 3.1: a norm on each captured state before fc, and the normed output carried to the next step
     "one_sample_6ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
+    # the demo's recipe (EAGLE 3.1) with the old recipe's beta2: betas alone
+    "one_sample_6ep_eagle31_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
+                                   "betas": (0.9, 0.95), "drafter": {"fc_norm": True, "norm_output": True}},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -82,7 +87,8 @@ VARIANTS: dict[str, dict] = {
 
 def variant_profile(base, overrides: dict, seed: int):
     overrides = dict(overrides)
-    drafter = base.drafter.model_copy(update=overrides.pop("drafter", {}))
+    named = bool(overrides)  # "profile" ({}) keeps the profile's drafter
+    drafter = base.drafter.model_copy(update={**(PLAIN_DRAFTER if named else {}), **overrides.pop("drafter", {})})
     train = base.train.model_copy(update={**overrides, "seed": seed})
     return base.model_copy(update={"train": type(base.train).model_validate(train.model_dump()),
                                    "drafter": type(base.drafter).model_validate(drafter.model_dump())})
