@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.threads import stage_threads
 
+    stage_threads()  # the cores this host gives the driver
     ctx = load_plan(args.plan)
     by_key = {s.key: s for s in ctx.shards}
     unknown = [k for k in args.shard if k not in by_key]

@@ -169,7 +169,9 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, SpecConfig, run_inprocess_benchmark
     from eagle3_dagster.drafter.imported import load_any_drafter
     from eagle3_dagster.drafter.model import Eagle3Drafter
+    from eagle3_dagster.threads import stage_threads
 
+    threads = stage_threads(load_aware=True)
     target = target_facts(profile, layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
@@ -209,5 +211,6 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     return results_document(rows, "inprocess", described, meta={
         "target_identity": target.identity, "training_max_seq_len": profile.data.max_seq_len,
         "serving_context": context, "rounds": DEFAULT_ROUNDS, "temperatures": list(profile.bench.temperatures),
+        "torch_threads": threads,
         "sampling_rule": "SGLang tree_speculative_sampling_target_only (topk 1: one-hot draft), thresholds 1.0",
         **imported.metadata()})

@@ -109,7 +109,9 @@ def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *,
     )
     if gen.backend == "local":
         from eagle3_dagster.generate.local_backend import LocalChatBackend
+        from eagle3_dagster.threads import stage_threads
 
+        stage_threads()
         backend = LocalChatBackend(target_dir(profile, layout), dtype=profile.target.dtype)
     else:
         from eagle3_dagster.generate import OpenAIChatBackend

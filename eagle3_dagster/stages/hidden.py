@@ -160,7 +160,9 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
 
     if host is None or host.is_this_process(sys.executable):
         from eagle3_dagster.hidden.hf_driver import extract_shards_hf
+        from eagle3_dagster.threads import stage_threads
 
+        stage_threads()
         return extract_shards_hf(ctx, specs, dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
                                  progress=progress, force=force)
     argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),

@@ -9,8 +9,10 @@ from eagle3_dagster.stages import Progress, StageReport, no_progress
 
 
 def build_target(profile: Profile, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:
+    from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target
 
+    stage_threads(load_aware=True)  # one build from the start; the count is in build_report.json
     out = layout.target_dir
     report = build_tiny_target(profile.target.tiny, out, progress=progress)
     return StageReport(

@@ -15,7 +15,6 @@ and the benchmark reads it from there.
 from __future__ import annotations
 
 import hashlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import read_json
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
+from eagle3_dagster.threads import thread_env
 from eagle3_dagster.hidden.context import hidden_context, load_plan
 
 # The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
@@ -80,7 +80,8 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | s
         python=python or _python(), module=PIPES_WORKER, rdzv_endpoint=profile.train.rdzv_endpoint,
         rdzv_id=profile.train.rdzv_id,
     )
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins
+    env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false"}
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
 
 
