@@ -103,9 +103,10 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
     lk = (job.train.lk_kl_scale, job.train.lk_kl_decay) if job.train.loss == "lk_lambda" else None
     objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps, lk=lk).to(device)
     if world > 1:
-        # buffers (vocab map, target lm_head) are identical on every rank: never re-broadcast GBs per step
+        # buffers (vocab map, target lm_head) are identical on every rank: DDP syncs them once at init, never
+        # per step (torch 2.13's forward_sync_buffers; its deprecated broadcast_buffers=False warned on every run)
         objective = torch.nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            objective, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
     checkpointer = Checkpointer(out / "ckpt", job.train.checkpoint_every, rank)
 
     progress = None

@@ -114,6 +114,7 @@ def _why(proc: subprocess.CompletedProcess) -> str:
 def uninterrupted(workspace) -> Path:
     proc = _torchrun(workspace, _job(workspace, "run_a"))
     assert proc.returncode == 0, _why(proc)
+    assert "FutureWarning" not in proc.stderr, proc.stderr[-2000:]  # every run's log read it (DDP's broadcast_buffers)
     return workspace / "run_a"
 
 
