@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from eagle3_dagster import storage
 from eagle3_dagster.config import PROJECT_ROOT, Profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import read_json
@@ -80,7 +81,8 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | s
         python=python or _python(), module=PIPES_WORKER, rdzv_endpoint=profile.train.rdzv_endpoint,
         rdzv_id=profile.train.rdzv_id,
     )
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
+           **storage.child_env()}  # the workers read shards from the store as the profile says
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
 
 
@@ -120,7 +122,6 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     detail = "ok"
     published = {}
     if profile.train.export_location:
-        from eagle3_dagster import storage
         from eagle3_dagster.drafter.publish import publish_export
 
         dest = storage.join(storage.location(profile.train.export_location, PROJECT_ROOT), plan.out_dir.name)
