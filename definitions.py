@@ -11,6 +11,7 @@ import dagster as dg
 
 from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, target_model
 from assets import tokenized_dataset
+from eagle3_dagster import storage
 from eagle3_dagster.config import Profile, load_profile
 from resources.chat_api import ChatApiResource
 from resources.gpu_host import GpuHostResource
@@ -19,6 +20,7 @@ STAGES = [target_model, raw_responses, tokenized_dataset, merged_train, hidden_s
 
 
 def build_definitions(profile: Profile) -> dg.Definitions:
+    storage.configure(profile.storage)  # every store call of this code location and its run workers
     defs: list = []
     for stage in STAGES:
         defs.extend(stage.build(profile))

@@ -104,6 +104,9 @@ def _run(args: argparse.Namespace) -> int:
         profile = load_profile(getattr(args, "profile", None))
     except ProfileError as e:
         raise UserError(str(e)) from None
+    from eagle3_dagster import storage
+
+    storage.configure(profile.storage)
     layout = ArtifactLayout.from_profile(profile)
     if args.command == "pool-limits":
         from eagle3_dagster.host_lease import pool_limits

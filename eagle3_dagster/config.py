@@ -1,20 +1,23 @@
 """The one typed configuration tree, loaded from a profile YAML in `configs/`.
 
 Owns: the schema of every profile, its validation (unknown keys and bad values
-are errors that name the file and the `section.field`), and the choice of the
+are errors that name the file and the `section.field`), what a location in it is (a local
+path or an object-store URL), and the choice of the
 profile from `EAGLE3_PROFILE`. It does not read the environment at import time:
 `load_profile()` is called by whoever needs the config.
 """
 
 from __future__ import annotations
 
-import re
 import os
+import re
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
 DEFAULT_PROFILE = "demo"
@@ -56,38 +59,98 @@ def cron_problem(cron: str) -> str | None:
     return None
 
 
+# Where a profile puts an artifact: a local path or an fsspec URL (storage.py reads and writes both).
+def is_remote(loc: str | os.PathLike) -> bool:
+    """True for a URL with a protocol other than the local file system."""
+    if isinstance(loc, os.PathLike):
+        return False
+    scheme, sep, _ = str(loc).partition("://")
+    return bool(sep) and scheme not in ("", "file", "local")
+
+
+def location(loc: str | os.PathLike, base: Path | None = None) -> Path | str:
+    """A profile value as a location: a URL unchanged (no trailing slash), a relative path under `base`."""
+    if is_remote(loc):
+        url = str(loc).rstrip("/")
+        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"{_redact(url)}: credentials do not belong in a storage URL; set them in the "
+                             "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)")
+        return url
+    text = str(loc)
+    p = Path(text[len("file://"):] if text.startswith("file://") else text)
+    return p if p.is_absolute() or base is None else base / p
+
+
+def _redact(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    host, _, path = rest.partition("/")
+    return f"{scheme}://{host.rpartition('@')[2]}/{path}"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Every number in a profile has a lower and an upper bound, and the reason for them: a value outside is
+# refused when the profile loads with that reason (`_format_errors`), instead of overflowing or running for
+# years somewhere downstream. `tests/unit/test_profile_fields.py` fails for a number without both.
+def _bounded(default=PydanticUndefined, *, why: str, **field):
+    """A pydantic Field whose bounds (ge/gt/le/lt in `field`) have the reason `why`, quoted on a refusal."""
+    return Field(default, json_schema_extra={"bounds": why}, **field)
+
+
+WHY_SEED = "seeds are 32-bit (numpy's generator takes at most 2**32 - 1)"
+WHY_TINY = ("the tiny target is built and pre-trained on a CPU; a model this large is an external target "
+            "(target.kind: external)")
+WHY_WIDTH = "wider than any released target (DeepSeek-V3 and Kimi-K2.5: hidden 7168, 128 heads, MLP 18432)"
+WHY_TOKENS = "tokens in one sequence or batch: 16x Kimi-K2.5's 262,144-token context"
+WHY_FRACTION = "a share of the records, between 0 and 1"
+WHY_LR = "a learning rate above 1 diverges at once"
+WHY_TEMPERATURE = "sampling temperatures of OpenAI-compatible servers lie in [0, 2]"
+WHY_CONCURRENCY = "requests in flight at once: more than a server or client connection pool takes"
+WHY_COUNT = "no run of this pipeline comes near it: a larger number is a typo"
+WHY_WAIT = "longer than a run may last (dagster.yaml's run_monitoring.max_runtime_seconds is 3 days)"
+MAX_RUN_S = 3 * 86400  # dagster_home/dagster.yaml run_monitoring.max_runtime_seconds
+WHY_RETRIES = "more tries than this only delay the error; a store or server that fails this often is down"
 
 
 class TinyTargetConfig(_Strict):
     """The demo's target: a DeepSeek-V3 model small enough to pre-train on a CPU."""
 
-    seed: int = Field(0, ge=0, description="seed of the tokenizer training, the weights and the pre-training")
-    vocab_size: int = Field(4096, ge=300, description="BPE vocabulary incl. special tokens")
-    hidden_size: int = Field(128, ge=8, description="model width H")
-    intermediate_size: int = Field(256, ge=1, description="MLP width of the dense layers")
-    moe_intermediate_size: int = Field(64, ge=1, description="MLP width of each expert")
-    num_hidden_layers: int = Field(4, ge=2, description="decoder layers L")
-    num_attention_heads: int = Field(4, ge=1, description="attention heads (MLA)")
-    q_lora_rank: int = Field(64, ge=1, description="MLA query low-rank dimension")
-    kv_lora_rank: int = Field(32, ge=1, description="MLA key/value low-rank dimension")
-    qk_rope_head_dim: int = Field(16, ge=2, description="MLA rotary part of each query/key head")
-    qk_nope_head_dim: int = Field(16, ge=1, description="MLA non-rotary part of each query/key head")
-    v_head_dim: int = Field(32, ge=1, description="MLA value head dimension")
-    n_routed_experts: int = Field(8, ge=1, description="routed experts per MoE layer")
-    num_experts_per_tok: int = Field(2, ge=1, description="experts each token is routed to")
-    n_shared_experts: int = Field(1, ge=0, description="always-active experts per MoE layer")
-    first_k_dense_replace: int = Field(1, ge=0, description="leading layers with a dense MLP instead of MoE")
-    max_position_embeddings: int = Field(2048, ge=16, description="longest context the tiny target supports")
-    tokenizer_train_conversations: int = Field(3000, ge=1, description="ShareGPT conversations the BPE is trained on")
-    pretrain_tokens: int = Field(400_000, ge=1, description="token budget of the pre-training run")
-    pretrain_seq_len: int = Field(256, ge=8, description="tokens per pre-training sequence")
-    pretrain_batch_size: int = Field(8, ge=1, description="sequences per pre-training step")
-    pretrain_lr: float = Field(3e-3, gt=0, le=1, description="peak learning rate of the pre-training")
-    pretrain_answer_words: int | None = Field(
-        None, ge=1, description="clip each assistant answer to this many words in pre-training, so the "
-        "target learns to close its turns within the demo's generation budget"
+    seed: int = _bounded(0, ge=0, le=2**32 - 1, why=WHY_SEED,
+                         description="seed of the tokenizer training, the weights and the pre-training")
+    vocab_size: int = _bounded(4096, ge=300, le=2**18, why=WHY_TINY, description="BPE vocabulary incl. special tokens")
+    hidden_size: int = _bounded(128, ge=8, le=4096, why=WHY_TINY, description="model width H")
+    intermediate_size: int = _bounded(256, ge=1, le=16384, why=WHY_TINY, description="MLP width of the dense layers")
+    moe_intermediate_size: int = _bounded(64, ge=1, le=16384, why=WHY_TINY, description="MLP width of each expert")
+    num_hidden_layers: int = _bounded(4, ge=2, le=128, why=WHY_TINY, description="decoder layers L")
+    num_attention_heads: int = _bounded(4, ge=1, le=128, why=WHY_TINY, description="attention heads (MLA)")
+    q_lora_rank: int = _bounded(64, ge=1, le=4096, why=WHY_TINY, description="MLA query low-rank dimension")
+    kv_lora_rank: int = _bounded(32, ge=1, le=4096, why=WHY_TINY, description="MLA key/value low-rank dimension")
+    qk_rope_head_dim: int = _bounded(16, ge=2, le=1024, why=WHY_TINY,
+                                     description="MLA rotary part of each query/key head")
+    qk_nope_head_dim: int = _bounded(16, ge=1, le=1024, why=WHY_TINY,
+                                     description="MLA non-rotary part of each query/key head")
+    v_head_dim: int = _bounded(32, ge=1, le=1024, why=WHY_TINY, description="MLA value head dimension")
+    n_routed_experts: int = _bounded(8, ge=1, le=1024, why=WHY_TINY, description="routed experts per MoE layer")
+    num_experts_per_tok: int = _bounded(2, ge=1, le=1024, why=WHY_TINY, description="experts each token is routed to")
+    n_shared_experts: int = _bounded(1, ge=0, le=64, why=WHY_TINY, description="always-active experts per MoE layer")
+    first_k_dense_replace: int = _bounded(1, ge=0, le=128, why=WHY_TINY,
+                                          description="leading layers with a dense MLP instead of MoE")
+    max_position_embeddings: int = _bounded(2048, ge=16, le=2**22, why=WHY_TOKENS,
+                                            description="longest context the tiny target supports")
+    tokenizer_train_conversations: int = _bounded(
+        3000, ge=1, le=10**7, why="more conversations than the bundled ShareGPT file has (about 94,000)",
+        description="ShareGPT conversations the BPE is trained on")
+    pretrain_tokens: int = _bounded(400_000, ge=1, le=10**10, why="pre-training runs on a CPU, where 10**10 tokens "
+                                    "take months", description="token budget of the pre-training run")
+    pretrain_seq_len: int = _bounded(256, ge=8, le=2**22, why=WHY_TOKENS,
+                                     description="tokens per pre-training sequence")
+    pretrain_batch_size: int = _bounded(8, ge=1, le=4096, why=WHY_TINY, description="sequences per pre-training step")
+    pretrain_lr: float = _bounded(3e-3, gt=0, le=1, why=WHY_LR, description="peak learning rate of the pre-training")
+    pretrain_answer_words: int | None = _bounded(
+        None, ge=1, le=10**6, why=WHY_COUNT, description="clip each assistant answer to this many words in "
+        "pre-training, so the target learns to close its turns within the demo's generation budget"
     )
 
 
@@ -101,8 +164,9 @@ class TargetConfig(_Strict):
         False, description="let transformers run Python code shipped with the target's checkpoint (Kimi-K2.5 "
         "needs it for its tokenizer); off unless the profile turns it on"
     )
-    serving_context: int = Field(
-        2048, ge=16, description="longest context the drafter is served at; sets the export's max_position_embeddings"
+    serving_context: int = _bounded(
+        2048, ge=16, le=2**22, why=WHY_TOKENS,
+        description="longest context the drafter is served at; sets the export's max_position_embeddings"
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="the demo target's shape (kind=tiny)")
 
@@ -127,8 +191,10 @@ class DatasetConfig(_Strict):
     )
     path: str | None = Field(None, description="local file or hub dataset for the *_jsonl sources")
     regenerate: bool = Field(True, description="replace assistant turns with the target's own answers")
-    max_conversations: int | None = Field(None, ge=1, le=10**9, description="use at most this many conversations")
-    max_turns: int = Field(8, ge=1, le=10_000, description="assistant turns regenerated per conversation at most")
+    max_conversations: int | None = _bounded(
+        None, ge=1, le=10**9, why=WHY_COUNT, description="use at most this many conversations")
+    max_turns: int = _bounded(
+        8, ge=1, le=10_000, why=WHY_COUNT, description="assistant turns regenerated per conversation at most")
 
     @field_validator("name")
     @classmethod
@@ -153,25 +219,33 @@ class GenerationConfig(_Strict):
     base_url: str | None = Field(None, description="e.g. https://openrouter.ai/api/v1 or http://gpu-host:30000/v1")
     model: str | None = Field(None, description="model name the server knows, e.g. moonshotai/kimi-k2.5")
     api_key_env: str = Field("OPENROUTER_API_KEY", description="name of the environment variable holding the key")
-    max_new_tokens: int = Field(256, ge=1, le=1_000_000, description="completion tokens per request at most")
-    temperature: float = Field(0.0, ge=0, le=2, description="sampling temperature; 0 is greedy")
-    concurrency: int = Field(8, ge=1, le=4096, description="requests in flight")
-    max_retries: int = Field(6, ge=0, le=100, description="retries of a request after a retryable failure")
-    timeout_s: float = Field(120.0, gt=0, le=86400, description="seconds one request may take")
-    budget_usd: float | None = Field(
-        None, gt=0, le=1_000_000, description="spend cap of a partition: a request is sent only when its worst-case cost "
+    max_new_tokens: int = _bounded(
+        256, ge=1, le=1_000_000, why="more than any served model generates in one answer",
+        description="completion tokens per request at most")
+    temperature: float = _bounded(0.0, ge=0, le=2, why=WHY_TEMPERATURE, description="sampling temperature; 0 is greedy")
+    concurrency: int = _bounded(8, ge=1, le=4096, why=WHY_CONCURRENCY, description="requests in flight")
+    max_retries: int = _bounded(
+        6, ge=0, le=100, why=WHY_RETRIES, description="retries of a request after a retryable failure")
+    timeout_s: float = _bounded(
+        120.0, gt=0, le=86400, why="a request that takes a day has failed", description="seconds one request may take")
+    budget_usd: float | None = _bounded(
+        None, gt=0, le=1_000_000, why="a spend cap of a million dollars per partition is a typo",
+        description="spend cap of a partition: a request is sent only when its worst-case cost "
         "(see price_usd_per_completion_token) still fits, so the cap holds at any concurrency"
     )
-    price_usd_per_completion_token: float | None = Field(
-        None, ge=0, le=1, description="the model's price of one completion token (USD), at least what the "
+    price_usd_per_completion_token: float | None = _bounded(
+        None, ge=0, le=1, why="no model charges a dollar per token",
+        description="the model's price of one completion token (USD), at least what the "
         "provider charges: each request reserves max_new_tokens x this before it is sent; needed with budget_usd"
     )
-    price_usd_per_prompt_token: float = Field(
-        0.0, ge=0, le=1, description="the model's price of one prompt token (USD); the reservation bounds a "
+    price_usd_per_prompt_token: float = _bounded(
+        0.0, ge=0, le=1, why="no model charges a dollar per token",
+        description="the model's price of one prompt token (USD); the reservation bounds a "
         "prompt's tokens by its UTF-8 bytes"
     )
-    max_failure_fraction: float = Field(
-        0.05, ge=0, le=1, description="raw_responses fails when more of a run's requests than this fail for good"
+    max_failure_fraction: float = _bounded(
+        0.05, ge=0, le=1, why=WHY_FRACTION,
+        description="raw_responses fails when more of a run's requests than this fail for good"
     )
     reasoning: bool = Field(True, description="ask for and keep reasoning_content")
     reasoning_style: Literal["openrouter", "chat_template"] = Field(
@@ -194,12 +268,19 @@ class GenerationConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    max_seq_len: int = Field(8192, ge=16, le=2**20, description="tokens per training sample at most; longer ones are cut")
-    shuffle_seed: int = Field(42, ge=0, le=2**32 - 1, description="seed of merged_train's shuffle")
+    max_seq_len: int = _bounded(
+        8192, ge=16, le=2**20, why="tokens per sample: 4x Kimi-K2.5's 262,144-token context",
+        description="tokens per training sample at most; longer ones are cut")
+    shuffle_seed: int = _bounded(42, ge=0, le=2**32 - 1, why=WHY_SEED, description="seed of merged_train's shuffle")
     drop_datasets: list[str] = Field(default_factory=list, description="datasets left out of merged_train")
-    bad_fraction_threshold: float = Field(0.05, ge=0, le=1, description="tokenized_dataset fails above this")
-    heldout_fraction: float = Field(0.05, ge=0, lt=1, description="conversations kept out of training")
-    draft_vocab_size: int = Field(32000, ge=1, le=2**24, description="tokens in the drafter's vocabulary")
+    bad_fraction_threshold: float = _bounded(
+        0.05, ge=0, le=1, why=WHY_FRACTION, description="tokenized_dataset fails above this")
+    heldout_fraction: float = _bounded(
+        0.05, ge=0, lt=1, why="a share of the conversations; all of them held out leaves nothing to train on",
+        description="conversations kept out of training")
+    draft_vocab_size: int = _bounded(
+        32000, ge=1, le=2**24, why="larger than any target's vocabulary (Kimi-K2.5: 163,840)",
+        description="tokens in the drafter's vocabulary")
 
 
 class HostConfig(_Strict):
@@ -210,7 +291,8 @@ class HostConfig(_Strict):
     ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
     python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
-    num_gpus: int = Field(0, ge=0, le=1024, description="GPUs the preflight expects on the host")
+    num_gpus: int = _bounded(
+        0, ge=0, le=1024, why="more GPUs than one host has", description="GPUs the preflight expects on the host")
     name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
                              "the ssh target (required when two hosts would get the same name)")
 
@@ -238,8 +320,9 @@ class GpuHostConfig(HostConfig):
     lease_dir: str | None = Field(
         None, description="where the per-host lease files are locked (flock); must be one folder seen by every "
         "run worker of the instance. Unset: gpu_host_leases under the Dagster instance's storage")
-    lease_wait_s: float = Field(
-        600.0, ge=0, description="how long a run waits for a host leased by another run before it fails")
+    lease_wait_s: float = _bounded(
+        600.0, ge=0, le=MAX_RUN_S, why=WHY_WAIT,
+        description="how long a run waits for a host leased by another run before it fails")
     sglang_version: str | None = Field(
         None, description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
         "ids are written for it; unset: ids right on every supported release that can express the aux layers")
@@ -275,8 +358,9 @@ class GpuHostConfig(HostConfig):
 
 class HiddenConfig(_Strict):
     backend: Literal["hf", "sglang"] = Field("hf", description="hf: transformers (CPU or GPU); sglang: patched server")
-    aux_layers: list[int] | None = Field(
-        None, description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]"
+    aux_layers: list[Annotated[int, Field(ge=0, le=1024)]] | None = _bounded(
+        None, why="layer numbers of a model: 0 (the embedding) up to more layers than any released model has",
+        description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]"
     )
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"] = Field(
         "float32", description="dtype of the stored states; float8_e4m3fn stores fp8 with one scale per token row "
@@ -286,19 +370,33 @@ class HiddenConfig(_Strict):
     staging_dir: str | None = Field(
         None, description="local folder where shards are written and checked before upload when hidden.root is a "
         "URL (holds only the shards in flight); default <run_root>/hidden_staging")
-    samples_per_shard: int = Field(256, ge=1, description="samples per shard (one partition each)")
-    batch_tokens: int = Field(4096, ge=16, description="hf backend: tokens per length-bucketed batch")
-    throughput_tokens_per_s: float = Field(2000.0, gt=0, description="for the plan's time estimate")
-    tp_size: int = Field(1, ge=1, le=1024, description="SGLang tensor-parallel size")
-    sglang_port: int = Field(30000, ge=1, le=65535, description="port of the SGLang server on the GPU host")
-    sglang_concurrency: int = Field(8, ge=1, description="prefill requests in flight during extraction")
+    samples_per_shard: int = _bounded(
+        256, ge=1, le=2**20,
+        why="one shard is one partition, written and uploaded whole: a million samples at production width "
+            "is terabytes",
+        description="samples per shard (one partition each)")
+    batch_tokens: int = _bounded(
+        4096, ge=16, le=2**22, why=WHY_TOKENS, description="hf backend: tokens per length-bucketed batch")
+    throughput_tokens_per_s: float = _bounded(
+        2000.0, gt=0, le=10**9, why="faster than any host prefills", description="for the plan's time estimate")
+    tp_size: int = _bounded(
+        1, ge=1, le=1024, why="more GPUs than one server spans", description="SGLang tensor-parallel size")
+    sglang_port: int = _bounded(
+        30000, ge=1, le=65535, why="TCP ports are 1-65535", description="port of the SGLang server on the GPU host")
+    sglang_concurrency: int = _bounded(
+        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="prefill requests in flight during extraction")
     sglang_server_args: list[str] = Field(
         default_factory=list, description="extra options for the extraction server after the release's own "
         "(e.g. --mem-fraction-static 0.85; a CPU host: --device cpu --attention-backend torch_native); options "
         "that would store other states or skip rows (radix/hierarchical cache, mixed chunks, ...) are refused")
-    backfill_batch: int = Field(4, ge=1, description="shard partitions the hidden_states automation requests per tick")
+    backfill_batch: int = _bounded(
+        4, ge=1, le=1000, why="runs one automation tick puts on the queue: more would swamp the run queue",
+        description="shard partitions the hidden_states automation requests per tick")
     backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
-    max_runtime_s: int = Field(6 * 3600, ge=60, description="a shard run longer than this is cancelled")
+    max_runtime_s: int = _bounded(
+        6 * 3600, ge=60, le=MAX_RUN_S,
+        why="the instance cancels any run after run_monitoring.max_runtime_seconds (3 days, dagster.yaml)",
+        description="a shard run longer than this is cancelled")
 
     @field_validator("sglang_server_args")
     @classmethod
@@ -312,8 +410,6 @@ class HiddenConfig(_Strict):
     @field_validator("staging_dir")
     @classmethod
     def _local_staging(cls, value: str | None) -> str | None:
-        from eagle3_dagster.storage import is_remote
-
         if value is not None and is_remote(value):
             raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}")
         return value
@@ -321,8 +417,6 @@ class HiddenConfig(_Strict):
     @field_validator("root")
     @classmethod
     def _root_location(cls, value: str) -> str:
-        from eagle3_dagster.storage import location
-
         location(value)  # a URL carrying credentials is refused
         return value
 
@@ -336,10 +430,14 @@ class HiddenConfig(_Strict):
 
 
 class DrafterOverrides(_Strict):
-    hidden_size: int | None = Field(None, ge=8, description="default: the target's hidden size")
-    intermediate_size: int | None = Field(None, ge=1, description="MLP width; default: the target's")
-    num_attention_heads: int | None = Field(None, ge=1, description="attention heads; default: the target's")
-    num_key_value_heads: int | None = Field(None, ge=1, description="key/value heads; default: attention heads")
+    hidden_size: int | None = _bounded(
+        None, ge=8, le=65536, why=WHY_WIDTH, description="default: the target's hidden size")
+    intermediate_size: int | None = _bounded(
+        None, ge=1, le=2**18, why=WHY_WIDTH, description="MLP width; default: the target's")
+    num_attention_heads: int | None = _bounded(
+        None, ge=1, le=1024, why=WHY_WIDTH, description="attention heads; default: the target's")
+    num_key_value_heads: int | None = _bounded(
+        None, ge=1, le=1024, why=WHY_WIDTH, description="key/value heads; default: attention heads")
     fc_norm: bool = Field(False, description="EAGLE 3.1: an RMSNorm on each captured target state before fc (served "
                           "by SGLang >= 0.5.12 and vLLM, which read config.json `fc_norm`; refused for older releases)")
     norm_output: bool = Field(False, description="EAGLE 3.1: the next draft step gets the normed output, not the "
@@ -347,29 +445,46 @@ class DrafterOverrides(_Strict):
 
 
 class TrainConfig(_Strict):
-    ttt_steps: int = Field(7, ge=1, le=64, description="training-time-test unroll steps k")
-    epochs: int = Field(1, ge=1, description="passes over the hidden states")
-    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
-    lr: float = Field(1e-4, gt=0, le=1, description="peak learning rate")
-    warmup_ratio: float = Field(0.02, ge=0, lt=1, description="share of the steps spent warming up")
-    batch_tokens: int = Field(4096, ge=16, description="padded tokens per micro-batch and rank")
-    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    grad_clip: float = Field(0.5, gt=0, description="gradient norm clip")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2)")
+    ttt_steps: int = _bounded(
+        7, ge=1, le=64,
+        why="each step is a forward pass of the drafter kept for the backward pass; served drafts use under 16",
+        description="training-time-test unroll steps k")
+    epochs: int = _bounded(1, ge=1, le=1000, why=WHY_COUNT, description="passes over the hidden states")
+    max_steps: int | None = _bounded(
+        None, ge=1, le=10**9, why=WHY_COUNT, description="stop after this many optimizer steps")
+    lr: float = _bounded(1e-4, gt=0, le=1, why=WHY_LR, description="peak learning rate")
+    warmup_ratio: float = _bounded(
+        0.02, ge=0, lt=1, why="a share of the steps; all of them warming up never reaches the peak",
+        description="share of the steps spent warming up")
+    batch_tokens: int = _bounded(
+        4096, ge=16, le=2**22, why=WHY_TOKENS, description="padded tokens per micro-batch and rank")
+    grad_accum: int = _bounded(1, ge=1, le=4096, why=WHY_COUNT, description="micro-batches per optimizer step")
+    grad_clip: float = _bounded(
+        0.5, gt=0, le=10**4, why="a clip this high never clips a drafter's gradient", description="gradient norm clip")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = _bounded(
+        (0.9, 0.95), why="AdamW's moment decay rates lie in [0, 1)", description="AdamW (beta1, beta2)")
     loss: Literal["kl", "lk_lambda"] = Field(
         "kl", description="kl: forward KL to the target (EAGLE-3); lk_lambda: SpecForge's LK lambda objective, "
         "per TTT step λ·KL + (1 - λ)(1 - acceptance), λ = lk_kl_scale · exp(-lk_kl_decay · acceptance), "
         "acceptance = E[min(p_target, q_draft)] (arXiv 2602.23881)")
-    lk_kl_scale: float = Field(1.0, ge=0, le=1, description="lk_lambda: the KL weight at zero acceptance")
-    lk_kl_decay: float = Field(1.0, ge=0, le=100, description="lk_lambda: how fast the KL weight falls as acceptance rises")
-    eval_fraction: float = Field(
-        0.02, ge=0, lt=0.5, description="share of the hidden-state samples (chosen by a hash of the sample id, "
+    lk_kl_scale: float = _bounded(
+        1.0, ge=0, le=1, why="a weight of the KL term, between 0 and 1 (SpecForge)",
+        description="lk_lambda: the KL weight at zero acceptance")
+    lk_kl_decay: float = _bounded(
+        1.0, ge=0, le=100, why="exp(-100 x acceptance) is 0 for any acceptance the drafter reaches",
+        description="lk_lambda: how fast the KL weight falls as acceptance rises")
+    eval_fraction: float = _bounded(
+        0.02, ge=0, lt=0.5, why="at least half of the samples are trained on",
+        description="share of the hidden-state samples (chosen by a hash of the sample id, "
         "the same for every recipe) kept out of training; the drafter's reported acc_j and simulated acceptance "
         "are measured on them. 0: measured on training batches instead (flattering)")
-    checkpoint_every: int = Field(200, ge=1, description="optimizer steps between checkpoints")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the drafter's init and the sampler")
-    nproc_per_node: int = Field(1, ge=1, le=1024, description="torchrun workers per node")
-    nnodes: int = Field(1, ge=1, le=1024, description="torchrun nodes")
+    checkpoint_every: int = _bounded(
+        200, ge=1, le=10**9, why=WHY_COUNT, description="optimizer steps between checkpoints")
+    seed: int = _bounded(0, ge=0, le=2**32 - 1, why=WHY_SEED, description="seed of the drafter's init and the sampler")
+    nproc_per_node: int = _bounded(
+        1, ge=1, le=1024, why="more GPUs than one node has", description="torchrun workers per node")
+    nnodes: int = _bounded(
+        1, ge=1, le=1024, why="more nodes than a drafter training uses", description="torchrun nodes")
     rdzv_endpoint: str | None = Field(
         None, description="host:port of the c10d rendezvous every node joins (needed when nnodes > 1); "
         "unset: a standalone single-node rendezvous")
@@ -383,17 +498,8 @@ class TrainConfig(_Strict):
     @field_validator("export_location")
     @classmethod
     def _export_location(cls, value: str | None) -> str | None:
-        from eagle3_dagster.storage import location
-
         if value is not None:
             location(value)  # a URL carrying credentials is refused
-        return value
-
-    @field_validator("betas")
-    @classmethod
-    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
-        if not all(0 <= b < 1 for b in value):
-            raise ValueError(f"AdamW betas must lie in [0, 1), got {list(value)}")
         return value
 
     @model_validator(mode="after")
@@ -405,38 +511,66 @@ class TrainConfig(_Strict):
         return self
 
 
+_DraftCount = Annotated[int, Field(ge=1, le=1024)]  # one of (num_steps, topk, num_draft_tokens)
+
+
 class BenchConfig(_Strict):
-    spec_configs: list[tuple[int, int, int]] = Field(
-        default_factory=lambda: [(3, 1, 4), (7, 1, 8)], description="(num_steps, topk, num_draft_tokens)"
+    spec_configs: list[tuple[_DraftCount, _DraftCount, _DraftCount]] = _bounded(
+        default_factory=lambda: [(3, 1, 4), (7, 1, 8)],
+        why="more draft steps, branches or tokens than a server verifies in one pass",
+        description="(num_steps, topk, num_draft_tokens)"
     )
-    num_prompts: int = Field(20, ge=1, description="prompts per set")
-    max_new_tokens: int = Field(64, ge=1, description="tokens generated per prompt")
+    num_prompts: int = _bounded(20, ge=1, le=10**6, why=WHY_COUNT, description="prompts per set")
+    max_new_tokens: int = _bounded(64, ge=1, le=2**22, why=WHY_TOKENS, description="tokens generated per prompt")
     sets: list[str] = Field(default_factory=lambda: ["heldout_sharegpt"], description="prompt sets to measure")
     set_paths: dict[str, str] = Field(
         default_factory=dict, description="local jsonl/parquet per prompt set (tool_use has no hub copy)"
     )
-    max_prompt_tokens: int | None = Field(None, ge=1, description="prompts longer than this are left out")
-    concurrency: int = Field(8, ge=1, description="served benchmark: requests in flight")
-    ngram_max: int = Field(3, ge=1, description="n-gram baseline: longest n-gram looked up in the context")
-    temperatures: list[float] = Field(
-        default_factory=lambda: [0.0], description="in-process benchmark: temperatures to measure at (0 = greedy); each T > 0 uses "
+    max_prompt_tokens: int | None = _bounded(
+        None, ge=1, le=2**22, why=WHY_TOKENS, description="prompts longer than this are left out")
+    concurrency: int = _bounded(
+        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="served benchmark: requests in flight")
+    ngram_max: int = _bounded(
+        3, ge=1, le=64, why="an n-gram this long never recurs in a prompt",
+        description="n-gram baseline: longest n-gram looked up in the context")
+    temperatures: list[Annotated[float, Field(ge=0, le=2)]] = _bounded(
+        default_factory=lambda: [0.0], why=WHY_TEMPERATURE,
+        description="in-process benchmark: temperatures to measure at (0 = greedy); each T > 0 uses "
         "speculative sampling with SGLang's lossless rule. Default: 0 and generation.temperature when above 0",
     )
 
     @field_validator("temperatures")
     @classmethod
     def _temperatures(cls, value: list[float]) -> list[float]:
-        if not value or min(value) < 0 or len(set(value)) != len(value):
-            raise ValueError(f"must be distinct temperatures >= 0, at least one, got {value}")
+        if not value or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct temperatures, at least one, got {value}")
         return value
 
-    @field_validator("spec_configs")
-    @classmethod
-    def _positive_configs(cls, value: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-        bad = [c for c in value if min(c) < 1]
-        if bad:
-            raise ValueError(f"every (num_steps, topk, num_draft_tokens) must be >= 1, got {bad}")
-        return value
+
+class StorageConfig(_Strict):
+    """How an object store (hidden.root or train.export_location as an s3:// URL) is waited for.
+
+    Each request to the store is tried at most `attempts` times by botocore (its standard retry mode:
+    connection errors, timeouts, 5xx and throttling), each try waiting at most `connect_timeout_s` for the
+    connection and `read_timeout_s` for each read of the answer; s3fs's own retry loops are off, since they
+    would multiply those tries (25 tries of a read in s3fs 2026.9). A store that stops answering is an
+    error naming the object after at most `storage.wait_bound_s` (attempts x (connect + read) plus
+    botocore's backoff), with a progress line every `progress_every_s` while the call waits."""
+
+    connect_timeout_s: float = _bounded(
+        10.0, gt=0, le=600, why="a connection not made in 10 minutes will not be made",
+        description="seconds a try waits for a connection to the store (botocore connect_timeout)")
+    read_timeout_s: float = _bounded(
+        30.0, gt=0, le=3600, why="a store silent for an hour is down",
+        description="seconds a try waits for each read of the store's answer (botocore read_timeout); a slow "
+        "but moving transfer never hits it")
+    attempts: int = _bounded(
+        4, ge=1, le=20, why=WHY_RETRIES,
+        description="tries of one request to the store, the first included (botocore total_max_attempts)")
+    progress_every_s: float = _bounded(
+        30.0, gt=0, le=3600, why="a line an hour apart tells nobody the run still waits",
+        description="a store call waiting longer than this logs a line naming the object, then again each "
+        "time this passes")
 
 
 class Profile(_Strict):
@@ -448,6 +582,8 @@ class Profile(_Strict):
     data: DataConfig = Field(DataConfig(), description="tokenize, merge and vocabulary settings")
     gpu_host: GpuHostConfig = Field(GpuHostConfig(), description="where GPU work runs")
     hidden: HiddenConfig = Field(description="hidden-state extraction and storage")
+    storage: StorageConfig = Field(StorageConfig(), description="timeouts, tries and progress lines of object-store "
+                                   "calls (hidden.root, train.export_location as URLs)")
     drafter: DrafterOverrides = Field(DrafterOverrides(), description="the drafter's shape")
     train: TrainConfig = Field(TrainConfig(), description="drafter training")
     bench: BenchConfig = Field(BenchConfig(), description="benchmark_report")
@@ -455,8 +591,6 @@ class Profile(_Strict):
     @field_validator("run_root")
     @classmethod
     def _local_run_root(cls, value: str) -> str:
-        from eagle3_dagster.storage import is_remote
-
         if is_remote(value):  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
             raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
         return value
@@ -535,8 +669,32 @@ def _format_errors(source: Path, err: ValidationError) -> str:
     lines = [f"{source}: invalid profile"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"  {loc}: {e['msg']}")
+        why = _bounds_reason(e["loc"]) if e["type"] in _BOUND_ERRORS else None
+        lines.append(f"  {loc}: {e['msg']}" + (f" ({why})" if why else ""))
     return "\n".join(lines)
+
+
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _inner_model(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in typing.get_args(annotation) if (m := _inner_model(a)) is not None), None)
+
+
+def _bounds_reason(loc: tuple) -> str | None:
+    """The `why` of the field at an error's location (list indexes and tuple positions skipped)."""
+    model, info = Profile, None
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        model = _inner_model(info.annotation)
+    extra = info.json_schema_extra if info is not None else None
+    return extra.get("bounds") if isinstance(extra, dict) else None
 
 
 def resolve_profile_path(name_or_path: str) -> Path:

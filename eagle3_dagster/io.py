@@ -146,8 +146,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
 
 
+def parse_json(blob: bytes, where: str | os.PathLike) -> Any:
+    """The JSON in `blob`, read from `where`; an error that names `where` when it is not JSON (cut off, garbled)."""
+    try:
+        return orjson.loads(blob)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({len(blob)} bytes; {e})") from None
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    return orjson.loads(Path(path).read_bytes())
+    return parse_json(Path(path).read_bytes(), path)
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from eagle3_dagster.io import parse_json
 from eagle3_dagster.layers import default_aux_layers, validate_aux_layers
 
 if TYPE_CHECKING:
@@ -31,11 +32,9 @@ _MAX_HEADER_BYTES = 100 << 20
 
 def _read_json(path: Path) -> dict:
     try:
-        return orjson.loads(path.read_bytes())
+        return parse_json(path.read_bytes(), path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: not found (is {path.parent} a model directory?)") from None
-    except orjson.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def safetensors_header(path: Path) -> dict:

@@ -179,7 +179,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     """A driver process on the host, its output streamed to `progress`; (exit code, its last 200 lines)."""
     from collections import deque
 
-    proc = host.spawn(argv, {}, name)
+    proc = host.spawn(argv, storage.child_env(), name)  # the driver publishes to the store as the profile says
     out: deque[str] = deque(maxlen=200)
     for line in proc.proc.stdout:
         out.append(line.rstrip("\n"))

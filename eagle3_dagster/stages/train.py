@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from eagle3_dagster import storage
 from eagle3_dagster.config import PROJECT_ROOT, Profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import read_json
@@ -80,8 +81,9 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | s
         python=python or _python(), module=PIPES_WORKER, rdzv_endpoint=profile.train.rdzv_endpoint,
         rdzv_id=profile.train.rdzv_id,
     )
-    # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins
-    env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false"}
+    # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
+    # the workers read shards from the store as the profile says
+    env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
     return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
 
 
@@ -121,7 +123,6 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     detail = "ok"
     published = {}
     if profile.train.export_location:
-        from eagle3_dagster import storage
         from eagle3_dagster.drafter.publish import publish_export
 
         dest = storage.join(storage.location(profile.train.export_location, PROJECT_ROOT), plan.out_dir.name)

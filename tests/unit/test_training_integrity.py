@@ -105,3 +105,18 @@ def test_a_non_finite_loss_stops_training_at_that_step_naming_the_batch_samples(
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == \
         [f"step_{s:07d}" for s in range(max(1, step - 2), step)]  # none of the bad step (two kept)
     assert all(torch.isfinite(p).all() for p in drafter.parameters())  # the bad step was not applied
+
+
+def test_a_cut_off_checkpoint_state_is_an_error_naming_its_file(tmp_path):
+    weight = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1, rank=0)
+    saved = ckpt.save(1, model_state={"w": weight}, optimizer=optimizer, scheduler=scheduler, trainer_state={})
+    state = saved / "trainer_state.json"
+    state.write_bytes(state.read_bytes()[:20])  # cut off, as a torn copy leaves it
+    model = torch.nn.Module()
+    model.w = weight
+    with pytest.raises(ValueError) as err:
+        ckpt.load(ckpt.latest(), model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device("cpu"))
+    assert str(err.value).startswith(f"{state}: not valid JSON (20 bytes;")
