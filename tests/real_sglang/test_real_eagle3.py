@@ -4,7 +4,8 @@ A drafter of the micro target, trained here for a few seconds on the target's ow
 (the project's TTT objective, `train.loop.TTTObjective`) and written by the project's export
 (`drafter.export.export_drafter`), is served by the release server with the served benchmark's launch
 flags (`stages.bench.serving_spec`: `--speculative-algorithm EAGLE3`, the export, the micro profile's spec
-config, the release's serving options), the tier's CPU options and `--dtype float32`: the simulator it is
+config, the release's serving options), the tier's CPU options with SGLang's CPU attention backend
+(`intel_amx`, the only one its EAGLE draft worker has on CPU) and `--dtype float32`: the simulator it is
 compared with runs the target and the drafter in float32, so that SGLang's default (bfloat16 for a float32
 checkpoint) does not move argmaxes that both sides should agree on.
 
@@ -37,9 +38,12 @@ NUM_TRAIN_PROMPTS = 48
 TRAIN_STEPS = 300
 NUM_PROMPTS = 12  # held-out prompts served and simulated
 MAX_NEW_TOKENS = 48
+# SGLang has no torch_native draft attention backend (`speculative/draft_utils.py`); its CPU one is `intel_amx`
+# (`srt/layers/attention/intel_amx_backend.py`), whose two kernels the shim implements in torch. float32: see above.
+EAGLE3_CPU_ARGS = ("--attention-backend", "intel_amx", "--dtype", "float32")
 
 
-def _greedy_corpus(model, tokenizer, aux: tuple[int, ...], prompts: list[list[int]], new_tokens: int) -> list[dict]:
+def _greedy_corpus(model, aux: tuple[int, ...], prompts: list[list[int]], new_tokens: int) -> list[dict]:
     """The target's own greedy continuations with its states: what extraction would store for them."""
     from eagle3_dagster.bench.specdec import TargetRunner, generate_greedy
 
@@ -59,8 +63,7 @@ def _train_and_export(target_dir: Path, profile, out: Path) -> Path:
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3_dagster.bench.prompts import render_prompts
-    from eagle3_dagster.bench.prompts import PromptSet, BenchPrompt
+    from eagle3_dagster.bench.prompts import BenchPrompt, PromptSet, render_prompts
     from eagle3_dagster.data.sharegpt import ShareGPTReader
     from eagle3_dagster.data.vocab import build_mapping, select_draft_vocab
     from eagle3_dagster.drafter.export import export_drafter
@@ -80,7 +83,7 @@ def _train_and_export(target_dir: Path, profile, out: Path) -> Path:
         if len(train) == NUM_TRAIN_PROMPTS:
             break
     prompts = [ids for _, ids in render_prompts(tokenizer, PromptSet("train", "sharegpt train", tuple(train)), 192)]
-    samples = _greedy_corpus(model, tokenizer, aux, prompts, MAX_NEW_TOKENS)
+    samples = _greedy_corpus(model, aux, prompts, MAX_NEW_TOKENS)
     counts = np.zeros(model.config.vocab_size, dtype=np.int64)
     for s in samples:
         counts += np.bincount(s["input_ids"][s["loss_mask"].bool()].numpy(), minlength=counts.size)
@@ -143,7 +146,7 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
 
     served_spec = serving_spec(profile, micro_target, export, VERSION, spec_cfg)
     served_spec = dataclasses.replace(served_spec, port=free_port(), health_timeout_s=1800,
-                                      extra_args=(*served_spec.extra_args, *SERVER_ARGS, "--dtype", "float32"),
+                                      extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
                                       env={**served_spec.env, **server_env(sglang_python)})
     host = GpuHost(HostSpec(transport="local", python=str(sglang_python), workdir=str(tmp_path / "host")))
     log = LogTail(tmp_path / "sglang.log")
