@@ -83,7 +83,6 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
     from eagle3_dagster.bench.report import attach_speedups, results_document
     from eagle3_dagster.bench.served import prompt_token_limit, run_on_host
     from eagle3_dagster.bench.specdec import SpecConfig
-    from eagle3_dagster.gpu_host import ServerSpec
     from eagle3_dagster.target import load_tokenizer
 
     if host is None:
@@ -101,24 +100,30 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
             "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
             "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
 
-    def server(spec: SpecConfig | None) -> ServerSpec:
-        extra: tuple[str, ...] = ()
-        if spec is not None:
-            extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
-                     "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
-                     "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
-        return ServerSpec(model_path=str(target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                          context_length=context, extra_args=extra, sglang_version=installed,
-                          trust_remote_code=profile.target.trust_remote_code)
-
     drafter_meta = _served_drafter_notes(profile, export, target, progress, installed)
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
-        rows += run_on_host(host, server(spec), sets, method=method, spec=spec.label if spec else None,
+        server = serving_spec(profile, target.path, export, installed, spec)
+        rows += run_on_host(host, server, sets, method=method, spec=spec.label if spec else None,
                             max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
     return results_document(attach_speedups(rows), "served", described,
                             meta={"target_identity": target.identity, **drafter_meta})
+
+
+def serving_spec(profile: Profile, target_path: Path, export: Path, installed: str | None, spec: Any) -> Any:
+    """The served benchmark's server: the target, and with `spec` (a `SpecConfig`) the exported drafter under
+    `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`."""
+    from eagle3_dagster.gpu_host import ServerSpec
+
+    extra: tuple[str, ...] = ()
+    if spec is not None:
+        extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
+                 "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
+                 "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
+    return ServerSpec(model_path=str(target_path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
+                      context_length=profile.target.serving_context, extra_args=extra, sglang_version=installed,
+                      trust_remote_code=profile.target.trust_remote_code)
 
 
 def _serving_release(profile: Profile, export: Path, host: Any) -> str:

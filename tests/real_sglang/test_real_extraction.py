@@ -28,7 +28,7 @@ from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_
 from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
 from eagle3_dagster.target import target_identity
 from tests.real_sglang.support import AUX, ENVELOPE_FACTOR, VERSION, free_port, hf_states, rel_err
-from tests.sglang_cpu.venv import SERVER_ARGS
+from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
@@ -43,7 +43,7 @@ def server(sglang_python, micro_target, tmp_path_factory):
     host = GpuHost(HostSpec(transport="local", python=str(sglang_python), workdir=str(tmp / "host")))
     spec = ServerSpec(model_path=str(micro_target), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
                       sglang_version=VERSION, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
-                      health_timeout_s=1200)
+                      env=server_env(sglang_python), health_timeout_s=1200)
     log = LogTail(tmp / "sglang.log")
     try:
         with sglang_server(host, spec, on_log=log) as running:

@@ -24,7 +24,7 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, load_manifest
 from eagle3_dagster.stages.target import build_target
 from tests.real_sglang.support import AUX, ENVELOPE_FACTOR, free_port, hf_states, rel_err
-from tests.sglang_cpu.venv import SERVER_ARGS
+from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
@@ -32,7 +32,9 @@ LENGTHS = [90, 17, 130, 66]
 
 
 @pytest.mark.timeout(3600)
-def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sglang_python, tmp_path):
+def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sglang_python, tmp_path, monkeypatch):
+    for name, value in server_env(sglang_python).items():  # the launcher's server inherits this environment
+        monkeypatch.setenv(name, value)
     profile = load_profile("micro", overrides={
         "run_root": str(tmp_path / "run"),
         "hidden": {"backend": "sglang", "root": str(tmp_path / "hidden"), "tp_size": 1, "sglang_port": free_port(),

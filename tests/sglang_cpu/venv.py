@@ -1,18 +1,26 @@
-"""Build the venv of the real-SGLang test tier: a release wheel from PyPI, a CPU torch, our CPU shim.
+"""Build the venv of the real-SGLang test tier: SGLang's release wheel over the project's own packages.
 
 `.cache/sglang-venv/<version>/` (gitignored) holds, in this order:
-1. a venv of this interpreter's Python with the CPU torch (`-c constraints.txt torch==2.13.0`: every
-   pip call passes the constraints; an unpinned torch would pull a multi-GB CUDA build);
-2. the runtime packages SGLang's server imports on CPU (`requirements-<version>.txt`, pinned);
-3. the release wheel itself, `pip download --no-deps --only-binary :all: sglang==<version>`, installed
-   `--no-deps` (its metadata pins CUDA-only packages: flashinfer, sglang-kernel, deep-gemm, ...);
-4. our patch `torch-native-mla-<version>.patch` applied to the installed wheel's file, checked by
-   sha256 before and after (the project's strict applier: no fuzz, no offsets);
-5. `site/` (our `sgl_kernel` stand-in and torchvision import guard) on the venv's path by a .pth;
-6. this project, `pip install -e ".[gpu]"`, as on a GPU host (the patched SGLang imports its dump hook).
+1. a venv of this interpreter's Python, without pip of its own (`--without-pip`): every install below runs
+   this interpreter's pip with `--python <venv>`, under `-c constraints.txt`;
+2. on its path, after its own site-packages, this interpreter's site-packages (`eagle3_1_base.pth`,
+   `site.addsitedir`): the CPU torch 2.13.0, numpy, safetensors and this project (its editable install)
+   come from there instead of a second multi-GB copy, as on a GPU host, where the project is installed
+   into SGLang's interpreter. The venv's own site-packages come first on `sys.path`, so whatever SGLang pins
+   differently (transformers, tokenizers, huggingface-hub, ...) is installed into the venv and wins;
+   pip leaves the project's copies alone ("outside environment");
+3. the runtime packages SGLang's server imports on CPU that the project's environment does not already
+   satisfy (`requirements-<version>.txt`, pinned);
+4. the release wheel itself (`tests/sglang_wheels.wheel_path`: `pip download --no-deps sglang==<version>`
+   from PyPI, the cache the patch tests share), installed `--no-deps` (its metadata pins CUDA-only packages:
+   flashinfer, sglang-kernel, deep-gemm, ...). SGLang's code is the wheel's, byte for byte, but for
+5. our patch `torch-native-mla-<version>.patch`, applied to the installed file and checked by sha256
+   before and after (the project's strict applier: no fuzz, no offsets);
+6. `site/` (our `sgl_kernel` CPU shim and torchvision import guard) on the path by `eagle3_0_cpu_shim.pth`.
 
-A stamp file, written last, names a digest of everything above; a venv without it or with another
-digest is removed and rebuilt. A failed download or install raises: the tier never skips.
+A stamp file, written last, names a digest of everything above, the base environment's packages included;
+a venv without it or with another digest is removed and rebuilt. A failed download or install raises:
+the tier never skips.
 
     python -m tests.sglang_cpu.venv 0.5.23    # build (or reuse) and print the interpreter
 """
@@ -21,10 +29,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -32,7 +43,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CACHE = ROOT / ".cache" / "sglang-venv"
 CONSTRAINTS = ROOT / "constraints.txt"
-TORCH = "torch==2.13.0"
 # The installed file each of our patches changes, with its pristine and patched sha256.
 PATCHES = {
     "0.5.23": (
@@ -41,22 +51,36 @@ PATCHES = {
         "450e4ab324068af8f443e96452290211724a36131aa83896a6594bcb30595fec",
     ),
 }
-# What the tier's server runs with: SGLang's CPU engine (is_cpu() reads the variable), the torch attention
-# backend (no FlashInfer on CPU); the radix cache is off through the project's own extraction options.
-SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# What the tier's server runs with: SGLang's CPU engine (is_cpu() reads SGLANG_USE_CPU_ENGINE, which the
+# project's launcher sets for `--device cpu`), the torch attention backend (no FlashInfer on CPU); the radix
+# cache is off through the project's own extraction options.
 # On CPU SGLang sizes its KV pool from free host memory (about 15 GB of this 24 GB machine for the tiny
 # target), so the tier caps it; its tests prefill a few hundred tokens at a time. SGLang's scheduler
 # watchdog kills the server when one forward takes over 300 s, which a loaded 2-core CI machine reached.
 SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-               "--watchdog-timeout", "3600")
-
+               "--max-running-requests", "16", "--watchdog-timeout", "3600")
+# The model modules SGLang's server must import for the tier: the DeepSeek-V3 target, Kimi-K2.5's class
+# around it, and the EAGLE-3 drafter. SGLang imports every module of `sglang.srt.models` at start-up to
+# build its registry unless SGLANG_DISABLED_MODEL_ARCHS names it (`sglang/srt/models/registry.py`).
+MODEL_MODULES = ("deepseek_v2", "kimi_k25", "llama", "llama_eagle3")
 
 # Bump when build() installs something differently; the digest covers the files it installs from.
-RECIPE = 1
+RECIPE = 2
+
+
+def base_site_packages() -> Path:
+    """This interpreter's site-packages: the project's environment the venv builds on."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def base_packages() -> list[str]:
+    return sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                  if d.metadata["Name"])
 
 
 def inputs_digest(version: str) -> str:
-    h = hashlib.sha256(f"{RECIPE}\n{version}\n{TORCH}\n{sys.version_info[:2]}\n".encode())
+    h = hashlib.sha256(f"{RECIPE}\n{version}\n{sys.version_info[:2]}\n{base_site_packages()}\n".encode())
+    h.update("\n".join(base_packages()).encode())
     for path in (CONSTRAINTS, requirements(version), patch_file(version)):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
@@ -75,19 +99,23 @@ def venv_dir(version: str) -> Path:
 
 
 def _run(argv: list[str], what: str, log) -> None:
-    started = time.monotonic()
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(argv, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise RuntimeError(f"SGLang CPU venv: {what} failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
-    log(f"{what}: {time.monotonic() - started:.0f} s")
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    log(f"{what}: {time.monotonic() - started:.0f} s ({cpu:.0f} s CPU)")
 
 
 def _pip(python: Path, *args: str) -> list[str]:
-    return [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    return [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "-q", *args]
 
 
 def build(version: str, log=print) -> Path:
     """The venv's interpreter, with SGLang `version` installed, patched for CPU and the shim on its path."""
+    from tests.sglang_wheels import wheel_path
+
     if version not in PATCHES:
         raise ValueError(f"no CPU patch for SGLang {version} (have {sorted(PATCHES)})")
     target = venv_dir(version)
@@ -101,34 +129,45 @@ def build(version: str, log=print) -> Path:
             return python
         started = time.monotonic()
         shutil.rmtree(target, ignore_errors=True)
-        _run([sys.executable, "-m", "venv", str(target)], "venv", log)
+        _run([sys.executable, "-m", "venv", "--without-pip", str(target)], "venv", log)
+        site = site_packages(python)
+        if target not in site.parents:  # never write a .pth into another interpreter's site-packages
+            raise RuntimeError(f"{site} is not inside the venv {target}")
+        # Our shim first (its names must win), then the project's environment after the venv's own packages.
+        (site / "eagle3_0_cpu_shim.pth").write_text(str(HERE / "site") + "\n")
+        (site / "eagle3_1_base.pth").write_text(f"import site; site.addsitedir({str(base_site_packages())!r})\n")
         constrained = ("-c", str(CONSTRAINTS))
-        _run(_pip(python, "install", *constrained, TORCH, "-r", str(requirements(version))), "torch and runtime packages", log)
-        wheel = download_wheel(version, target / "wheel", python)
-        # --no-compile: the wheel holds ~6,000 modules and the server imports a fraction of them
-        _run(_pip(python, "install", *constrained, "--no-deps", "--no-compile", str(wheel)), f"sglang {version} wheel", log)
+        _run(_pip(python, "install", *constrained, "-r", str(requirements(version))), "runtime packages", log)
+        # byte-compiled at install: each of the server's three processes would otherwise compile what it imports
+        # (and again at every start where PYTHONDONTWRITEBYTECODE is set)
+        _run(_pip(python, "install", *constrained, "--no-deps", str(wheel_path(version))),
+             f"sglang {version} wheel", log)
         apply_cpu_patch(version, python)
-        (site_packages(python) / "eagle3_sglang_cpu.pth").write_text(str(HERE / "site") + "\n")
-        _run(_pip(python, "install", *constrained, "-e", f"{ROOT}[gpu]"), "eagle3-dagster[gpu]", log)
         stamp.write_text(digest)
         log(f"SGLang {version} CPU venv built in {time.monotonic() - started:.0f} s at {target}")
     return python
 
 
-def download_wheel(version: str, dest: Path, python: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    _run(_pip(python, "download", *("-c", str(CONSTRAINTS)), "--no-deps", "--only-binary", ":all:",
-              f"sglang=={version}", "-d", str(dest)), f"download sglang=={version}", lambda _m: None)
-    hits = sorted(dest.glob(f"sglang-{version}-*.whl"))
-    if not hits:
-        raise RuntimeError(f"pip download sglang=={version} left no wheel in {dest}")
-    return hits[0]
-
-
 def site_packages(python: Path) -> Path:
-    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip())
+    """The venv's own site-packages (made with this interpreter's Python, so laid out as its scheme says)."""
+    venv = python.parent.parent
+    return Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+
+
+def disabled_model_archs(python: Path) -> str:
+    """SGLANG_DISABLED_MODEL_ARCHS for the tier: every module of the release's `sglang/srt/models` but
+    MODEL_MODULES, so that the server does not import some 200 model files it never builds."""
+    models = site_packages(python) / "sglang" / "srt" / "models"
+    names = sorted(p.stem for p in models.glob("*.py") if p.stem not in MODEL_MODULES and p.stem != "__init__")
+    missing = [m for m in MODEL_MODULES if not (models / f"{m}.py").exists()]
+    if missing:
+        raise RuntimeError(f"{models}: no {missing}; the tier's model modules are not in this release")
+    return ",".join(names)
+
+
+def server_env(python: Path) -> dict[str, str]:
+    """The environment the tier's servers get besides the launcher's own."""
+    return {"SGLANG_DISABLED_MODEL_ARCHS": disabled_model_archs(python)}
 
 
 def apply_cpu_patch(version: str, python: Path) -> Path:
