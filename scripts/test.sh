@@ -19,7 +19,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# -m "not sglang" lifts the fast-tier selection in pyproject.toml: every test runs, slow and e2e included,
-# except the real-SGLang tier (tests/real_sglang, `pytest -m sglang`), which has not yet been seen passing
-# on a CI-like machine (issue 20: its venv build and the CPU server were measured on a shared machine only).
-exec .venv/bin/python -m pytest -ra -m "not sglang" "$@"
+# -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
+# tier (tests/real_sglang) included. One test is left out: SGLang 0.5.23 refuses to serve EAGLE-3 on this
+# CPU path at start-up ("EAGLE is not supported in decode attention backend torch_native", issue 20);
+# `pytest -m sglang` still runs it.
+exec .venv/bin/python -m pytest -ra -m "" \
+  --deselect tests/real_sglang/test_real_eagle3.py::test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is_the_simulators \
+  "$@"
