@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticUndefined
+from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
 DEFAULT_PROFILE = "demo"
