@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from eagle3_dagster import threads
 
@@ -92,7 +93,10 @@ def test_the_free_cores_of_this_machine_drop_beside_busy_processes():
     granted = threads.cores_granted()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        # the loops count once the kernel reports them runnable (past interpreter start-up, in `while`)
+        while not all(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "R" for p in busy):
+            assert time.monotonic() < deadline, "the busy loops never ran"
         loaded = threads.cores_free()
     finally:
         for p in busy:
