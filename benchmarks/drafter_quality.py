@@ -68,11 +68,6 @@ VARIANTS: dict[str, dict] = {
     # EAGLE 3.1: a norm on each captured state before fc, and the normed output carried to the next step
     "one_sample_6ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
-    # EAGLE 3.1 at fewer epochs: what the demo's training time buys
-    "one_sample_4ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015,
-                               "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
-    "one_sample_5ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 5, "warmup_ratio": 0.015,
-                               "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
     # the demo's recipe (EAGLE 3.1) with the old recipe's beta2: betas alone
     "one_sample_6ep_eagle31_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                    "betas": (0.9, 0.95), "drafter": {"fc_norm": True, "norm_output": True}},
