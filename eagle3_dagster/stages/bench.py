@@ -32,7 +32,7 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
     """
     from eagle3_dagster.bench.report import render_report
 
-    if profile.hidden.backend == "sglang":
+    if profile.bench.mode == "served":
         results = _served(profile, layout, Path(export_dir), gpu_host, progress)
     else:
         results = _inprocess(profile, layout, Path(export_dir), progress)
@@ -86,7 +86,7 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
     from eagle3_dagster.target import load_tokenizer
 
     if host is None:
-        raise ValueError("benchmark_report: the served benchmark (hidden.backend 'sglang') needs the gpu_host resource")
+        raise ValueError("benchmark_report: the served benchmark (bench.mode 'served') needs the gpu_host resource")
     installed = _serving_release(profile, export, host)
     target = target_facts(profile, layout)
     tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code)
