@@ -45,8 +45,12 @@ def micro_profile_in(tmp: Path) -> Path:
 
 
 def run_pipeline(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PIPELINE), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    """`scripts/run_pipeline.py` on DAGSTER_HOME; its output (a line per job with its seconds) also goes to
+    pipeline.log beside DAGSTER_HOME."""
+    proc = subprocess.run([sys.executable, str(PIPELINE), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1500)
+    (Path(env["DAGSTER_HOME"]).parent / "pipeline.log").write_text(proc.stdout + proc.stderr)
+    return proc
 
 
 @dataclass(frozen=True)
