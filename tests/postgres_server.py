@@ -12,7 +12,6 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.sshd_server import free_port
 
 SERVER_USER = "nobody"  # postgres refuses to run as root
 
@@ -35,12 +36,6 @@ def postgres_bin(name: str) -> str:
     if not candidates:
         pytest.fail(f"{name} not found on PATH or in /usr/lib/postgresql/*/bin: scripts/test.sh installs postgresql")
     return candidates[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

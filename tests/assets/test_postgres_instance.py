@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from tests.micro_run import MicroRun
-from tests.postgres_server import free_port
+from tests.sshd_server import free_port
 
 pytestmark = pytest.mark.slow  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
 
