@@ -32,10 +32,21 @@ def micro_target(tmp_path_factory, micro_profile) -> Path:
 
     Treat it as read-only: it is shared by every test in the session.
     """
+    import torch
+
+    from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target
 
     out = tmp_path_factory.mktemp("micro_target") / "target"
-    build_tiny_target(micro_profile.target.tiny, out)
+    # The target stage's thread count, the free cores: beside other work torch's default of a thread per
+    # core is several times slower (docs/benchmarks.md). The count is in build_report.json; the session's
+    # own is restored after.
+    threads = torch.get_num_threads()
+    stage_threads(load_aware=True)
+    try:
+        build_tiny_target(micro_profile.target.tiny, out)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
