@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,7 +60,6 @@ class MicroRun:
     profile: Path  # the micro profile, outputs under profile.parent / "run"
     env: dict[str, str]  # what the pipeline ran with: DAGSTER_HOME, EAGLE3_PROFILE, DAGSTER_PG_* if on PostgreSQL
     proc: subprocess.CompletedProcess
-    seconds: float
 
     @contextmanager
     def instance(self) -> Iterator[dg.DagsterInstance]:
@@ -91,9 +89,7 @@ def materialize_micro_graph(tmp: Path, instance_yaml: Path, extra_env: dict[str,
     profile = micro_profile_in(tmp)
     env = os.environ | extra_env | {"DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile),
                                     "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = time.monotonic()
-    proc = run_pipeline(env)
-    return MicroRun(home, profile, env, proc, time.monotonic() - started)
+    return MicroRun(home, profile, env, run_pipeline(env))
 
 
 def private_copy(run: MicroRun, tmp: Path) -> MicroRun:
@@ -106,6 +102,4 @@ def private_copy(run: MicroRun, tmp: Path) -> MicroRun:
     profile = micro_profile_in(tmp)
     env = {k: v for k, v in run.env.items() if not k.startswith("DAGSTER_PG_")}
     env |= {"DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile)}
-    started = time.monotonic()
-    proc = run_pipeline(env, "--from", "corpus", "--until", "extract")
-    return MicroRun(home, profile, env, proc, time.monotonic() - started)
+    return MicroRun(home, profile, env, run_pipeline(env, "--from", "corpus", "--until", "extract"))
