@@ -1,13 +1,16 @@
-"""Shared fixtures: the micro profile and a tiny target built once per test session.
+"""Shared fixtures: the micro profile, a tiny target and the micro pipeline, each built once per test session.
 
 The micro target is the real demo build (BPE on ShareGPT, DeepSeek-V3 with MLA
 and MoE, pre-training, verified save) at a few hundred thousand parameters; it
 builds in a few seconds, so every test that needs a target uses the real one.
+The micro pipeline (`micro_run`, tests/micro_run.py) is the whole graph through
+Dagster on a real PostgreSQL instance, for the full tier's tests that read it.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +32,42 @@ def micro_target(tmp_path_factory, micro_profile) -> Path:
 
     Treat it as read-only: it is shared by every test in the session.
     """
+    import torch
+
+    from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target
 
     out = tmp_path_factory.mktemp("micro_target") / "target"
-    build_tiny_target(micro_profile.target.tiny, out)
+    # The target stage's thread count, the free cores: beside other work torch's default of a thread per
+    # core is several times slower (docs/benchmarks.md). The count is in build_report.json; the session's
+    # own is restored after.
+    threads = torch.get_num_threads()
+    stage_threads(load_aware=True)
+    try:
+        build_tiny_target(micro_profile.target.tiny, out)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator:
+    """A PostgreSQL server for the session (tests/postgres_server.py)."""
+    from tests.postgres_server import start_postgres
+
+    with start_postgres() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory, postgres):
+    """The micro graph materialized once (tests/micro_run.py). Read it, never edit it: a test that edits
+    shards, manifests or the instance takes `tests.micro_run.private_copy` of it."""
+    from tests.micro_run import ROOT, materialize_micro_graph
+
+    run = materialize_micro_graph(tmp_path_factory.mktemp("micro_run"), ROOT / "deploy" / "postgres" / "dagster.yaml",
+                                  postgres.env)
+    if run.proc.returncode != 0:
+        pytest.fail(f"the shared micro pipeline failed:\n{run.output()}")
+    return run

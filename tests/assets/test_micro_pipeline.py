@@ -1,29 +1,27 @@
 """The README's demo command, end to end through Dagster, at micro size.
 
-Runs `scripts/run_pipeline.py` (what `scripts/demo.sh` runs) in a subprocess
-against a fresh instance whose `dagster.yaml` is the checked-in one, with the
-micro profile pointed at a temp folder, then reads the instance the way the UI
-does: every asset materialized, every shard partition present, the checks
-passed and the figures within their bounds.
+Reads the session's micro run (`micro_run`, tests/micro_run.py): `scripts/run_pipeline.py` (what
+`scripts/demo.sh` runs) in a subprocess against a fresh instance whose `dagster.yaml` is the checked-in
+production one (dagster_home/dagster.yaml with its storage in PostgreSQL), with the micro profile
+pointed at a temp folder. The tests read the instance the way the UI does: every asset materialized,
+every shard partition present, the checks passed and the figures within their bounds. The tests that
+edit shards or add runs work on a private copy of it on a SQLite instance (dagster_home/dagster.yaml).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
 import pytest
-import yaml
+
+from tests.micro_run import ROOT, MicroRun, private_copy
 
 pytestmark = pytest.mark.slow  # the demo pipeline end to end in a subprocess
 
-ROOT = Path(__file__).resolve().parents[2]
 ASSETS = [
     "target_model",
     "raw_responses",
@@ -37,38 +35,16 @@ ASSETS = [
 ]
 
 
-def micro_profile_in(tmp: Path) -> Path:
-    raw = yaml.safe_load((ROOT / "configs" / "micro.yaml").read_text())
-    raw["run_root"] = str(tmp / "run")
-    raw["hidden"]["root"] = str(tmp / "run" / "hidden_states")
-    path = tmp / "micro.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    tmp = tmp_path_factory.mktemp("micro_pipeline")
-    home = tmp / "dagster_home"
-    home.mkdir()
-    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
-    env = os.environ | {
-        "DAGSTER_HOME": str(home),
-        "EAGLE3_PROFILE": str(micro_profile_in(tmp)),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "run_pipeline.py")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
-    )
-    return home, proc
+def edited_run(micro_run, tmp_path_factory) -> MicroRun:
+    """A copy of the session's micro run for the tests that edit shards and add runs (in file order)."""
+    copy = private_copy(micro_run, tmp_path_factory.mktemp("micro_run_copy"))
+    assert copy.proc.returncode == 0, copy.output()
+    return copy
 
 
-def test_demo_command_materializes_every_asset_through_dagster(pipeline_run) -> None:
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+def test_demo_command_materializes_every_asset_through_dagster(micro_run: MicroRun) -> None:
+    with micro_run.instance() as instance:
         for name in ASSETS:
             assert instance.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
         shards = instance.get_dynamic_partitions("hidden_state_shards")
@@ -79,10 +55,8 @@ def test_demo_command_materializes_every_asset_through_dagster(pipeline_run) -> 
         assert runs and all(r.tags.get("eagle3/profile") == "micro" for r in runs)
 
 
-def test_checks_pass_and_figures_are_within_bounds(pipeline_run) -> None:
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+def test_checks_pass_and_figures_are_within_bounds(micro_run: MicroRun) -> None:
+    with micro_run.instance() as instance:
 
         def meta(name: str) -> dict:
             event = instance.get_latest_materialization_event(dg.AssetKey(name))
@@ -105,22 +79,19 @@ def test_checks_pass_and_figures_are_within_bounds(pipeline_run) -> None:
         assert bench["acceptance_length"] > bench["untrained_acceptance_length"]
 
 
-def test_retried_extraction_resumes_from_the_manifest(pipeline_run, tmp_path) -> None:
+def test_retried_extraction_resumes_from_the_manifest(edited_run: MicroRun, tmp_path) -> None:
     """A run that died after writing shard-00000 but before recording shard-00001 is retried:
     the recorded shard is skipped, untouched; the unrecorded one is redone, byte for byte."""
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    env_profile = home.parent / "micro.yaml"
     from definitions import build_definitions
     from eagle3_dagster.config import load_profile_file
 
-    profile = load_profile_file(env_profile)
+    profile = load_profile_file(edited_run.profile)
     version_dir = next((Path(profile.hidden.root)).glob("hs-*"))
     first, second = version_dir / "shard-00000.safetensors", version_dir / "shard-00001.safetensors"
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (first, second)}
     (version_dir / "shard-00001.manifest.json").unlink()  # the crash: renamed, never recorded
     defs = build_definitions(profile)
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with edited_run.instance() as instance:
         for key in ["shard-00000", "shard-00001"]:
             result = defs.resolve_job_def("extract_job").execute_in_process(instance=instance, partition_key=key)
             assert result.success
@@ -133,10 +104,8 @@ def test_retried_extraction_resumes_from_the_manifest(pipeline_run, tmp_path) ->
     assert (version_dir / "shard-00001.manifest.json").exists()
 
 
-def test_torchrun_streams_per_step_metrics_into_the_run_log_through_pipes(pipeline_run) -> None:
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+def test_torchrun_streams_per_step_metrics_into_the_run_log_through_pipes(micro_run: MicroRun) -> None:
+    with micro_run.instance() as instance:
         (run,) = [r for r in instance.get_runs() if r.job_name == "train_job"]
         messages = [e.user_message for e in instance.all_logs(run.run_id)]
     assert any("opened dagster pipes" in m for m in messages)
@@ -148,10 +117,8 @@ def test_torchrun_streams_per_step_metrics_into_the_run_log_through_pipes(pipeli
 PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+) \4/s, ETA \d+:\d\d:\d\d")
 
 
-def test_long_stages_log_progress_by_the_contract(pipeline_run) -> None:
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+def test_long_stages_log_progress_by_the_contract(micro_run: MicroRun) -> None:
+    with micro_run.instance() as instance:
         for job, unit in [("target_job", "steps"), ("data_job", "conversations"), ("extract_job", "tokens"),
                           ("train_job", "steps")]:
             runs = [r for r in instance.get_runs() if r.job_name == job and r.status == dg.DagsterRunStatus.SUCCESS]
@@ -170,11 +137,9 @@ def test_long_stages_log_progress_by_the_contract(pipeline_run) -> None:
             assert measured, f"{job}: no run reported progress"
 
 
-def test_a_drafter_is_audited_from_its_materialization_alone(pipeline_run) -> None:
+def test_a_drafter_is_audited_from_its_materialization_alone(micro_run: MicroRun) -> None:
     """From drafter_checkpoint's materialization, follow each link to the event that produced it."""
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with micro_run.instance() as instance:
 
         def latest(asset: str, partition: str | None = None):
             records = instance.fetch_materializations(
@@ -205,17 +170,15 @@ def test_a_drafter_is_audited_from_its_materialization_alone(pipeline_run) -> No
         assert drafter.tags["dagster/data_version"] == hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
-def test_a_shard_run_is_refused_when_the_plan_was_evaluated_for_another_root(pipeline_run, tmp_path) -> None:
+def test_a_shard_run_is_refused_when_the_plan_was_evaluated_for_another_root(edited_run: MicroRun, tmp_path) -> None:
     """The disk check belongs to the plan it guards: after hidden.root moves (to a small disk, say),
     the latest fits_on_disk verdict is about the old root and must not let a shard run write the new one."""
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
     from definitions import build_definitions
     from eagle3_dagster.config import load_profile_file
 
-    moved = load_profile_file(home.parent / "micro.yaml", overrides={"hidden": {"root": str(tmp_path / "small")}})
+    moved = load_profile_file(edited_run.profile, overrides={"hidden": {"root": str(tmp_path / "small")}})
     defs = build_definitions(moved)
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with edited_run.instance() as instance:
         result = defs.resolve_job_def("extract_job").execute_in_process(
             instance=instance, partition_key="shard-00000", raise_on_error=False)
     assert not result.success
@@ -225,22 +188,20 @@ def test_a_shard_run_is_refused_when_the_plan_was_evaluated_for_another_root(pip
     assert not (tmp_path / "small").exists() or not any((tmp_path / "small").rglob("*.safetensors"))
 
 
-def test_a_shard_failing_its_checksum_never_passes_as_extracted(pipeline_run) -> None:
+def test_a_shard_failing_its_checksum_never_passes_as_extracted(edited_run: MicroRun) -> None:
     """A flipped byte (same size) in a finished shard: the shard run either re-extracts it or fails on the
     blocking manifest check; it never succeeds with bytes that do not match the manifest."""
-    home, proc = pipeline_run
-    assert proc.returncode == 0, proc.stderr[-4000:]
     from definitions import build_definitions
     from eagle3_dagster.config import load_profile_file
     from eagle3_dagster.hidden.shards import load_manifest, verify_shard
 
-    profile = load_profile_file(home.parent / "micro.yaml")
+    profile = load_profile_file(edited_run.profile)
     version_dir = next(Path(profile.hidden.root).glob("hs-*"))
     path = version_dir / "shard-00001.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    with edited_run.instance() as instance:
         result = build_definitions(profile).resolve_job_def("extract_job").execute_in_process(
             instance=instance, partition_key="shard-00001", raise_on_error=False)
     checks = {c.check_name: c.passed for c in result.get_asset_check_evaluations()}

@@ -1,160 +1,40 @@
 """The production instance (deploy/postgres/dagster.yaml) against a real PostgreSQL server.
 
-The test starts its own server (initdb into a temp folder, pg_ctl on a free loopback port; as an
-unprivileged user when run as root, since postgres refuses root), runs the micro pipeline through
-`scripts/run_pipeline.py` the way tests/assets/test_micro_pipeline.py does, with DAGSTER_HOME
-holding a copy of the checked-in production config, then reads PostgreSQL itself: the runs,
-the materializations and the shard partitions are rows there, and nothing fell back to SQLite.
-The pool limits the scripts set (`dagster instance concurrency set`) live in the same store, and
-a code server and a daemon started as docs/deployment.md says run two queued GPU
-runs from it one at a time.
+The session's micro run (`micro_run`, tests/micro_run.py) is `scripts/run_pipeline.py` with DAGSTER_HOME
+holding a copy of the checked-in production config and a PostgreSQL server of the test's own
+(tests/postgres_server.py: initdb into a temp folder, pg_ctl on a free loopback port). The tests read
+PostgreSQL itself: the runs, the materializations and the shard partitions are rows there, and nothing
+fell back to SQLite. The pool limits the scripts set (`dagster instance concurrency set`) live in the
+same store, and a code server and a daemon started as docs/deployment.md says run two queued GPU runs
+from it one at a time.
 """
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow  # a PostgreSQL server and the micro pipeline through extraction on it
+from tests.micro_run import MicroRun
+from tests.sshd_server import free_port
+
+pytestmark = pytest.mark.slow  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
 
 ROOT = Path(__file__).resolve().parents[2]
-INSTANCE_YAML = ROOT / "deploy" / "postgres" / "dagster.yaml"
-SERVER_USER = "nobody"  # postgres refuses to run as root
 
 
-def postgres_bin(name: str) -> str:
-    """`initdb`/`pg_ctl` from PATH, else from Debian's versioned folder (not on PATH there)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-                        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
-    if not candidates:
-        pytest.fail(f"{name} not found on PATH or in /usr/lib/postgresql/*/bin: scripts/test.sh installs postgresql")
-    return candidates[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Server:
-    port: int
-    socket_dir: Path
-    env: dict[str, str]  # the DAGSTER_PG_* variables deploy/postgres/dagster.yaml reads
-
-    def connect(self, user: str = "postgres", dbname: str = "postgres"):
-        import psycopg2  # the [postgres] extra
-
-        return psycopg2.connect(host=str(self.socket_dir), port=self.port, user=user, dbname=dbname)
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[Server]:
-    as_root = os.geteuid() == 0
-    # Outside pytest's tmp folder: that one is private to root, and the server runs as SERVER_USER.
-    base = Path(tempfile.mkdtemp(prefix="eagle3-pg-"))
-    data, sock, log = base / "data", base / "sock", base / "server.log"
-    sock.mkdir()
-    prefix: list[str] = []
-    if as_root:
-        entry = pwd.getpwnam(SERVER_USER)
-        for path in (base, sock):
-            os.chown(path, entry.pw_uid, entry.pw_gid)
-        prefix = ["runuser", "-u", SERVER_USER, "--"]
-
-    def as_server(*argv: str) -> None:
-        proc = subprocess.run(prefix + list(argv), capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            server_log = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-3000:]}\n{server_log}")
-
-    port = free_port()
-    as_server(postgres_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth-local=trust",
-              "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C")
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={sock} -c fsync=off"
-    as_server(postgres_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start")  # -w: until it accepts connections
-    password = secrets.token_urlsafe(24)
-    server = Server(port, sock, {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": str(port),
-                                 "DAGSTER_PG_USER": "eagle3", "DAGSTER_PG_PASSWORD": password,
-                                 "DAGSTER_PG_DB": "eagle3"})
-    try:
-        conn = server.connect()
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute("CREATE ROLE eagle3 LOGIN PASSWORD %s", (password,))
-            cur.execute("CREATE DATABASE eagle3 OWNER eagle3")
-        conn.close()
-        yield server
-    finally:
-        subprocess.run(prefix + [postgres_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       capture_output=True, timeout=120)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def pipeline_on_postgres(postgres, tmp_path_factory) -> tuple[Path, dict[str, str], subprocess.CompletedProcess]:
-    from tests.assets.test_micro_pipeline import micro_profile_in
-
-    tmp = tmp_path_factory.mktemp("postgres_pipeline")
-    home = tmp / "dagster_home"
-    home.mkdir()
-    shutil.copy(INSTANCE_YAML, home / "dagster.yaml")
-    env = os.environ | postgres.env | {
-        "DAGSTER_HOME": str(home),
-        "EAGLE3_PROFILE": str(micro_profile_in(tmp)),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    # Through extraction: every kind of record the instance keeps (runs, materializations, checks,
-    # dynamic partitions) is written by then; training adds only more of the same.
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_pipeline.py"), "--until", "extract"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return home, env, proc
-
-
-@contextmanager
-def instance_in(home: Path, env: dict[str, str]) -> Iterator[dg.DagsterInstance]:
-    """The instance of `home`, its DAGSTER_PG_* variables set only while it is opened."""
-    connection = {k: v for k, v in env.items() if k.startswith("DAGSTER_PG_")}
-    saved = {k: os.environ.get(k) for k in connection}
-    os.environ.update(connection)
-    try:
-        instance = dg.DagsterInstance.from_config(str(home))
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
-    with instance:
-        yield instance
-
-
-def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, pipeline_on_postgres) -> None:
-    home, env, proc = pipeline_on_postgres
-    with instance_in(home, env) as instance:
+def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, micro_run: MicroRun) -> None:
+    home, env, proc = micro_run.home, micro_run.env, micro_run.proc
+    with micro_run.instance() as instance:
         assert type(instance.run_storage).__name__ == "PostgresRunStorage"
         assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
         assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
@@ -237,7 +117,7 @@ def code_server_serves(port: int) -> bool:
         return False
 
 
-def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, pipeline_on_postgres, tmp_path) -> None:
+def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micro_run: MicroRun, tmp_path) -> None:
     """docs/deployment.md's production processes: the pool limits set as scripts/ui.sh sets them land in Postgres;
     `dagster code-server start` and `dagster-daemon run` with deploy/postgres/workspace.yaml (pointed at the
     test's port) then take two shard runs queued together (both complete in the manifest, so each is short):
@@ -245,7 +125,7 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, pipe
     from definitions import build_definitions
     from eagle3_dagster.config import load_profile_file
 
-    home, env, _ = pipeline_on_postgres
+    env = micro_run.env
     bin_dir = Path(sys.executable).parent
     # What scripts/ui.sh sets on the local instance: the profile's pool limits, and raw_responses 1.
     implied = subprocess.run([str(bin_dir / "eagle3"), "pool-limits"], env=env, check=True, capture_output=True,
@@ -266,7 +146,7 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, pipe
     job = build_definitions(load_profile_file(Path(env["EAGLE3_PROFILE"]))).resolve_job_def("extract_job")
     with process_group(code_server, env, logs[0]):
         wait_until("the code server", lambda: code_server_serves(port), 300, logs)
-        with instance_in(home, env) as instance:
+        with micro_run.instance() as instance:
             runs = [instance.create_run_for_job(job, status=dg.DagsterRunStatus.QUEUED,
                                                 tags={"dagster/partition": key},
                                                 remote_job_origin=workspace_origin(job.name))

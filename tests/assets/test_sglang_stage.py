@@ -27,7 +27,6 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, load_manifest
 from eagle3_dagster.sglang import patch
-from eagle3_dagster.stages.target import build_target
 from tests import sglang_wheels
 
 pytestmark = pytest.mark.slow  # a patched SGLang site and stand-in servers on the host
@@ -43,7 +42,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, micro_target):
     tmp = tmp_path_factory.mktemp("sglang_stage")
     python = sglang_wheels.make_site(RELEASE, tmp / "host", extra_paths=(ROOT,))
     site = python.parent / "site"
@@ -60,7 +59,7 @@ def setup(tmp_path_factory):
         "gpu_host": {"transport": "local", "python": str(python), "workdir": str(tmp / "work")},
     })
     layout = ArtifactLayout.from_profile(profile)
-    build_target(profile, layout)
+    shutil.copytree(micro_target, layout.target_dir)  # the session's micro target: this profile's target.tiny
     vocab = json.loads((layout.target_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(3)
     layout.merged_train.parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,8 @@
 
 The profile lists both hosts under `gpu_host.hosts` (two ports, two workdirs);
 the instance's gpu_host pool gets one slot per host from `eagle3 pool-limits`.
-All shard runs are submitted at once: each leases a free host, so both hosts
-extract and no host runs two shards at a time. Host A's interpreter is a
+The first SHARDS shard runs are submitted at once: each leases a free host, so
+both hosts extract and no host runs two shards at a time. Host A's interpreter is a
 wrapper that, in the second shard it extracts, says so half-way through and
 waits there; the test then kills host A (its sshd and everything under it). That
 run fails; the shard's next run skips A (preflight: connection refused, named
@@ -31,10 +31,11 @@ from sshd_server import start_sshd  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-# At least this many shards, so that both hosts get work while one is killed mid-shard. The exact count
-# depends on how many of the micro conversations the pre-trained micro target answers within the
-# length limit, which differs between machines (its floats do): 8 on one, 19 on another.
-MIN_SHARDS = 4
+# The shard runs the test submits, so that both hosts get work while one is killed mid-shard. The corpus
+# registers more: how many of the micro conversations the pre-trained micro target answers within the
+# length limit differs between machines (its floats do): 8 shards on one, 19 on another. Every shard run
+# past these would prove nothing more and costs a run process, a preflight and a driver start.
+SHARDS = 6
 HOST_TAG = "eagle3/gpu_host"
 
 # Host A's interpreter. In the second shard the hf driver extracts on this host, once a sample of it is
@@ -148,9 +149,10 @@ def two_host_extraction(tmp_path_factory) -> dict:
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         with dg.DagsterInstance.from_config(str(home)) as instance:
-            keys = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
+            registered = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
             plan = Path(current_plan(instance))
-        assert len(keys) >= MIN_SHARDS, keys
+        assert len(registered) >= SHARDS, registered
+        keys = registered[:SHARDS]
 
         # The reference: the same plan extracted without interruption on host B, into another folder.
         contract = json.loads(plan.read_text())
