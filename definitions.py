@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, target_model
+from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, shard_status
+from assets import target_model
 from assets import tokenized_dataset
 from eagle3_dagster import storage
 from eagle3_dagster.config import Profile, load_profile
@@ -27,12 +28,14 @@ def build_definitions(profile: Profile) -> dg.Definitions:
     assets = [d for d in defs if not isinstance(d, dg.JobDefinition)]
     op_jobs = [d for d in defs if isinstance(d, dg.JobDefinition)]
     jobs = automation.build_jobs(profile)
+    check, status_sensor = shard_status.build(profile)
     api_key = dg.EnvVar(profile.generation.api_key_env) if profile.generation.backend == "openai" else None
     return dg.Definitions(
         assets=assets,
+        asset_checks=[check],
         jobs=[*jobs.values(), *op_jobs],
         sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
-                 settings.build_sensor(profile)],
+                 settings.build_sensor(profile), status_sensor],
         resources={
             "chat_api": ChatApiResource(api_key=api_key),
             "gpu_host": GpuHostResource.from_profile(profile),

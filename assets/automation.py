@@ -17,6 +17,7 @@ import dagster as dg
 
 from assets._common import run_tags
 from assets.partitions import HIDDEN_STATE_SHARDS
+from assets.shard_status import SHARDS_CURRENT
 from eagle3_dagster.config import Profile
 
 SHARD_KEY_FORMAT = "shard-{:05d}"
@@ -84,7 +85,10 @@ def build_jobs(profile: Profile) -> dict:
             description="Merge and shuffle, build the draft vocabulary, plan the extraction.",
         ),
         "extract_job": dg.define_asset_job(
-            "extract_job", selection=["hidden_states"], tags=run_tags(profile, "hidden_states"),
+            # without shards_current: a verdict on every shard, reported by its sensor, not by each shard's run
+            "extract_job", selection=dg.AssetSelection.assets("hidden_states") - dg.AssetSelection.checks(
+                dg.AssetCheckKey(dg.AssetKey("hidden_states"), SHARDS_CURRENT)),
+            tags=run_tags(profile, "hidden_states"),
             description="Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host).",
         ),
         "train_job": dg.define_asset_job(

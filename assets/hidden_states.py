@@ -86,7 +86,9 @@ def build(profile: Profile) -> list:
         f"({profile.hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "
         f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
         f"and replaces each whole (metadata `forced`). Requested by automation "
-        f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}.",
+        f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}. "
+        "Which shards are stale, missing or failed: the check `shards_current` and its table `not_current` "
+        "(Dagster's partition views show no staleness).",
     )
     def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
