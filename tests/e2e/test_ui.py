@@ -176,6 +176,13 @@ query Observed($path: [String!]!) {
       ... on TableMetadataEntry { table { records } } } } }
   }
 }"""
+SHARD_CHECK = """
+query Check($path: [String!]!, $name: String!) {
+  assetNodeOrError(assetKey: {path: $path}) { ... on AssetNode { assetCheckOrError(checkName: $name) {
+    __typename ... on AssetCheck { executionForLatestMaterialization { status evaluation { success severity
+      description metadataEntries { label ... on IntMetadataEntry { intValue }
+        ... on TableMetadataEntry { table { records } } } } } } } } }
+}"""
 RELOAD = """
 mutation Reload($name: String!) {
   reloadRepositoryLocation(repositoryLocationName: $name) {
@@ -228,9 +235,28 @@ def test_the_drafter_page_names_everything_that_produced_it(micro_deployment, tr
     assert meta["hidden_version"]["text"] in text
 
 
+def shard_verdict(dep, wanted, timeout_s: float = 180) -> tuple[dict, dict[str, dict]]:
+    """The shards_current verdict the UI shows (the one newer than the latest materialization), once `wanted`
+    holds for it: the shard_status sensor reports it within its 30 s interval."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check = dep.graphql(SHARD_CHECK, {"path": ["hidden_states"], "name": "shards_current"})
+        execution = check["assetNodeOrError"]["assetCheckOrError"]["executionForLatestMaterialization"]
+        evaluation = (execution or {}).get("evaluation")
+        if evaluation:
+            entries = {e["label"]: e for e in evaluation["metadataEntries"]}
+            rows = {r["shard"]: r for r in map(json.loads, entries["not_current"]["table"]["records"])}
+            if wanted(evaluation, rows):
+                return evaluation, rows
+        assert time.monotonic() < deadline, f"shards_current never showed the expected verdict: {execution}"
+        time.sleep(2)
+
+
 def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting(
         micro_deployment, trained, backfill, browser_page, artifacts_dir):
     dep, page = micro_deployment, browser_page
+    evaluation, _ = shard_verdict(dep, lambda e, rows: e["success"])
+    assert evaluation["description"] == f"all {len(backfill['keys'])} shards are current"
     profile_path = dep.home.parent / "micro.yaml"
     original = profile_path.read_text()
     edited = yaml.safe_load(original)
@@ -267,6 +293,18 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
 
         open_page(page, f"{dep.url}/assets/drafter_checkpoint?view=events", "drafter_checkpoint")
         page.screenshot(path=str(artifacts_dir / "ui_changed_settings.png"), full_page=True)
+
+        # Every shard Dagster calls STALE is listed as stale by shards_current, with the cause, in the browser.
+        evaluation, rows = shard_verdict(dep, lambda e, rows: not e["success"])
+        keys = backfill["keys"]
+        found = dep.graphql(STALE_PARTITIONS, {"path": ["hidden_states"], "partitions": keys})["assetNodeOrError"]
+        stale = {k for k, s in zip(keys, found["staleStatusByPartition"]) if s == "STALE"}
+        assert {k for k, r in rows.items() if r["status"] == "stale"} == stale == set(keys)
+        assert evaluation["severity"] == "WARN" and all("a setting it reads changed" in r["cause"]
+                                                           for r in rows.values())
+        text = open_page(page, f"{dep.url}/assets/hidden_states?view=checks", "shards_current")
+        page.screenshot(path=str(artifacts_dir / "ui_shards_current.png"), full_page=True)
+        assert evaluation["description"] in text
         open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
         page.screenshot(path=str(artifacts_dir / "ui_stale_after_edit.png"), full_page=True)
     finally:
