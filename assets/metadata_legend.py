@@ -115,6 +115,10 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "set": "the headline's prompt set (held-out prompts, never trained on)",
         "acceptance_length": "tokens per verify step, bonus included, of the headline row in its training band",
         "acceptance_length_all_prompts": "the same over all prompts of the set",
+        "untrained_acceptance_length": "acceptance length of the untrained drafter (the control) at the headline's "
+                                       "configuration, set and band",
+        "ngram_acceptance_length": "acceptance length of n-gram speculation (no drafter) at the headline's "
+                                   "configuration, set and band",
         "headline_band": "the prompt-length band of the headline's acceptance length",
         "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), all prompts",
         "speedup_min": "the lowest timing round's speed-up (same round's no_spec), all prompts",
