@@ -317,6 +317,10 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
         page.screenshot(path=str(artifacts_dir / "ui_shards_current.png"), full_page=True)
         text = page.inner_text("body")
         assert [k for k in keys if k not in text] == [], "the check's page does not name every stale shard"
+        # and the asset's node in its group's graph counts the failed check
+        open_page(page, f"{dep.url}/locations/{dep.location_name}/asset-groups/hidden_states", "hidden_states")
+        wait_for_text(page, "2 / 3 Passed")
+        page.screenshot(path=str(artifacts_dir / "ui_shards_current_graph.png"), full_page=True)
         open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
         page.screenshot(path=str(artifacts_dir / "ui_stale_after_edit.png"), full_page=True)
     finally:
