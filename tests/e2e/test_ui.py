@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 
+from assets._common import OWNERS
 from eagle3_dagster.config import load_profile
 
 pytestmark = pytest.mark.e2e
@@ -396,6 +397,9 @@ def test_ui_asset_page_shows_latest_materialization_metadata(micro_deployment, t
     text = open_page(page, f"{dep.url}/assets/target_model", next(iter(numeric)))
     page.screenshot(path=str(artifacts_dir / "ui_target_model.png"), full_page=True)
     assert [k for k in meta if k not in text] == [], "asset page is missing metadata labels"
+    # the owners (a team shows by its name) and the link to the function that defines the asset
+    assert "Owners" in text and OWNERS[0].removeprefix("team:") in text
+    assert re.search(r"Source code\s+Open\s+target_model\.py\s", text) and "in editor" in text
     for label, value in numeric.items():
         if isinstance(value, int):
             shown = {str(value), f"{value:,}"}
