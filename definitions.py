@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, target_model
+from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, shard_status
+from assets import target_model
+from assets._common import OWNERS, accepted
 from assets import tokenized_dataset
 from eagle3_dagster import storage
 from eagle3_dagster.config import Profile, load_profile
@@ -24,20 +26,35 @@ def build_definitions(profile: Profile) -> dg.Definitions:
     defs: list = []
     for stage in STAGES:
         defs.extend(stage.build(profile))
-    assets = [d for d in defs if not isinstance(d, dg.JobDefinition)]
+    assets = described([d for d in defs if not isinstance(d, dg.JobDefinition)])
     op_jobs = [d for d in defs if isinstance(d, dg.JobDefinition)]
     jobs = automation.build_jobs(profile)
+    check, status_sensor = shard_status.build(profile)
     api_key = dg.EnvVar(profile.generation.api_key_env) if profile.generation.backend == "openai" else None
     return dg.Definitions(
         assets=assets,
+        asset_checks=[check],
         jobs=[*jobs.values(), *op_jobs],
         sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
-                 settings.build_sensor(profile)],
+                 settings.build_sensor(profile), status_sensor],
         resources={
             "chat_api": ChatApiResource(api_key=api_key),
             "gpu_host": GpuHostResource.from_profile(profile),
         },
     )
+
+
+def described(assets: list) -> list:
+    """Owners on every asset and a link from its page to the function that defines it (file and line).
+
+    The production target is an observed source asset, which takes neither.
+    """
+    built = [a.map_asset_specs(lambda spec: spec.replace_attributes(owners=OWNERS))
+             if isinstance(a, dg.AssetsDefinition) else a for a in assets]
+    with accepted(dg.BetaWarning, "Function `with_source_code_references`", "Class `LocalFileCodeReference`",
+                  "Class `CodeReferencesMetadataValue`"):  # Beta in 1.13, and Dagster's only link to the source
+        linked = dg.with_source_code_references([a for a in built if isinstance(a, dg.AssetsDefinition)])
+    return [*linked, *[a for a in built if not isinstance(a, dg.AssetsDefinition)]]
 
 
 defs = build_definitions(load_profile())

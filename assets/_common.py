@@ -7,7 +7,10 @@ otherwise be repeated in each module.
 
 
 import base64
-from collections.abc import Callable, Mapping
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.host_lease import GPU_POOL  # noqa: F401  (one slot per GPU host: `eagle3 pool-limits`)
 from eagle3_dagster.stages import StageReport
 
+# Who answers for these assets (Dagster shows owners in the catalog and on each asset page): put your team here.
+OWNERS = ["team:eagle3"]
 PROFILE_TAG = "eagle3/profile"
 MAX_RUNTIME_TAG = "dagster/max_runtime"
 
@@ -43,6 +48,19 @@ def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: 
     if not missing:
         return
     context.instance.add_run_tags(context.run_id, missing)
+
+
+@contextmanager
+def accepted(category: type[Warning], *messages: str) -> Iterator[None]:
+    """Silence the Beta/Preview warnings of a Dagster feature this project relies on, where they are raised.
+
+    Dagster prints each at every load of the code location (twice under `dagster dev`); the feature is
+    chosen knowingly, and the reason is beside each use. Any other warning still shows.
+    """
+    with warnings.catch_warnings():
+        for message in messages:  # each the start of one warning's text
+            warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+        yield
 
 
 def layout(profile: Profile) -> ArtifactLayout:

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from assets._common import run_tags
+from assets._common import accepted, run_tags
 from assets.partitions import HIDDEN_STATE_SHARDS
+from assets.shard_status import SHARDS_CURRENT
 from eagle3_dagster.config import Profile
 
 SHARD_KEY_FORMAT = "shard-{:05d}"
@@ -84,7 +85,10 @@ def build_jobs(profile: Profile) -> dict:
             description="Merge and shuffle, build the draft vocabulary, plan the extraction.",
         ),
         "extract_job": dg.define_asset_job(
-            "extract_job", selection=["hidden_states"], tags=run_tags(profile, "hidden_states"),
+            # without shards_current: a verdict on every shard, reported by its sensor, not by each shard's run
+            "extract_job", selection=dg.AssetSelection.assets("hidden_states") - dg.AssetSelection.checks(
+                dg.AssetCheckKey(dg.AssetKey("hidden_states"), SHARDS_CURRENT)),
+            tags=run_tags(profile, "hidden_states"),
             description="Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host).",
         ),
         "train_job": dg.define_asset_job(
@@ -98,6 +102,12 @@ def build_jobs(profile: Profile) -> dict:
 
 
 def build_automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefinition:
+    # use_user_code_server is Beta in 1.13, and the only way to evaluate a condition that is not serializable.
+    with accepted(dg.BetaWarning, "Parameter `use_user_code_server` of initializer"):
+        return _automation_sensor(profile)
+
+
+def _automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefinition:
     return dg.AutomationConditionSensorDefinition(
         AUTOMATION_SENSOR,
         target=dg.AssetSelection.assets("hidden_states"),

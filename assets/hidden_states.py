@@ -15,7 +15,7 @@ import json
 import dagster as dg
 from pydantic import Field
 
-from assets._common import GPU_POOL, layout, materialize_result, progress_logger, run_tags, tag_run
+from assets._common import GPU_POOL, accepted, layout, materialize_result, progress_logger, run_tags, tag_run
 from assets.automation import shard_automation_condition
 from assets.partitions import HIDDEN_STATE_SHARDS
 from assets.settings import code_version
@@ -63,12 +63,15 @@ def build(profile: Profile) -> list:
         version = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
         return materialize_result(report, profile, "extraction_plan", data_version=version, check_results=[check])
 
-    shard_checks = [
-        dg.AssetCheckSpec(BYTES_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
-                          description="bytes written equal the plan's prediction for this shard"),
-        dg.AssetCheckSpec(MANIFEST_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
-                          description="the shard's bytes match its manifest checksum"),
-    ]
+    # Partitioned checks (Preview in 1.13): each verdict belongs to its shard, and blocks only that shard.
+    with accepted(dg.PreviewWarning, "Specifying a partitions_def on an AssetCheckSpec"):
+        shard_checks = [
+            dg.AssetCheckSpec(BYTES_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
+                              description="bytes written equal the plan's prediction for this shard"),
+            dg.AssetCheckSpec(MANIFEST_CHECK, asset="hidden_states", blocking=True,
+                              partitions_def=HIDDEN_STATE_SHARDS, description="the shard's bytes match its manifest "
+                              "checksum"),
+        ]
 
     @dg.asset(
         name="hidden_states",
@@ -86,7 +89,9 @@ def build(profile: Profile) -> list:
         f"({profile.hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "
         f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
         f"and replaces each whole (metadata `forced`). Requested by automation "
-        f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}.",
+        f"when missing or failed, at most {profile.hidden.backfill_batch} per tick of {profile.hidden.backfill_cron}. "
+        "Which shards are stale, missing or failed: the check `shards_current` and its table `not_current` "
+        "(Dagster's partition views show no staleness).",
     )
     def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest

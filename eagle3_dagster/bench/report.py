@@ -178,6 +178,9 @@ def headline(rows: list[dict]) -> dict:
         out["headline_band"] = band["band"]
     if row.get("speedup") is not None:
         out["speedup"] = round(float(row["speedup"]), 3)  # all prompts: speed is not split by band
+        for k in ("speedup_min", "speedup_max"):  # the rounds' spread, as the grid shows it
+            if row.get(k) is not None:
+                out[k] = round(float(row[k]), 3)
         out["speedup_of_medians"] = round(float(row["speedup_of_medians"]), 3)  # what the two tokens/s cells give
     for r in rows:  # the same configuration sampled, in the same band
         if r["method"] == "eagle3" and (r["set"], r["spec"]) == (row["set"], row["spec"]) and temperature_of(r):

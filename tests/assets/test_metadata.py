@@ -67,3 +67,24 @@ def test_the_trained_drafters_figures_are_described_with_what_they_were_measured
     assert "held-out samples never trained on" in describe("drafter_checkpoint", "heldout_acc_1")
     assert "draft position 1" in describe("drafter_checkpoint", "heldout_acc_1")
     assert "training batch" in describe("drafter_checkpoint", "last_step_train_loss")
+
+
+def test_the_data_assets_describe_every_key_their_stages_emit():
+    from assets.metadata_legend import undescribed
+    from eagle3_dagster.data.merge import MergeStats
+    from eagle3_dagster.data.tokenize import TokenizeStats
+    from eagle3_dagster.generate.regenerate import RegenerationStats
+
+    # the stats' own keys and those eagle3_dagster/stages/data.py adds beside them
+    emitted = {
+        "raw_responses": [*RegenerationStats(dataset="d").as_dict(), "path", "source", "num_source_lines_quarantined",
+                          "source_quarantine_path", "num_conversations_quarantined_chat_template",
+                          "chat_template_quarantine_path", "regenerated", "sha256", "bytes", "settings"],
+        "tokenized_dataset": [*TokenizeStats(dataset="d").as_dict(), "path", "quarantine_path", "source"],
+        "merged_train": [*MergeStats().as_dict(), "path", "sha256", "num_shards", "sequence_lengths",
+                         "records_by_length"],
+        "vocab_mapping": ["note"],
+        # the headline keys eagle3_dagster/stages/bench.py and bench/report.py add (test_ui checks every real key)
+        "benchmark_report": ["untrained_acceptance_length", "ngram_acceptance_length", "speedup_min", "speedup_max"],
+    }
+    assert {asset: undescribed(asset, keys) for asset, keys in emitted.items()} == {a: [] for a in emitted}

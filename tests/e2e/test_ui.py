@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 
+from assets._common import OWNERS
 from eagle3_dagster.config import load_profile
 
 pytestmark = pytest.mark.e2e
@@ -152,6 +153,14 @@ def test_training_runs_after_every_shard_is_extracted(trained):
     assert [r["status"] for r in trained] == ["SUCCESS"] * len(FINAL_RUNS)
 
 
+def test_every_metadata_key_on_every_asset_page_is_described_in_its_legend(micro_deployment, trained):
+    from assets.metadata_legend import undescribed
+
+    names = sorted(n for members in assets_by_group(micro_deployment).values() for n in members)
+    gaps = {name: undescribed(name, latest_metadata(micro_deployment, name)) for name in names}
+    assert gaps == {name: [] for name in names}
+
+
 # ---- operating and auditing (issue 12) -------------------------------------------------------------
 
 # The progress contract (eagle3_dagster.stages.ProgressMeter): label: done/total unit (pct), rate unit/s, ETA
@@ -175,6 +184,13 @@ query Observed($path: [String!]!) {
       ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue }
       ... on TableMetadataEntry { table { records } } } } }
   }
+}"""
+SHARD_CHECK = """
+query Check($path: [String!]!, $name: String!) {
+  assetNodeOrError(assetKey: {path: $path}) { ... on AssetNode { assetCheckOrError(checkName: $name) {
+    __typename ... on AssetCheck { executionForLatestMaterialization { status evaluation { success severity
+      description metadataEntries { label ... on IntMetadataEntry { intValue }
+        ... on TableMetadataEntry { table { records } } } } } } } } }
 }"""
 RELOAD = """
 mutation Reload($name: String!) {
@@ -228,9 +244,28 @@ def test_the_drafter_page_names_everything_that_produced_it(micro_deployment, tr
     assert meta["hidden_version"]["text"] in text
 
 
+def shard_verdict(dep, wanted, timeout_s: float = 180) -> tuple[dict, dict[str, dict]]:
+    """The shards_current verdict the UI shows (the one newer than the latest materialization), once `wanted`
+    holds for it: the shard_status sensor reports it within its 30 s interval."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check = dep.graphql(SHARD_CHECK, {"path": ["hidden_states"], "name": "shards_current"})
+        execution = check["assetNodeOrError"]["assetCheckOrError"]["executionForLatestMaterialization"]
+        evaluation = (execution or {}).get("evaluation")
+        if evaluation:
+            entries = {e["label"]: e for e in evaluation["metadataEntries"]}
+            rows = {r["shard"]: r for r in map(json.loads, entries["not_current"]["table"]["records"])}
+            if wanted(evaluation, rows):
+                return evaluation, rows
+        assert time.monotonic() < deadline, f"shards_current never showed the expected verdict: {execution}"
+        time.sleep(2)
+
+
 def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting(
         micro_deployment, trained, backfill, browser_page, artifacts_dir):
     dep, page = micro_deployment, browser_page
+    evaluation, _ = shard_verdict(dep, lambda e, rows: e["success"])
+    assert evaluation["description"] == f"all {len(backfill['keys'])} shards are current"
     profile_path = dep.home.parent / "micro.yaml"
     original = profile_path.read_text()
     edited = yaml.safe_load(original)
@@ -267,6 +302,26 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
 
         open_page(page, f"{dep.url}/assets/drafter_checkpoint?view=events", "drafter_checkpoint")
         page.screenshot(path=str(artifacts_dir / "ui_changed_settings.png"), full_page=True)
+
+        # Every shard Dagster calls STALE is listed as stale by shards_current, with the cause, in the browser.
+        evaluation, rows = shard_verdict(dep, lambda e, rows: not e["success"])
+        keys = backfill["keys"]
+        found = dep.graphql(STALE_PARTITIONS, {"path": ["hidden_states"], "partitions": keys})["assetNodeOrError"]
+        stale = {k for k, s in zip(keys, found["staleStatusByPartition"]) if s == "STALE"}
+        assert {k for k, r in rows.items() if r["status"] == "stale"} == stale == set(keys)
+        assert evaluation["severity"] == "WARN" and all("a setting it reads changed" in r["cause"]
+                                                           for r in rows.values())
+        open_page(page, f"{dep.url}/assets/hidden_states?view=checks", "shards_current")
+        page.get_by_text("shards_current", exact=True).first.click()  # as a user picks it from the list
+        wait_for_text(page, evaluation["description"])
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(artifacts_dir / "ui_shards_current.png"), full_page=True)
+        text = page.inner_text("body")
+        assert [k for k in keys if k not in text] == [], "the check's page does not name every stale shard"
+        # and the asset's node in its group's graph counts the failed check
+        open_page(page, f"{dep.url}/locations/{dep.location_name}/asset-groups/hidden_states", "hidden_states")
+        wait_for_text(page, "2 / 3 Passed")
+        page.screenshot(path=str(artifacts_dir / "ui_shards_current_graph.png"), full_page=True)
         open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
         page.screenshot(path=str(artifacts_dir / "ui_stale_after_edit.png"), full_page=True)
     finally:
@@ -342,6 +397,9 @@ def test_ui_asset_page_shows_latest_materialization_metadata(micro_deployment, t
     text = open_page(page, f"{dep.url}/assets/target_model", next(iter(numeric)))
     page.screenshot(path=str(artifacts_dir / "ui_target_model.png"), full_page=True)
     assert [k for k in meta if k not in text] == [], "asset page is missing metadata labels"
+    # the owners (a team shows by its name) and the link to the function that defines the asset
+    assert "Owners" in text and OWNERS[0].removeprefix("team:") in text
+    assert re.search(r"Source code\s+Open\s+target_model\.py\s", text) and "in editor" in text
     for label, value in numeric.items():
         if isinstance(value, int):
             shown = {str(value), f"{value:,}"}

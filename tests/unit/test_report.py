@@ -139,6 +139,14 @@ def test_headline_is_the_training_length_band_and_names_its_configuration():
     assert head["headline_config"] == "eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length)"
 
 
+def test_headline_speedup_carries_the_spread_of_its_rounds_beside_the_ratio_of_medians():
+    head = headline(_banded_results()["rows"])
+    eagle = next(r for r in _banded_results()["rows"] if r["method"] == "eagle3")
+    assert (head["speedup"], head["speedup_min"], head["speedup_max"]) == tuple(
+        round(eagle[k], 3) for k in ("speedup", "speedup_min", "speedup_max"))
+    assert head["speedup_min"] <= head["speedup"] <= head["speedup_max"] and "speedup_of_medians" in head
+
+
 def test_report_shows_bands_spread_left_out_prompts_and_says_cpu_speedups_do_not_predict_gpu_serving():
     md, _, _ = render_report(_banded_results())
     assert "| method | config | 1–512 (training length) | 513–2048 | > 2048 |" in md
