@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import orjson
 
 from eagle3_dagster.io import atomic_write_bytes, json_bytes, parse_json
@@ -177,8 +178,6 @@ _WAITS = _Waits()
 def filesystem(url: str):
     """(fsspec filesystem, path inside it) for a URL or path; an S3 one waits and retries as the `storage`
     settings say."""
-    import fsspec
-
     if str(url).partition("://")[0] not in ("s3", "s3a"):
         return fsspec.core.url_to_fs(str(url))
     s = settings()
