@@ -344,3 +344,26 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
     back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in (run / "export").iterdir()}
+
+
+def test_the_sglang_driver_publishes_to_the_store_the_bytes_it_writes_to_a_local_folder(s3_server, tmp_path):
+    """The SGLang backend with hidden.root on S3, through the driver's command line as the GPU host runs it
+    (loopback server running the real dump hook): the store holds the bytes the same driver writes to a local
+    folder, only the shard asked for, and the staging folder is emptied once it is uploaded."""
+    from eagle3_dagster.sglang.driver import main
+    from tests.unit.test_sglang_driver import FakeSGLang
+
+    merged = extract_hf_test._merged_train(tmp_path / "merged_train.jsonl", vocab=50)
+    local, url = tmp_path / "local" / VERSION, f"s3://eagle3-test/sglang/{VERSION}"
+    server = FakeSGLang(tmp_path / "dumps")
+    try:
+        for version_dir in (str(local), url):
+            assert main(["--base-url", server.url, "--dump-dir", str(tmp_path / "dumps"), "--merged-train",
+                         str(merged), "--version-dir", version_dir, "--staging-dir", str(tmp_path / "staging"),
+                         "--shard", "shard-00001", "--samples-per-shard", "3", "--aux-layers", "1,2,4",
+                         "--hidden-size", "8", "--dtype", "bfloat16", "--target-identity", "t"]) == 0
+    finally:
+        server.close()
+    assert sorted(load_manifest(url)) == ["shard-00001"]
+    assert _store_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
+    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
