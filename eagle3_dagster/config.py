@@ -384,8 +384,12 @@ class HiddenConfig(_Strict):
     @field_validator("staging_dir")
     @classmethod
     def _local_staging(cls, value: str | None) -> str | None:
-        if value is not None and location(value).staged:
-            raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}")
+        if value is not None:
+            try:
+                location(value).local_path()
+            except ValueError:
+                raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}") \
+                    from None
         return value
 
     @field_validator("root")
@@ -565,8 +569,11 @@ class Profile(_Strict):
     @field_validator("run_root")
     @classmethod
     def _local_run_root(cls, value: str) -> str:
-        if location(value).staged:  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
-            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
+        try:  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
+            location(value).local_path()
+        except ValueError:
+            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store "
+                             "URLs") from None
         return value
 
     @model_validator(mode="before")

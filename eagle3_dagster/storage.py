@@ -2,9 +2,9 @@
 
 Owns what a location is (parsing a profile value, refusing credentials in a URL), every operation the
 hidden-state store and the drafter export need on one (join, exists, size, list, read, write whole objects,
-hash, range reads, upload with a checksum re-read, delete), the staging model (files bound for a store are
-written in a local staging folder, then published; a local folder is its own staging folder and publishing
-to it is a no-op), and how long a store call may wait (`StorageSettings`). It is the only module that asks
+hash, range reads, upload with a checksum re-read, delete), the staging model (`local_folder`: files bound for a
+store are written in a local staging folder, then published; a local folder is its own staging folder and
+publishing to it is a no-op), and how long a store call may wait (`StorageSettings`). It is the only module that asks
 whether a location is on this machine; `hidden/ranged.py` (memory map or range reads) is the other half of
 the storage layer. Callers hold a `Location` and never branch on its kind.
 
@@ -234,12 +234,6 @@ class Location:
     def _local(self) -> bool:
         return _is_local(self.url)
 
-    @property
-    def staged(self) -> bool:
-        """Whether files bound here are written in a local staging folder first and published after
-        (`publish`); False for a folder on this machine, which is its own staging folder."""
-        return not self._local
-
     def local_path(self) -> Path:
         """This location as a path on this machine; a ValueError for one on a store."""
         if not self._local:
@@ -247,8 +241,9 @@ class Location:
         return Path(self.url)
 
     def local_folder(self, staging: Path | None) -> Path:
-        """The folder on this machine where files bound here are written: this one, or for a store the
-        staging folder `staging`, from which they are published."""
+        """The folder on this machine where files bound here are written: this one when it is a local folder
+        (publishing to it is then a no-op), or for a store the staging folder `staging`, from which they are
+        published (uploaded)."""
         if self._local:
             return Path(self.url)
         if staging is None:

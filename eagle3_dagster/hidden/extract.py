@@ -97,9 +97,10 @@ def extract_shard(
     start = time.perf_counter()
     version_dir = storage.location(version_dir)
     staged = version_dir.local_folder(None if staging_dir is None else Path(staging_dir) / version_dir.name)
+    apart = storage.location(staged) != version_dir  # written in a staging folder, then published elsewhere
     complete, distrust = verified_complete(version_dir, spec)
     if complete and not force:
-        if version_dir.staged:
+        if apart:
             _remove_staged(staged, spec.key)  # left by a run killed after its manifest went up
         return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
     if distrust:
@@ -109,8 +110,7 @@ def extract_shard(
         # shard counts as missing (never as complete with a half-written file); the old file stays in place
         # until the new one is renamed over it.
         log(f"shard {spec.key}: complete in {version_dir}, extracting it again (force)")
-    in_staging, staged_distrust = verified_complete(staged, spec) if version_dir.staged and not force \
-        else (False, None)
+    in_staging, staged_distrust = verified_complete(staged, spec) if apart and not force else (False, None)
     if in_staging:
         log(f"shard {spec.key}: complete in staging {staged} (an upload was interrupted), uploading it again")
     else:
@@ -130,7 +130,7 @@ def publish_shard(staged: Path, version_dir: storage.Location | Path | str, key:
     A local version is its own staging folder: nothing to do. On a store the manifest goes up only after the
     object's bytes, read back from the store, hash to the manifest's sha256; the staged copy is then deleted."""
     entry, version_dir = load_shard_manifest(staged, key), storage.location(version_dir)
-    if not version_dir.staged:
+    if storage.location(staged) == version_dir:  # a local version is its own staging folder
         return entry
     manifest_path(version_dir, key).remove()  # an old entry must not vouch for the bytes being replaced
     log(f"shard {key}: uploading {entry['bytes']} bytes to {version_dir}")
@@ -145,8 +145,8 @@ def _remove_staged(staged: Path, key: str) -> None:
         Path(p).unlink(missing_ok=True)
 
 
-def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Backend, *, vocab_size, progress) -> dict:
-    """The shard's rows from `backend`, committed in the local `folder` by `ShardWriter`; its manifest entry."""
+def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Backend, *, vocab_size, progress) -> None:
+    """The shard's rows from `backend`, committed with its manifest in the local `folder` by `ShardWriter`."""
     fmt = fmt() if callable(fmt) else fmt
     records = read_shard_records(merged_train, spec, vocab_size=vocab_size() if callable(vocab_size) else vocab_size)
     done = 0
@@ -158,7 +158,6 @@ def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Back
             done += len(sample.input_ids)
             if progress is not None:
                 progress(done, spec.num_tokens)
-    return w.entry
 
 
 def _result(spec: ShardSpec, version_dir: storage.Location, entry: dict, seconds: float, *, skipped: bool,

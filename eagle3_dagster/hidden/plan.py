@@ -149,12 +149,12 @@ def plan_extraction(
 ) -> ExtractionPlan:
     """Bytes and time for the whole version and for what is still missing, and whether it fits.
 
-    `free_bytes` (or a measurement) is that of the folder shards are written in (`root.local_folder`); for a
-    staged root (an object store) what must fit there is the largest remaining shard with its manifest."""
+    `free_bytes` (or a measurement) is that of the folder shards are written in (`root.local_folder`). Where
+    they stay there (a local root) all remaining shards must fit; where they are published elsewhere (an
+    object store) what must fit is the largest remaining shard with its manifest."""
     root = storage.location(root)
-    if root.staged and staging_dir is None:
-        raise ValueError(f"hidden.root {root} is on an object store: the plan needs the local staging folder")
     free_at = root.local_folder(staging_dir)
+    published = storage.location(free_at) != root  # shards leave the folder they are written in
     version_dir = root.join(version)
     done = complete_keys(version_dir, shards)
     total_shard = total_manifest = remaining = remaining_tokens = largest = 0
@@ -169,17 +169,17 @@ def plan_extraction(
             remaining_shard_tokens.append(spec.num_tokens)
             largest = max(largest, s + m)
     free = free_bytes_at(free_at) if free_bytes is None else int(free_bytes)
-    needed = largest if root.staged else remaining
+    needed = largest if published else remaining
     superseded = find_versions(root, version)
     fits = needed <= free
     reclaim = sum(v.num_bytes for v in superseded)
-    where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if root.staged else str(root)
+    where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if published else str(root)
     if fits:
         message = f"needs {_human(needed)} of {_human(free)} free at {where}"
     else:
         short = needed - free
         message = f"does not fit: needs {_human(needed)}, {_human(free)} free at {where}, short by {_human(short)}"
-        if superseded and not root.staged:  # versions on a store free nothing in the staging folder
+        if superseded and not published:  # versions elsewhere free nothing in the staging folder
             names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
