@@ -254,6 +254,9 @@ class Location:
     def join(self, *parts: str) -> "Location":
         return Location(posixpath.join(self.url, *parts) if parts else self.url)
 
+    def __truediv__(self, part: str) -> "Location":
+        return self.join(part)
+
     @property
     def name(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
