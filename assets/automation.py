@@ -14,8 +14,6 @@ per tick of `hidden.backfill_cron`, so a host that died is picked up at the next
 from collections.abc import Sequence
 
 import dagster as dg
-from dagster._core.definitions.declarative_automation.automation_condition import AutomationResult
-from dagster._core.definitions.declarative_automation.automation_context import AutomationContext
 
 from assets._common import run_tags
 from assets.partitions import HIDDEN_STATE_SHARDS
@@ -52,7 +50,7 @@ class FirstPartitions(dg.AutomationCondition):
     def children(self) -> Sequence[dg.AutomationCondition]:
         return [self.operand]
 
-    async def evaluate(self, context: AutomationContext) -> AutomationResult:
+    async def evaluate(self, context: dg.AutomationContext) -> dg.AutomationResult:
         child = await context.for_child_condition(
             child_condition=self.operand, child_indices=[0], candidate_subset=context.candidate_subset
         ).evaluate_async()
@@ -62,7 +60,7 @@ class FirstPartitions(dg.AutomationCondition):
             true_subset = context.asset_graph_view.get_subset_from_partition_keys(
                 context.key, context.partitions_def, set(keys)
             )
-        return AutomationResult(context, true_subset, child_results=[child])
+        return dg.AutomationResult(context, true_subset, child_results=[child])
 
 
 def shard_automation_condition(limit: int, cron: str) -> dg.AutomationCondition:

@@ -41,7 +41,7 @@ READS: dict[str, tuple[str, ...]] = {
     "hidden_states": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype",
                       "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.tp_size"),
     "drafter_checkpoint": ("train", "drafter", "target.serving_context"),
-    "benchmark_report": ("bench", "hidden.backend"),
+    "benchmark_report": ("bench",),
 }
 # The assets whose content an asset reads. extraction_plan is not among hidden_states' inputs: it gates
 # the extraction, and its estimate (hours) is not in the shards.

@@ -156,7 +156,7 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
     host's; default the profile's first host's)."""
     from eagle3_dagster.gpu_host import other_sglang_release
 
-    needs_sglang = profile.hidden.backend == "sglang"
+    needs_sglang = profile.hidden.backend == "sglang" or profile.bench.mode == "served"
     host_gpus = profile.gpu_host.all_hosts[0].num_gpus if num_gpus is None else num_gpus
     min_gpus = max(host_gpus, profile.hidden.tp_size if needs_sglang else 0)
 
@@ -254,7 +254,7 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
     if not (drafter / "config.json").exists():
         raise UserError(f"{drafter}: not a drafter directory (no config.json)")
     host = None
-    if profile.hidden.backend == "sglang":
+    if profile.bench.mode == "served":
         from eagle3_dagster.gpu_host import GpuHost, HostSpec
 
         h = profile.gpu_host.all_hosts[0]

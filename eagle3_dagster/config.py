@@ -493,6 +493,9 @@ _DraftCount = Annotated[int, Field(ge=1, le=1024)]  # one of (num_steps, topk, n
 
 
 class BenchConfig(_Strict):
+    mode: Literal["inprocess", "served"] = Field(
+        "inprocess", description="inprocess: the target and the drafter in the benchmark's own process (a CPU "
+        "target); served: SGLang on the GPU host, started with and without the drafter (`gpu_host`)")
     spec_configs: list[tuple[_DraftCount, _DraftCount, _DraftCount]] = _bounded(
         default_factory=lambda: [(3, 1, 4), (7, 1, 8)],
         why="more draft steps, branches or tokens than a server verifies in one pass",

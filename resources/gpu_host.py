@@ -17,6 +17,7 @@ leases one itself unless it is handed a host.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -25,8 +26,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises (1.13)
-from dagster._core.pipes.utils import extract_message_or_forward_to_file  # no public equivalent (1.13)
+from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from pydantic import Field
 
 from eagle3_dagster.gpu_host import GpuHost, HostSpec
@@ -129,7 +129,7 @@ class GpuHostResource(dg.ConfigurableResource, GpuHostEntry):
         host: GpuHost | None = None,
     ) -> dg.PipesClientCompletedInvocation:
         """Run `command` on `host` (default: a host leased for the call) inside a Pipes session; non-zero exit
-        raises DagsterPipesExecutionError."""
+        raises `dg.Failure` naming the command, the host and the exit code."""
         with (nullcontext(host) if host is not None else self.lease(context)) as leased:
             return self._run_pipes(leased, context=context, command=command, env=env, cwd=cwd, extras=extras,
                                    name=name)
@@ -154,22 +154,39 @@ class GpuHostResource(dg.ConfigurableResource, GpuHostEntry):
                 host.signal_group(proc.pidfile, "KILL", remove=True)
                 proc.release()
             if returncode != 0:
-                raise DagsterPipesExecutionError(
-                    f"{' '.join(command)} on {host.where()} failed with exit code {returncode}"
-                )
+                raise dg.Failure(f"{' '.join(command)} on {host.where()} failed with exit code {returncode}")
         return dg.PipesClientCompletedInvocation(session)
 
 
 def _pump(stream, session: dg.PipesSession) -> None:
+    """The child's stderr: Pipes messages to the session, every other line to this process's stderr (the run's
+    captured log). Dagster's own reader for this is not public API (`dagster._core.pipes.utils`)."""
     for line in stream:
-        extract_message_or_forward_to_file(session.message_handler, line.rstrip("\n"), sys.stderr)
+        line = line.rstrip("\n")
+        try:
+            handled = forward_message(session.message_handler, line)
+        except Exception as e:  # noqa: BLE001 - the pump must drain the pipe, or the child blocks on a full one
+            sys.stderr.write(f"{line}\n[pipes] message not handled: {type(e).__name__}: {e}\n")
+            continue
+        if not handled:
+            sys.stderr.write(line + "\n")
+
+
+def forward_message(handler: dg.PipesMessageHandler, line: str) -> bool:
+    """Hand `line` to `handler` when it is a Pipes message (a JSON object with the protocol's version field);
+    False for any other line, which the caller keeps as log text."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return False
+    if not isinstance(message, dict) or PIPES_PROTOCOL_VERSION_FIELD not in message:
+        return False
+    handler.handle_message(message)
+    return True
 
 
 def _tag(context, tags: Mapping[str, str]) -> None:
-    try:
-        context.instance.add_run_tags(context.run_id, dict(tags))
-    except Exception as e:  # an ephemeral test instance may not support tags on an in-memory run
-        context.log.debug(f"could not tag the run with {sorted(tags)}: {e}")
+    context.instance.add_run_tags(context.run_id, dict(tags))
 
 
 def _warn_on_pool_size(context, num_hosts: int) -> None:

@@ -14,7 +14,3 @@ fi
 .venv/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
 EXTRA=${1:-dev}
 .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[$EXTRA]"
-# The Postgres instance's storage (deploy/postgres/). 0.29.27 is the newest dagster-postgres on PyPI and
-# pins dagster==1.13.27; its storage code runs on 1.13.28 (tests/assets/test_postgres_instance.py, against
-# a real server), so it goes in without its pins; psycopg2-binary comes with the [postgres] extra above.
-.venv/bin/python -m pip install --quiet --no-deps -c constraints.txt dagster-postgres==0.29.27

@@ -293,6 +293,10 @@ def _caveats(results: dict) -> list[str]:
                   "tokens/s and speed-up are the median round, (min–max) the spread across rounds. Speed-up is "
                   "the median of per-round ratios (each over no_spec's same round), not the ratio of the two "
                   "median tokens/s; that ratio is `speedup_of_medians` in results.json.")
+        once = sorted({r["method"] for r in rows if r.get("timed_rounds") == 1})
+        if once:
+            md.append(f"Controls run once, for their acceptance, not timed over the rounds: {', '.join(once)}; "
+                      "their tokens/s and speed-up are that one round's.")
     if results.get("mode") == "inprocess":
         ratio = draft_target_cost_ratio(rows)
         cost = f" Here one drafter step costs {ratio:.2f} of a target decode step." if ratio is not None else ""

@@ -379,6 +379,7 @@ def run_inprocess_benchmark(
     temperatures: Sequence[float] = (0.0,),
     seed: int = 0,
     sampled_proposers: Collection[str] | None = None,
+    timed_proposers: Collection[str] | None = None,
 ) -> list[dict]:
     """Every set under no speculation and every (proposer, spec config), at each temperature; rows carry
     speed-ups over no speculation at the same temperature.
@@ -395,7 +396,10 @@ def run_inprocess_benchmark(
     SGLang's rule) with coins from a generator seeded per (seed, set, prompt, T), the same in every
     round, so later rounds reproduce round 0 exactly; outputs differ between methods (each spends
     coins its own way) and are distributed alike, which tests/unit/test_spec_sampling.py checks.
-    `sampled_proposers` names the proposers measured at T > 0 (default all).
+    `sampled_proposers` names the proposers measured at T > 0 (default all). `timed_proposers` names those
+    timed over every round (default all); the others run in round 0 only, for their acceptance (a control
+    whose speed nobody compares, such as an untrained drafter, which is also the slowest method to run), and
+    their rows carry the one round's speed (`timed_rounds: 1`).
     """
     if rounds < 1:
         raise ValueError(f"in-process benchmark: rounds must be >= 1, got {rounds}")
@@ -405,8 +409,9 @@ def run_inprocess_benchmark(
     for temperature in dict.fromkeys(float(t) for t in temperatures):
         chosen = proposers if not temperature or sampled_proposers is None else \
             {k: v for k, v in proposers.items() if k in sampled_proposers}
+        once = set() if timed_proposers is None else set(chosen) - set(timed_proposers)
         rows += _run_at_temperature(model, prompt_sets, chosen, spec_configs, max_new_tokens, eos_ids, check,
-                                    log, rounds, bands, temperature, seed)
+                                    log, rounds, bands, temperature, seed, once)
     return attach_speedups(rows)
 
 
@@ -415,7 +420,7 @@ def _coins(seed: int, set_index: int, prompt_index: int, temperature: float) -> 
 
 
 def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tokens, eos_ids, check, log, rounds,
-                        bands, temperature: float, seed: int) -> list[dict]:
+                        bands, temperature: float, seed: int, once: Collection[str] = ()) -> list[dict]:
     runners: dict[tuple[int, ...], TargetRunner] = {}
     sampled = temperature > 0
 
@@ -424,6 +429,7 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
 
     methods: list[tuple[str, Proposer | None, SpecConfig | None]] = [("no_spec", None, None)]
     methods += [(name, p, spec) for name, p in proposers.items() for spec in spec_configs]
+    runs = [1 if name in once else rounds for name, _, _ in methods]  # rounds each method runs
 
     def run(method: tuple[str, Proposer | None, SpecConfig | None], ids: Sequence[int], max_new: int,
             coins: torch.Generator | None = None) -> Generation:
@@ -448,14 +454,14 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
     for set_index, (set_name, prompts) in enumerate(prompt_sets.items()):
         gens: dict[int, list[Generation]] = {}
         walls: dict[int, list[float]] = {i: [] for i in range(len(methods))}
-        meter = ProgressMeter(log, f"{set_name}{at}", "generations", rounds * len(methods) * len(prompts))
+        meter = ProgressMeter(log, f"{set_name}{at}", "generations", sum(runs) * len(prompts))
         done = 0
         for r in range(rounds):
             order = list(range(len(methods)))
             if r:
                 shift = r % len(methods)
                 order = order[shift:] + order[:shift]
-            for i in order:
+            for i in (i for i in order if r < runs[i]):
                 name, _, spec = methods[i]
                 label = f"{name} {spec.label}" if spec else name
                 round_gens = []
@@ -477,9 +483,10 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
                 elif i and [g.verify_tokens for g in round_gens] != [g.verify_tokens for g in gens[i]]:
                     raise OutputMismatchError(f"{set_name}: {label} accepted differently in round {r} than in round 0")
         for i, (name, _, spec) in enumerate(methods):
-            rows.append(summarize(set_name, name, spec, gens[i], walls[i], bands) | {"temperature": temperature})
+            rows.append(summarize(set_name, name, spec, gens[i], walls[i], bands)
+                        | {"temperature": temperature, "timed_rounds": runs[i]})
             r_ = rows[-1]
             acc = f", acceptance length {r_['acceptance_length']:.3f}" if r_["acceptance_length"] else ""
-            log(f"{set_name}{at}: {name} {spec.label if spec else ''} {r_['tokens_per_s']:.1f} tok/s (median of "
-                f"{rounds}){acc}")
+            timing = f"median of {runs[i]}" if runs[i] > 1 else "one round"
+            log(f"{set_name}{at}: {name} {spec.label if spec else ''} {r_['tokens_per_s']:.1f} tok/s ({timing}){acc}")
     return rows

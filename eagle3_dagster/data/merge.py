@@ -8,11 +8,16 @@ JSON object per line with `input_ids` before `loss_mask`).
 
 How it stays fast and small. The corpus is never held in memory:
 1. Index pass: stream every file once in 8 MB `readinto` chunks and keep, per
-   record, only (file, byte offset, byte length, token count, loss-token count):
-   ~34 bytes a record. The counts are the 0/1 digits of the `loss_mask` list
-   (found from the end of the line, counted with numpy), not a JSON parse; the
-   ids list has the same length by the tokenize contract and is never scanned.
-2. A numpy permutation of the kept records, seeded.
+   record, only (file, byte offset, byte length, token count, loss-token count,
+   a 64-bit hash of its `id`): ~42 bytes a record. The counts are the 0/1 digits
+   of the `loss_mask` list (found from the end of the line, counted with numpy),
+   not a JSON parse; the ids list has the same length by the tokenize contract
+   and is never scanned.
+2. The kept records in the order of their id hashes, then a numpy permutation
+   of that order, seeded. The output depends on the records and the seed, not on
+   the order the inputs hold them in: raw_responses logs answers in the order
+   they complete, which depends on timing (two demo runs trained different
+   drafters on the same 1,001 records before this).
 3. Output pass: copy each record's bytes in permuted order with
    `os.copy_file_range` (in the kernel, from the page cache the index pass
    warmed), unchanged. Only a record longer than `max_seq_len` is read, cut at
@@ -25,6 +30,7 @@ Measured (benchmarks/merge_shuffle.py, 37,067 records / 736 MB, 2 busy cores):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from array import array
@@ -40,6 +46,7 @@ from eagle3_dagster.io import atomic_open
 log = logging.getLogger(__name__)
 
 _IDS_KEY = b'"input_ids"'
+_ID_KEY = b'"id":"'  # as orjson writes it (tokenize.py); `"input_ids"` and `"request_id"` do not contain it
 _MASK_KEY = b'"loss_mask"'
 _TRUNCATED_KEY = b'"truncated"'
 _COMMA, _ZERO, _ONE = ord(","), ord("0"), ord("1")
@@ -116,10 +123,31 @@ def scan_record(line: bytes | bytearray, where: str, start: int = 0, end: int | 
     return _mask_counts(line, a, b)
 
 
+def record_key(line: bytes | bytearray, where: str, start: int = 0, end: int | None = None) -> int:
+    """A 64-bit hash of the record's `id` (its JSON string, escapes and all), found without parsing the record."""
+    end = len(line) if end is None else end
+    k = line.find(_ID_KEY, start, end)
+    close = line.find(b'"', k + len(_ID_KEY), end) if k >= 0 else -1
+    while close > 0 and _escaped(line, close, k + len(_ID_KEY)):
+        close = line.find(b'"', close + 1, end)
+    if close < 0:
+        raise ValueError(f'{where}: no "id" string in the record')
+    return int.from_bytes(hashlib.blake2b(line[k + len(_ID_KEY): close], digest_size=8).digest(), "little")
+
+
+def _escaped(line: bytes | bytearray, at: int, start: int) -> bool:
+    """Whether the quote at `at` is escaped: an odd number of backslashes before it."""
+    n = 0
+    while at - n - 1 >= start and line[at - n - 1] == ord("\\"):
+        n += 1
+    return n % 2 == 1
+
+
 class _Index:
-    """Per-record (file, offset, length, tokens, loss tokens) in compact arrays."""
+    """Per-record (file, offset, length, tokens, loss tokens, id hash) in compact arrays."""
 
     def __init__(self) -> None:
+        self.key = array("Q")
         self.file = array("H")
         self.offset = array("q")
         self.length = array("q")
@@ -150,6 +178,7 @@ class _Index:
                     lineno += 1
                     if nl > pos and not buf[pos:nl].isspace():
                         num_tokens, num_loss = scan_record(buf, f"{path}:{lineno}", pos, nl)
+                        self.key.append(record_key(buf, f"{path}:{lineno}", pos, nl))
                         self.file.append(file_no)
                         self.offset.append(base + pos)
                         self.length.append(nl - pos + 1 if nl < filled else nl - pos)
@@ -251,6 +280,8 @@ def merge_and_shuffle(inputs: Mapping[str, str | os.PathLike], out_path: str | o
     file_no_arr = np.frombuffer(index.file, dtype=np.uint16)
     dropped_files = [i for i, d in enumerate(datasets) if d in set(drop_datasets)]
     kept = np.flatnonzero(~np.isin(file_no_arr, dropped_files))
+    keys = np.frombuffer(index.key, dtype=np.uint64)[kept]
+    kept = kept[np.argsort(keys, kind="stable")]  # by id, whatever order the inputs hold the records in
     order = kept[np.random.default_rng(seed).permutation(len(kept))]
     stats.after = {d: DatasetCounts() for d in datasets if d not in set(drop_datasets)}
 

@@ -24,6 +24,19 @@ def test_no_engine_module_imports_dagster() -> None:
     assert offenders == []
 
 
+def test_the_code_location_uses_only_dagsters_public_api() -> None:
+    """`dagster._*` modules are private and move between releases; the assets, resources and definitions use
+    what `dagster` exports (private imports broke on upgrades before: four of them in automation and resources)."""
+    offenders = []
+    for path in [*ROOT.glob("assets/*.py"), *ROOT.glob("resources/*.py"), ROOT / "definitions.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                          if n.split(".")[0] == "dagster" and any(p.startswith("_") for p in n.split(".")[1:])]
+    assert offenders == []
+
+
 BLOCK_DAGSTER = """
 import importlib.abc, pkgutil, sys, importlib
 class Block(importlib.abc.MetaPathFinder):

@@ -68,6 +68,15 @@ def test_preflight_fails_with_a_table_when_a_needed_check_fails(tmp_path):
     assert "preflight failed: sglang, patch, eagle3_dagster, gpus" in out.stderr or "sglang" in out.stderr
 
 
+def test_a_served_benchmark_alone_needs_sglang_on_the_host(tmp_path):
+    """The benchmark's mode is its own setting: hf extraction with a served benchmark still needs SGLang."""
+    profile = profile_in(tmp_path, bench={"mode": "served"})
+    out = eagle3("--profile", str(profile), "preflight")
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
+    assert rows["sglang"] == "FAIL"
+
+
 def test_preflight_passes_when_the_profile_needs_neither_sglang_nor_gpus(tmp_path):
     out = eagle3("--profile", str(profile_in(tmp_path)), "preflight")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -277,3 +277,25 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
     ctx = type("Ctx", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage._extract_sglang(profile, ctx, [], host, {"sglang_version": "0.5.13"}, lambda _m: None)
+
+
+def test_pipes_messages_on_stderr_reach_the_session_and_other_lines_stay_log_text():
+    """The child's stderr carries both: a Pipes message (a JSON object with the protocol's version field) goes
+    to the session's handler; anything else, JSON or not, stays a log line."""
+    from dagster_pipes import PIPES_PROTOCOL_VERSION, PIPES_PROTOCOL_VERSION_FIELD
+
+    from resources.gpu_host import forward_message
+
+    class Handler:
+        def __init__(self) -> None:
+            self.messages: list[dict] = []
+
+        def handle_message(self, message: dict) -> None:
+            self.messages.append(message)
+
+    handler = Handler()
+    message = {PIPES_PROTOCOL_VERSION_FIELD: PIPES_PROTOCOL_VERSION, "method": "log", "params": {"message": "hi"}}
+    assert forward_message(handler, json.dumps(message)) is True
+    for line in ["plain text", '{"loss": 1.5}', "[1, 2]", "{broken", ""]:
+        assert forward_message(handler, line) is False
+    assert handler.messages == [message]

@@ -51,6 +51,30 @@ def test_same_inputs_and_seed_give_the_same_bytes_and_a_permutation_of_the_input
     assert s1.num_records == 120 and s1.num_truncated == 0
 
 
+def test_the_shuffle_depends_on_the_records_and_the_seed_not_on_the_order_they_were_written_in(tmp_path, corpus):
+    """raw_responses logs answers in the order they complete, which depends on timing: two runs of the demo
+    tokenized the same 1,001 records in different orders, and trained different drafters on them."""
+    reordered = {}
+    for d, path in corpus.items():
+        lines = path.read_bytes().splitlines(keepends=True)
+        reordered[d] = tmp_path / f"reordered-{d}.jsonl"
+        reordered[d].write_bytes(b"".join(lines[::-1][1::2] + lines[::-1][0::2]))
+    first = merge_and_shuffle(corpus, tmp_path / "first.jsonl", max_seq_len=64, seed=3)
+    again = merge_and_shuffle(reordered, tmp_path / "again.jsonl", max_seq_len=64, seed=3)
+    assert (tmp_path / "first.jsonl").read_bytes() == (tmp_path / "again.jsonl").read_bytes()
+    assert first.as_dict() == again.as_dict()
+    other_seed = merge_and_shuffle(corpus, tmp_path / "other.jsonl", max_seq_len=64, seed=4)
+    assert (tmp_path / "other.jsonl").read_bytes() != (tmp_path / "first.jsonl").read_bytes()
+    assert other_seed.num_records == first.num_records
+
+
+def test_a_record_without_an_id_is_an_error_naming_its_file_and_line(tmp_path):
+    path = _write(tmp_path / "a.jsonl", [_rec("a", 0, [1, 2], [0, 1]), {"dataset": "a", "input_ids": [1],
+                                                                        "loss_mask": [1]}])
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: .*\"id\""):
+        merge_and_shuffle({"a": path}, tmp_path / "out.jsonl", max_seq_len=64, seed=0)
+
+
 def test_dropped_datasets_are_left_out_and_counted_before_and_after(tmp_path, corpus):
     stats = merge_and_shuffle(corpus, tmp_path / "m.jsonl", max_seq_len=64, seed=1, drop_datasets=["b"])
     datasets = {r["dataset"] for r in iter_jsonl(tmp_path / "m.jsonl")}

@@ -252,7 +252,7 @@ def _bench_profile(tmp_path, port: int, **gpu_host):
     return load_profile("micro", overrides={
         "run_root": str(tmp_path / "run"), "gpu_host": gpu_host,
         "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
-        "bench": {"sets": ["gsm8k"], "num_prompts": 2, "max_new_tokens": 16, "spec_configs": [[3, 1, 4]]}})
+        "bench": {"mode": "served", "sets": ["gsm8k"], "num_prompts": 2, "max_new_tokens": 16, "spec_configs": [[3, 1, 4]]}})
 
 
 @pytest.mark.parametrize("case", ["export", "profile"])
@@ -299,7 +299,7 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     profile = load_profile("micro", overrides={
         "run_root": str(tmp_path / "run"),
         "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
-        "bench": {"sets": ["gsm8k"], "set_paths": {"gsm8k": str(prompts)}, "num_prompts": 5, "max_new_tokens": 16,
+        "bench": {"mode": "served", "sets": ["gsm8k"], "set_paths": {"gsm8k": str(prompts)}, "num_prompts": 5, "max_new_tokens": 16,
                   "spec_configs": [[3, 1, 4]], "concurrency": 2}})
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)

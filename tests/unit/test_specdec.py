@@ -183,6 +183,25 @@ def test_every_method_is_warmed_up_then_timed_in_interleaved_rotating_rounds(tar
         assert r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
 
 
+def test_a_proposer_left_out_of_timing_runs_in_round_zero_only_and_keeps_its_acceptance(target, prompts, greedy):
+    calls: list[str] = []
+    proposers = {"oracle": _Recording(OracleProposer(greedy), calls),
+                 "ngram": _Recording(NgramProposer(), calls)}
+    sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])]}
+    timed_all = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], 6, rounds=3)
+    calls.clear()
+    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], 6, rounds=3, timed_proposers={"oracle"})
+    # warm-up (one each), then oracle in 3 rounds x 2 prompts, ngram in round 0 only
+    assert calls.count("oracle") == 1 + 3 * 2 and calls.count("ngram") == 1 + 2
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["ngram"]["timed_rounds"] == 1 and len(by_method["ngram"]["wall_s_rounds"]) == 1
+    assert by_method["oracle"]["timed_rounds"] == 3 and len(by_method["oracle"]["speedup_rounds"]) == 3
+    before = {r["method"]: r for r in timed_all}
+    for method in ("oracle", "ngram"):
+        assert by_method[method]["acceptance_length"] == before[method]["acceptance_length"]
+        assert by_method[method]["accept_rate_by_position"] == before[method]["accept_rate_by_position"]
+
+
 class _ShortPromptOracle(OracleProposer):
     """Right on prompts of at most `limit` tokens, wrong beyond: acceptance must split by band."""
 

@@ -231,6 +231,9 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
     # speculation never changes the greedy output: every method generates the same tokens for the 2 prompts
     assert {(r["num_prompts"], r["completion_tokens"]) for r in rows.values()} == {(2, rows["no_spec"]["completion_tokens"])}
     assert 0 < rows["no_spec"]["completion_tokens"] <= 2 * 8
+    # the untrained control runs once, for its acceptance; the methods a reader compares are timed in every round
+    assert rows["eagle3_untrained"]["timed_rounds"] == 1 and rows["eagle3"]["timed_rounds"] == results["meta"]["rounds"] > 1
+    assert "Controls run once, for their acceptance" in (layout.bench_dir / "report.md").read_text()
     trained_band = next(b for b in rows["eagle3"]["bands"] if b["training_band"])
     assert first.metadata["headline_config"] == (f"eagle3 at 2,1,3 on heldout_sharegpt, prompts of "
                                                  f"{trained_band['band']} tokens (the training length)")
