@@ -35,6 +35,9 @@ class HiddenContext:
     # version_dir: hidden.root itself when it is a local folder (publishing is then a no-op)
     staging_dir: Path | None = None
 
+    def __post_init__(self) -> None:  # a Path or URL string given for version_dir is taken as its Location
+        object.__setattr__(self, "version_dir", storage.location(self.version_dir))
+
 
 def write_plan(ctx: HiddenContext) -> storage.Location:
     """extraction_plan's contract: everything later stages need, computed once."""
