@@ -96,7 +96,8 @@ def variant_profile(base, overrides: dict, seed: int):
 
 def train_variant(profile, layout, plan, log) -> dict:
     """Train (or read back) one variant; returns metrics.json plus the CPU seconds of its torchrun tree."""
-    from eagle3_dagster.io import atomic_write_json, read_json
+    from eagle3_dagster.io import atomic_write_json
+    from eagle3_dagster.storage import read_json
     from eagle3_dagster.stages.train import prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
@@ -147,7 +148,8 @@ class Acceptance:
     def measure_once(self, run_dir: Path) -> dict[str, dict[str, float]]:
         """`measure` of the run's export, kept beside it per temperature (outputs are deterministic: greedy,
         or sampled with seeded coins), so a rerun of the table decodes only temperatures not yet measured."""
-        from eagle3_dagster.io import atomic_write_json, read_json
+        from eagle3_dagster.io import atomic_write_json
+        from eagle3_dagster.storage import read_json
 
         key = {"prompts": {n: [pid for pid, _ in p] for n, p in self.sets.items()}, "specs": list(map(list, self.specs)),
                "max_new_tokens": self.max_new_tokens}

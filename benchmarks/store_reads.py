@@ -87,9 +87,9 @@ def main() -> None:
             local.mkdir()
             for f in stage.iterdir():
                 (local / f.name).write_bytes(f.read_bytes())
-            url = "s3://bench/hidden/hs-000000000000"
+            url = storage.location("s3://bench/hidden/hs-000000000000")
             publish_shard(stage, url, "shard-00000", log=lambda _line: None)
-            shard_bytes = storage.size(storage.join(url, "shard-00000.safetensors"))
+            shard_bytes = url.join("shard-00000.safetensors").size()
 
             mapped, remote = HiddenStatesDataset(local), HiddenStatesDataset(url)
 
@@ -97,7 +97,7 @@ def main() -> None:
                 from safetensors.torch import load
 
                 _, start, end, _ = remote._rows[i]
-                tensors = load(storage.read_bytes(storage.join(url, "shard-00000.safetensors")))
+                tensors = load(url.join("shard-00000.safetensors").read_bytes())
                 return {k: v[start:end] for k, v in tensors.items() if k != "offsets"}
 
             readers = {"local mmap": mapped.__getitem__, "store ranges": remote.__getitem__,

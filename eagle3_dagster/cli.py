@@ -220,11 +220,10 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
         load_final_norm_weight,
         specforge_target_dir,
     )
-    from eagle3_dagster import storage
     from eagle3_dagster.hidden.context import hidden_context
 
     ctx = hidden_context(profile, layout)
-    if not storage.exists(ctx.version_dir):
+    if not ctx.version_dir.exists():
         raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
     if dtype is not None and fmt != "specforge":
         raise UserError("--dtype applies to --format specforge only")

@@ -1,8 +1,8 @@
 """The one typed configuration tree, loaded from a profile YAML in `configs/`.
 
 Owns: the schema of every profile, its validation (unknown keys and bad values
-are errors that name the file and the `section.field`), what a location in it is (a local
-path or an object-store URL), and the choice of the
+are errors that name the file and the `section.field`), which of its locations must be
+local folders (what a location is belongs to `storage`), and the choice of the
 profile from `EAGLE3_PROFILE`. It does not read the environment at import time:
 `load_profile()` is called by whoever needs the config.
 """
@@ -18,6 +18,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
+
+from eagle3_dagster.storage import StorageSettings, location
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
 DEFAULT_PROFILE = "demo"
@@ -57,34 +59,6 @@ def cron_problem(cron: str) -> str | None:
                 if value is None or not lo <= value <= hi:
                     return f"{name}: {b!r} is not in {lo}-{hi}"
     return None
-
-
-# Where a profile puts an artifact: a local path or an fsspec URL (storage.py reads and writes both).
-def is_remote(loc: str | os.PathLike) -> bool:
-    """True for a URL with a protocol other than the local file system."""
-    if isinstance(loc, os.PathLike):
-        return False
-    scheme, sep, _ = str(loc).partition("://")
-    return bool(sep) and scheme not in ("", "file", "local")
-
-
-def location(loc: str | os.PathLike, base: Path | None = None) -> Path | str:
-    """A profile value as a location: a URL unchanged (no trailing slash), a relative path under `base`."""
-    if is_remote(loc):
-        url = str(loc).rstrip("/")
-        if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError(f"{_redact(url)}: credentials do not belong in a storage URL; set them in the "
-                             "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)")
-        return url
-    text = str(loc)
-    p = Path(text[len("file://"):] if text.startswith("file://") else text)
-    return p if p.is_absolute() or base is None else base / p
-
-
-def _redact(url: str) -> str:
-    scheme, _, rest = url.partition("://")
-    host, _, path = rest.partition("/")
-    return f"{scheme}://{host.rpartition('@')[2]}/{path}"
 
 
 class _Strict(BaseModel):
@@ -410,8 +384,12 @@ class HiddenConfig(_Strict):
     @field_validator("staging_dir")
     @classmethod
     def _local_staging(cls, value: str | None) -> str | None:
-        if value is not None and is_remote(value):
-            raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}")
+        if value is not None:
+            try:
+                location(value).local_path()
+            except ValueError:
+                raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}") \
+                    from None
         return value
 
     @field_validator("root")
@@ -561,17 +539,17 @@ class StorageConfig(_Strict):
     botocore's backoff), with a progress line every `progress_every_s` while the call waits."""
 
     connect_timeout_s: float = _bounded(
-        10.0, gt=0, le=600, why="a connection not made in 10 minutes will not be made",
+        StorageSettings.connect_timeout_s, gt=0, le=600, why="a connection not made in 10 minutes will not be made",
         description="seconds a try waits for a connection to the store (botocore connect_timeout)")
     read_timeout_s: float = _bounded(
-        30.0, gt=0, le=3600, why="a store silent for an hour is down",
+        StorageSettings.read_timeout_s, gt=0, le=3600, why="a store silent for an hour is down",
         description="seconds a try waits for each read of the store's answer (botocore read_timeout); a slow "
         "but moving transfer never hits it")
     attempts: int = _bounded(
-        4, ge=1, le=20, why=WHY_RETRIES,
+        StorageSettings.attempts, ge=1, le=20, why=WHY_RETRIES,
         description="tries of one request to the store, the first included (botocore total_max_attempts)")
     progress_every_s: float = _bounded(
-        30.0, gt=0, le=3600, why="a line an hour apart tells nobody the run still waits",
+        StorageSettings.progress_every_s, gt=0, le=3600, why="a line an hour apart tells nobody the run still waits",
         description="a store call waiting longer than this logs a line naming the object, then again each "
         "time this passes")
 
@@ -594,8 +572,11 @@ class Profile(_Strict):
     @field_validator("run_root")
     @classmethod
     def _local_run_root(cls, value: str) -> str:
-        if is_remote(value):  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
-            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store URLs")
+        try:  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
+            location(value).local_path()
+        except ValueError:
+            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store "
+                             "URLs") from None
         return value
 
     @model_validator(mode="before")

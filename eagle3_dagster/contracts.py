@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3_dagster.storage import Location
 
 # Shard-format code versions, one per extraction backend. Each is written into every shard header and is part
 # of the hidden-state version, so the plan's byte prediction and the shards agree; the SGLang driver is handed
@@ -31,11 +35,11 @@ PLAN_CONTRACT_VERSION = 1
 class ArtifactLayout:
     """Paths of every artifact under one profile's run root (and the hidden-states root).
 
-    `hidden_root` is a local `Path` or, for an object store, an fsspec URL string (`storage.Location`);
+    `hidden_root` is a `storage.Location` (a local path or an object-store URL; a `Path` is taken as one);
     `hidden_staging` is the local folder shards are written in before upload (default under run_root)."""
 
     run_root: Path
-    hidden_root: Path | str
+    hidden_root: "Location | Path"
     hidden_staging: Path | None = None
 
     @property
@@ -66,10 +70,10 @@ class ArtifactLayout:
     def vocab_mapping(self) -> Path:
         return self.run_root / "vocab" / "vocab_mapping.safetensors"
 
-    def hidden_version_dir(self, version: str) -> Path | str:
-        from eagle3_dagster.storage import join
+    def hidden_version_dir(self, version: str) -> "Location":
+        from eagle3_dagster.storage import location
 
-        return join(self.hidden_root, version)
+        return location(self.hidden_root).join(version)
 
     @property
     def drafter_dir(self) -> Path:
@@ -86,4 +90,4 @@ class ArtifactLayout:
 
         staging = profile.hidden.staging_dir
         return cls(run_root=profile.path(), hidden_root=location(profile.hidden.root, PROJECT_ROOT),
-                   hidden_staging=None if staging is None else location(staging, PROJECT_ROOT))
+                   hidden_staging=None if staging is None else location(staging, PROJECT_ROOT).local_path())

@@ -142,8 +142,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The project's JSON files: indented, keys sorted (same object -> same bytes, so sizes can be predicted)."""
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 def parse_json(blob: bytes, where: str | os.PathLike) -> Any:
@@ -152,10 +157,6 @@ def parse_json(blob: bytes, where: str | os.PathLike) -> Any:
         return orjson.loads(blob)
     except orjson.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({len(blob)} bytes; {e})") from None
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    return parse_json(Path(path).read_bytes(), path)
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[dict]:

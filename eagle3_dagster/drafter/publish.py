@@ -20,48 +20,50 @@ EXPORT_MANIFEST = "export_manifest.json"
 EXPORT_FORMAT = "eagle3-drafter-export"
 
 
-def publish_export(export_dir: Path, dest: storage.Location, *, log: Callable[[str], None] = print) -> dict:
+def publish_export(export_dir: Path, dest: storage.Location | Path | str, *,
+                   log: Callable[[str], None] = print) -> dict:
     """Upload the files of `export_dir` to `dest`, manifest last; an identical publish already there is kept."""
-    export_dir = Path(export_dir)
+    export_dir, dest = Path(export_dir), storage.location(dest)
     files = sorted(p for p in export_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"{export_dir}: no export files to publish")
     manifest = {"format": EXPORT_FORMAT, "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
                                                    for p in files}}
-    manifest_loc = storage.join(dest, EXPORT_MANIFEST)
+    manifest_loc = dest.join(EXPORT_MANIFEST)
     try:
         if storage.read_json(manifest_loc) == manifest and all(
-                storage.size(storage.join(dest, name)) == e["bytes"] for name, e in manifest["files"].items()):
+                dest.join(name).size() == e["bytes"] for name, e in manifest["files"].items()):
             log(f"drafter export already published at {dest}")
             return manifest
     except FileNotFoundError:
         pass
-    storage.remove(manifest_loc)  # an old manifest must not vouch for files being replaced
+    manifest_loc.remove()  # an old manifest must not vouch for files being replaced
     for p in files:
         log(f"publishing {p.name} ({manifest['files'][p.name]['bytes']} bytes) to {dest}")
-        storage.upload_file(p, storage.join(dest, p.name), manifest["files"][p.name]["sha256"])
-    storage.write_json(manifest_loc, manifest)
+        dest.join(p.name).upload_file(p, manifest["files"][p.name]["sha256"])
+    manifest_loc.write_json(manifest)
     return manifest
 
 
-def fetch_export(src: storage.Location, local_dir: Path) -> Path:
+def fetch_export(src: storage.Location | Path | str, local_dir: Path) -> Path:
     """Copy a published export to `local_dir`, every file checked against the manifest, then `check_export`."""
     from eagle3_dagster.drafter.export import check_export
 
+    src = storage.location(src)
     try:
-        manifest = storage.read_json(storage.join(src, EXPORT_MANIFEST))
+        manifest = storage.read_json(src.join(EXPORT_MANIFEST))
     except FileNotFoundError:
         raise FileNotFoundError(f"{src}: no {EXPORT_MANIFEST}; not a published drafter export (or its publish "
                                 "did not finish)") from None
     if manifest.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{storage.join(src, EXPORT_MANIFEST)}: format {manifest.get('format')!r}, "
+        raise ValueError(f"{src.join(EXPORT_MANIFEST)}: format {manifest.get('format')!r}, "
                          f"expected {EXPORT_FORMAT!r}")
     local_dir = Path(local_dir)
     for name, entry in sorted(manifest["files"].items()):
         with atomic_open(local_dir / name) as f:  # renamed into place only if it matches the manifest
-            size, digest = storage.download_to(storage.join(src, name), f)
+            size, digest = src.join(name).download_to(f)
             if size != entry["bytes"] or digest != entry["sha256"]:
-                raise ValueError(f"{storage.join(src, name)}: {size} bytes, sha256 {digest}; the manifest says "
+                raise ValueError(f"{src.join(name)}: {size} bytes, sha256 {digest}; the manifest says "
                                  f"{entry['bytes']} bytes, {entry['sha256']}; the published export is corrupted")
     check_export(local_dir).raise_for_errors()
     return local_dir

@@ -1,7 +1,8 @@
 """The hidden-state context of a profile, and extraction_plan's contract file that carries it.
 
 `hidden_context` is the one computation that parses and hashes merged_train for
-extraction (shard specs, version, format); `write_plan` stores it once in the
+extraction (shard specs, version, format), and where the version's `storage.Location`
+and the local folder its shards are written in are decided, once; `write_plan` stores it once in the
 version folder (local or on the object store, like the shards) and `load_plan`
 is how every later stage (shard runs, training, cleanup) gets it back. Keys and
 the contract version are in `contracts.py`.
@@ -27,16 +28,21 @@ class HiddenContext:
     shards: list[ShardSpec]
     fmt: ShardFormat
     version: str
-    version_dir: storage.Location  # a local Path, or a URL string on an object store
+    version_dir: storage.Location  # a local folder or a prefix on an object store
     merged_train: Path
     merged_train_sha256: str = ""
-    staging_dir: Path | None = None  # local folder shards are written in before upload; only for a store
+    # the local folder shards are written in, one subfolder per version, before they are published to
+    # version_dir: hidden.root itself when it is a local folder (publishing is then a no-op)
+    staging_dir: Path | None = None
+
+    def __post_init__(self) -> None:  # a Path or URL string given for version_dir is taken as its Location
+        object.__setattr__(self, "version_dir", storage.location(self.version_dir))
 
 
 def write_plan(ctx: HiddenContext) -> storage.Location:
     """extraction_plan's contract: everything later stages need, computed once."""
-    path = storage.join(ctx.version_dir, PLAN_CONTRACT)
-    storage.write_json(path, {
+    path = ctx.version_dir.join(PLAN_CONTRACT)
+    path.write_json({
         "contract_version": PLAN_CONTRACT_VERSION,
         "version": ctx.version,
         "version_dir": str(ctx.version_dir),
@@ -65,9 +71,11 @@ def load_plan(path: storage.Location) -> HiddenContext:
     fmt = ShardFormat(**{**raw["format"], "aux_layers": tuple(raw["format"]["aux_layers"])})
     shards = [ShardSpec(**{**s, "sample_ids": tuple(s["sample_ids"]), "lengths": tuple(s["lengths"])})
               for s in raw["shards"]]
-    return HiddenContext(target, shards, fmt, raw["version"], storage.location(raw["version_dir"]),
-                         Path(raw["merged_train"]), raw["merged_train_sha256"],
-                         None if raw.get("staging_dir") is None else Path(raw["staging_dir"]))
+    version_dir = storage.location(raw["version_dir"])
+    staging = raw.get("staging_dir")  # null in plans written before a local root named itself here
+    return HiddenContext(target, shards, fmt, raw["version"], version_dir, Path(raw["merged_train"]),
+                         raw["merged_train_sha256"],
+                         version_dir.parent.local_folder(None if staging is None else Path(staging)))
 
 
 def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
@@ -88,5 +96,6 @@ def hidden_context(profile: Profile, layout: ArtifactLayout) -> HiddenContext:
         hidden_size=target.hidden_size, dtype=profile.hidden.dtype, aux_layers=target.aux_layers,
         target_identity=target.identity, code_version=backend_version,
     )
-    staging = layout.staging_dir if storage.is_remote(layout.hidden_root) else None
-    return HiddenContext(target, shards, fmt, version, layout.hidden_version_dir(version), merged, merged_sha, staging)
+    root = storage.location(layout.hidden_root)
+    return HiddenContext(target, shards, fmt, version, root.join(version), merged, merged_sha,
+                         root.local_folder(layout.staging_dir))

@@ -12,8 +12,10 @@ samples into `(sample, aux_hidden [T, 3H], last_hidden [T, H])` rows, in any ord
   bytes are exactly the ones the plan predicted) and the commit protocol
   (`ShardWriter`: temporary name, rename, manifest last);
 - progress as (tokens done, tokens in the shard) and the `ShardResult`;
-- a version folder on an object store (`storage`): the shard is written and committed
-  in the local staging folder as above, then `publish_shard` uploads it, reads it
+- stage, then publish: the shard is written and committed in the version's local
+  folder (`Location.local_folder`: the version folder itself when it is local, a
+  staging folder for an object store), then `publish_shard` makes it the version's.
+  For a local version that is a no-op; for a store it uploads the shard, reads it
   back to check its sha256 and writes its manifest on the store last. A run killed
   mid-upload leaves no manifest on the store; the next run finds the shard complete
   in staging and only uploads it again (nothing is extracted twice).
@@ -60,7 +62,7 @@ class ShardResult:
     uploaded_from_staging: bool = False  # a store's shard found complete in staging: only uploaded, not computed
 
 
-def verified_complete(version_dir: storage.Location, spec: ShardSpec) -> tuple[bool, str | None]:
+def verified_complete(version_dir: storage.Location | Path, spec: ShardSpec) -> tuple[bool, str | None]:
     """(complete, why not trusted): complete only if the manifest names the right samples and the bytes match it."""
     if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
         entry = load_shard_manifest(version_dir, spec.key)
@@ -75,7 +77,7 @@ def verified_complete(version_dir: storage.Location, spec: ShardSpec) -> tuple[b
 def extract_shard(
     spec: ShardSpec,
     merged_train: Path,
-    version_dir: storage.Location,
+    version_dir: storage.Location | Path | str,
     fmt: ShardFormat | Callable[[], ShardFormat],
     backend: Backend,
     *,
@@ -89,65 +91,18 @@ def extract_shard(
     (`force`: even then).
 
     `fmt` and `vocab_size` may be callables, asked only when the shard has to be computed (a complete
-    shard is skipped without reading the model directory). A `version_dir` on a store needs
-    `staging_dir`, the local folder the shard is written in before it is uploaded."""
+    shard is skipped without reading the model directory). `staging_dir` is the local folder shards are
+    written in before they are published, one subfolder per version (`HiddenContext.staging_dir`); a
+    version on a store needs it."""
+    start = time.perf_counter()
     version_dir = storage.location(version_dir)
-    if storage.is_remote(version_dir):
-        return _extract_to_store(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size,
-                                 progress=progress, log=log, staging_dir=staging_dir, force=force)
-    return _extract_local(spec, merged_train, version_dir, fmt, backend, vocab_size=vocab_size, progress=progress,
-                          log=log, force=force)
-
-
-def _extract_to_store(spec: ShardSpec, merged_train: Path, version_dir: str, fmt, backend: Backend, *, vocab_size,
-                      progress, log, staging_dir: Path | None, force: bool = False) -> ShardResult:
-    if staging_dir is None:
-        raise ValueError(f"{version_dir} is on an object store: hidden.staging_dir (a local folder) is needed to "
-                         "write shards before they are uploaded")
-    start = time.perf_counter()
-    local = Path(staging_dir) / storage.name(version_dir)
+    staged = version_dir.local_folder(None if staging_dir is None else Path(staging_dir) / version_dir.name)
+    apart = storage.location(staged) != version_dir  # written in a staging folder, then published elsewhere
     complete, distrust = verified_complete(version_dir, spec)
     if complete and not force:
-        _remove_staged(local, spec.key)  # left by a run killed after its manifest went up
+        if apart:
+            _remove_staged(staged, spec.key)  # left by a run killed after its manifest went up
         return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
-    if distrust:
-        log(f"{distrust}; extracting it again")
-    elif complete:
-        log(f"shard {spec.key}: complete on the store, extracting it again (force)")
-    result = _extract_local(spec, merged_train, local, fmt, backend, vocab_size=vocab_size, progress=progress,
-                            log=log, force=force)
-    if result.skipped:
-        log(f"shard {spec.key}: complete in staging {local} (an upload was interrupted), uploading it again")
-    entry = publish_shard(local, version_dir, spec.key, log=log)
-    return _result(spec, version_dir, entry, time.perf_counter() - start, skipped=False,
-                   reextracted_corrupt=distrust is not None or result.reextracted_corrupt,
-                   uploaded_from_staging=result.skipped)
-
-
-def publish_shard(local_dir: Path, version_dir: str, key: str, *, log: Callable[[str], None]) -> dict:
-    """Upload a shard committed in `local_dir` to the store; its manifest goes up only after the object's
-    bytes, read back from the store, hash to the manifest's sha256. The staged copy is then deleted."""
-    entry = load_shard_manifest(local_dir, key)
-    storage.remove(manifest_path(version_dir, key))  # an old entry must not vouch for the bytes being replaced
-    log(f"shard {key}: uploading {entry['bytes']} bytes to {version_dir}")
-    storage.upload_file(Path(shard_path(local_dir, key)), shard_path(version_dir, key), entry["sha256"])
-    storage.write_json(manifest_path(version_dir, key), entry)
-    _remove_staged(local_dir, key)
-    return entry
-
-
-def _remove_staged(local_dir: Path, key: str) -> None:
-    for p in (manifest_path(local_dir, key), shard_path(local_dir, key)):  # manifest first: never a bare entry
-        Path(p).unlink(missing_ok=True)
-
-
-def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, backend: Backend, *, vocab_size,
-                   progress, log, force: bool = False) -> ShardResult:
-    start = time.perf_counter()
-    complete, distrust = verified_complete(version_dir, spec)
-    if complete and not force:
-        entry = load_shard_manifest(version_dir, spec.key)
-        return _result(spec, version_dir, entry, 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
     elif complete:
@@ -155,10 +110,47 @@ def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, 
         # shard counts as missing (never as complete with a half-written file); the old file stays in place
         # until the new one is renamed over it.
         log(f"shard {spec.key}: complete in {version_dir}, extracting it again (force)")
+    in_staging, staged_distrust = verified_complete(staged, spec) if apart and not force else (False, None)
+    if in_staging:
+        log(f"shard {spec.key}: complete in staging {staged} (an upload was interrupted), uploading it again")
+    else:
+        if staged_distrust:
+            log(f"{staged_distrust}; extracting it again")
+        _write(spec, merged_train, staged, fmt, backend, vocab_size=vocab_size, progress=progress)
+    entry = publish_shard(staged, version_dir, spec.key, log=log)
+    return _result(spec, version_dir, entry, time.perf_counter() - start, skipped=False,
+                   reextracted_corrupt=distrust is not None or staged_distrust is not None,
+                   uploaded_from_staging=in_staging)
+
+
+def publish_shard(staged: Path, version_dir: storage.Location | Path | str, key: str, *,
+                  log: Callable[[str], None]) -> dict:
+    """Make the shard committed in the local folder `staged` the version's; its manifest entry.
+
+    A local version is its own staging folder: nothing to do. On a store the manifest goes up only after the
+    object's bytes, read back from the store, hash to the manifest's sha256; the staged copy is then deleted."""
+    entry, version_dir = load_shard_manifest(staged, key), storage.location(version_dir)
+    if storage.location(staged) == version_dir:  # a local version is its own staging folder
+        return entry
+    manifest_path(version_dir, key).remove()  # an old entry must not vouch for the bytes being replaced
+    log(f"shard {key}: uploading {entry['bytes']} bytes to {version_dir}")
+    shard_path(version_dir, key).upload_file(Path(shard_path(staged, key)), entry["sha256"])
+    manifest_path(version_dir, key).write_json(entry)
+    _remove_staged(staged, key)
+    return entry
+
+
+def _remove_staged(staged: Path, key: str) -> None:
+    for p in (manifest_path(staged, key), shard_path(staged, key)):  # manifest first: never a bare entry
+        Path(p).unlink(missing_ok=True)
+
+
+def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Backend, *, vocab_size, progress) -> None:
+    """The shard's rows from `backend`, committed with its manifest in the local `folder` by `ShardWriter`."""
     fmt = fmt() if callable(fmt) else fmt
     records = read_shard_records(merged_train, spec, vocab_size=vocab_size() if callable(vocab_size) else vocab_size)
     done = 0
-    with ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w:
+    with ShardWriter(folder, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w:
         for sample, aux, last in backend(records):
             w.write_sample(sample.id, input_ids=torch.tensor(sample.input_ids, dtype=torch.int64),
                            loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
@@ -166,8 +158,6 @@ def _extract_local(spec: ShardSpec, merged_train: Path, version_dir: Path, fmt, 
             done += len(sample.input_ids)
             if progress is not None:
                 progress(done, spec.num_tokens)
-    return _result(spec, version_dir, w.entry, time.perf_counter() - start, skipped=False,
-                   reextracted_corrupt=distrust is not None)
 
 
 def _result(spec: ShardSpec, version_dir: storage.Location, entry: dict, seconds: float, *, skipped: bool,

@@ -8,16 +8,16 @@ superseded versions is a separate, explicit, logged step (`cleanup_superseded`),
 dry-run unless asked otherwise.
 
 Free bytes on a remote GPU host are measured by the host resource and passed in.
-When hidden.root is on an object store (`storage`), the store is not what can run
-out: the plan checks the local staging folder instead, which holds only the shard
-in flight (written, checked, uploaded, then deleted), so it needs the largest
-remaining shard, not the version. Superseded versions are listed and deleted on
-the store the same way as on disk.
+What must fit is measured where shards are written (`Location.local_folder`): a
+local root keeps them there, so it needs every remaining shard; a root that is
+staged (an object store) is not what can run out, and its staging folder holds
+only the shard in flight (written, checked, published, then deleted), so it needs
+the largest remaining shard, not the version. Superseded versions are listed and
+deleted the same way wherever the root is.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -45,6 +45,10 @@ class VersionInfo:
     version: str
     path: storage.Location
     num_bytes: int
+
+    @property
+    def summary(self) -> dict:
+        return {"version": self.version, "path": str(self.path), "bytes": self.num_bytes}
 
 
 @dataclass(frozen=True)
@@ -95,24 +99,15 @@ def free_bytes_at(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes under `path`, never following symlinks (a link counts as itself)."""
-    total = 0
-    for root, dirs, files in os.walk(path, followlinks=False):
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            total += os.lstat(os.path.join(root, name)).st_size
-    return total
-
-
 def complete_keys(version_dir: storage.Location, shards: Sequence[ShardSpec]) -> set[str]:
     """Keys whose manifest names the planned samples and whose file has the recorded size
     (`shards.is_shard_complete` for every shard, from one listing and one manifest read)."""
-    sizes = storage.file_sizes(version_dir)
+    sizes = storage.location(version_dir).file_sizes()
     manifest = load_manifest(version_dir) if sizes else {}
     done = set()
     for spec in shards:
         entry = manifest.get(spec.key)
-        if entry is not None and sizes.get(storage.name(shard_path(version_dir, spec.key))) == entry["bytes"] \
+        if entry is not None and sizes.get(shard_path(version_dir, spec.key).name) == entry["bytes"] \
                 and [s["id"] for s in entry["samples"]] == list(spec.sample_ids):
             done.add(spec.key)
     return done
@@ -120,18 +115,9 @@ def complete_keys(version_dir: storage.Location, shards: Sequence[ShardSpec]) ->
 
 def find_versions(root: storage.Location, current: str) -> list[VersionInfo]:
     """Every hidden-state version folder under root other than `current` (real folders named like a version)."""
-    if storage.is_remote(root):
-        return [VersionInfo(version=n, path=storage.join(root, n), num_bytes=storage.tree_bytes(storage.join(root, n)))
-                for n in storage.subfolders(root) if n != current and VERSION_PATTERN.match(n)]
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in sorted(root.iterdir()):
-        if p.name == current or not VERSION_PATTERN.match(p.name) or p.is_symlink() or not p.is_dir():
-            continue
-        out.append(VersionInfo(version=p.name, path=p, num_bytes=tree_bytes(p)))
-    return out
+    root = storage.location(root)
+    return [VersionInfo(version=n, path=root.join(n), num_bytes=root.join(n).tree_bytes())
+            for n in root.subfolders() if n != current and VERSION_PATTERN.match(n)]
 
 
 def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, num_hosts: int) -> float:
@@ -163,13 +149,13 @@ def plan_extraction(
 ) -> ExtractionPlan:
     """Bytes and time for the whole version and for what is still missing, and whether it fits.
 
-    For a root on an object store, `free_bytes` (or a measurement) is the staging folder's, and what must
-    fit there is the largest remaining shard with its manifest."""
+    `free_bytes` (or a measurement) is that of the folder shards are written in (`root.local_folder`). Where
+    they stay there (a local root) all remaining shards must fit; where they are published elsewhere (an
+    object store) what must fit is the largest remaining shard with its manifest."""
     root = storage.location(root)
-    remote = storage.is_remote(root)
-    if remote and staging_dir is None:
-        raise ValueError(f"hidden.root {root} is on an object store: the plan needs the local staging folder")
-    version_dir = storage.join(root, version)
+    free_at = root.local_folder(staging_dir)
+    published = storage.location(free_at) != root  # shards leave the folder they are written in
+    version_dir = root.join(version)
     done = complete_keys(version_dir, shards)
     total_shard = total_manifest = remaining = remaining_tokens = largest = 0
     remaining_shard_tokens: list[int] = []  # per remaining shard, in key order
@@ -182,19 +168,18 @@ def plan_extraction(
             remaining_tokens += spec.num_tokens
             remaining_shard_tokens.append(spec.num_tokens)
             largest = max(largest, s + m)
-    free_at = staging_dir if remote else root
     free = free_bytes_at(free_at) if free_bytes is None else int(free_bytes)
-    needed = largest if remote else remaining
+    needed = largest if published else remaining
     superseded = find_versions(root, version)
     fits = needed <= free
     reclaim = sum(v.num_bytes for v in superseded)
-    where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if remote else str(root)
+    where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if published else str(root)
     if fits:
         message = f"needs {_human(needed)} of {_human(free)} free at {where}"
     else:
         short = needed - free
         message = f"does not fit: needs {_human(needed)}, {_human(free)} free at {where}, short by {_human(short)}"
-        if superseded and not remote:
+        if superseded and not published:  # versions elsewhere free nothing in the staging folder
             names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
@@ -211,8 +196,8 @@ def plan_extraction(
 
 def actual_bytes(version_dir: storage.Location, shard_keys: Sequence[str]) -> int:
     """Bytes on disk (or on the store) of these shards and their manifests, to compare with the plan's prediction."""
-    sizes = storage.file_sizes(version_dir)
-    return sum(sizes.get(storage.name(p), 0) for key in shard_keys
+    sizes = storage.location(version_dir).file_sizes()
+    return sum(sizes.get(p.name, 0) for key in shard_keys
                for p in (shard_path(version_dir, key), manifest_path(version_dir, key)))
 
 
@@ -233,17 +218,14 @@ def cleanup_superseded(
     On an object store (no links there) a version is every object under its prefix.
     """
     root = storage.location(root)
-    remote = storage.is_remote(root)
-    real_root = None if remote else Path(root).resolve()
     removed: list[VersionInfo] = []
     for v in find_versions(root, current_version):
-        inside = storage.parent(v.path) == root if remote else Path(v.path).resolve().parent == real_root
-        if v.version == current_version or not inside:
+        if v.version == current_version or v.path.parent != root:
             log(f"skip {v.path}: not a version folder directly under {root}")
             continue
         log(f"{'would delete' if dry_run else 'deleting'} {v.path} ({v.num_bytes} bytes)")
         if not dry_run:
-            storage.remove(v.path, recursive=True)  # locally shutil.rmtree: unlinks links, never follows them
+            v.path.remove(recursive=True)  # locally shutil.rmtree: unlinks links, never follows them
         removed.append(v)
     freed = sum(v.num_bytes for v in removed)
     log(f"{'would free' if dry_run else 'freed'} {freed} bytes in {len(removed)} superseded versions under {root}")

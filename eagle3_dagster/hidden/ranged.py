@@ -1,6 +1,10 @@
-"""Row slices of a safetensors file on an object store, by HTTP range reads.
+"""Row slices of a safetensors file at any `storage.Location`: the storage layer's reader of shards.
 
-A local shard is memory-mapped through `safetensors.safe_open`; an object store has no mmap, and a shard
+`open_tensors` is the one way a shard's rows are read: a file on this machine is memory-mapped through
+`safetensors.safe_open`, and one on an object store is read by HTTP range requests (`RangedSafetensors`);
+both answer `metadata()` and `rows()`, so a reader (`shards.HiddenStatesDataset`) has one read path.
+
+An object store has no mmap, and a shard
 is many samples, so downloading it per sample would move the whole shard for each one. This reader does
 what the mmap does, over fsspec: the header is read once (its 8-byte length, then the JSON), and a
 sample's rows of each tensor are one byte range, all ranges of a sample fetched in one concurrent call.
@@ -25,16 +29,42 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
+def open_tensors(loc: storage.Location, num_bytes: int) -> "MappedSafetensors | RangedSafetensors":
+    """A reader of the safetensors file at `loc` (of `num_bytes`, as its manifest recorded)."""
+    try:
+        path = loc.local_path()
+    except ValueError:  # on a store: no file to map
+        return RangedSafetensors(loc, num_bytes)
+    return MappedSafetensors(path)
+
+
+class MappedSafetensors:
+    """A local safetensors file, memory-mapped by the library itself (which validates the format)."""
+
+    def __init__(self, path) -> None:
+        from safetensors import safe_open
+
+        self._f = safe_open(str(path), framework="pt")
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._f.metadata() or {})
+
+    def rows(self, requests: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        """`tensor[start:end]` for each (tensor name, start, end)."""
+        return [self._f.get_slice(tname)[start:end] for tname, start, end in requests]
+
+
 class RangedSafetensors:
     """Header and row ranges of one safetensors file at `loc` (local path or URL) of known size."""
 
-    def __init__(self, loc: storage.Location, num_bytes: int) -> None:
-        self.loc, self.num_bytes = loc, int(num_bytes)
-        (length,) = struct.unpack("<Q", storage.read_ranges(loc, [(0, 8)])[0])
+    def __init__(self, loc: storage.Location | str, num_bytes: int) -> None:
+        self.loc, self.num_bytes = storage.location(loc), int(num_bytes)
+        loc = self.loc
+        (length,) = struct.unpack("<Q", loc.read_ranges([(0, 8)])[0])
         if not 0 < length <= min(MAX_HEADER_BYTES, self.num_bytes - 8):
             raise ValueError(f"{loc}: not a safetensors file (header length {length}, file {self.num_bytes} bytes)")
         try:
-            header = orjson.loads(storage.read_ranges(loc, [(8, 8 + length)])[0])
+            header = orjson.loads(loc.read_ranges([(8, 8 + length)])[0])
         except orjson.JSONDecodeError as e:
             raise ValueError(f"{loc}: safetensors header is not JSON ({e})") from None
         self._metadata: dict[str, str] = header.pop("__metadata__", {}) or {}
@@ -67,7 +97,7 @@ class RangedSafetensors:
 
     def rows(self, requests: list[tuple[str, int, int]]) -> list[torch.Tensor]:
         """`tensor[start:end]` for each (tensor name, start, end), fetched together."""
-        blobs = storage.read_ranges(self.loc, [self._row_range(*r) for r in requests])
+        blobs = self.loc.read_ranges([self._row_range(*r) for r in requests])
         out = []
         for (tname, start, end), blob in zip(requests, blobs, strict=True):
             dtype, shape, _, _ = self._tensors[tname]

@@ -30,11 +30,11 @@ renamed, and only then its manifest `{key}.manifest.json` is written (atomic).
 Resume trusts manifests, never file existence. One manifest per shard means
 partition runs can finish in any order, concurrently, without a shared file.
 
-A version folder may be on an object store (`storage`: an fsspec URL). The writer
-always writes a local folder; `extract.publish_shard` uploads a committed shard,
-reads it back to check its sha256 and only then writes its manifest on the store.
-Everything that reads (manifests, completeness, checksums, `HiddenStatesDataset`)
-takes either kind of location.
+A version folder is a `storage.Location`: a local folder or a prefix on an object
+store. The writer always writes a local folder (the version's staging folder, which
+for a local version is the version folder itself); `extract.publish_shard` publishes
+a committed shard. Everything that reads (manifests, completeness, checksums,
+`HiddenStatesDataset`) takes any location and never asks which kind it is.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import orjson
 import torch
 
 from eagle3_dagster import storage
-from eagle3_dagster.hidden.ranged import RangedSafetensors
-from eagle3_dagster.io import atomic_write_json, sha256_file
+from eagle3_dagster.hidden.ranged import open_tensors
+from eagle3_dagster.io import atomic_write_json, json_bytes, parse_json, sha256_file
 from eagle3_dagster.layers import CANONICAL_NUMBERING
 
 SHARD_FORMAT = "eagle3-hidden-states"
@@ -113,12 +113,12 @@ class ShardFormat:
         return self.dtype in SCALED_DTYPES
 
 
-def shard_path(version_dir: storage.Location, key: str) -> storage.Location:
-    return storage.join(version_dir, f"{key}.safetensors")
+def shard_path(version_dir: storage.Location | Path, key: str) -> storage.Location:
+    return storage.location(version_dir).join(f"{key}.safetensors")
 
 
-def manifest_path(version_dir: storage.Location, key: str) -> storage.Location:
-    return storage.join(version_dir, f"{key}{MANIFEST_SUFFIX}")
+def manifest_path(version_dir: storage.Location | Path, key: str) -> storage.Location:
+    return storage.location(version_dir).join(f"{key}{MANIFEST_SUFFIX}")
 
 
 def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_tokens: int) -> dict[str, str]:
@@ -199,7 +199,7 @@ def manifest_entry(
 
 def manifest_bytes(entry: dict) -> bytes:
     """Exactly what `atomic_write_json` writes, so the plan can predict manifest sizes."""
-    return orjson.dumps(entry, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+    return json_bytes(entry)
 
 
 class ShardWriter:
@@ -223,10 +223,12 @@ class ShardWriter:
     ) -> None:
         if len(sample_ids) != len(lengths) or not sample_ids:
             raise ValueError(f"{key}: need one length per sample id and at least one sample")
-        if storage.is_remote(version_dir):
+        try:
+            self.version_dir = storage.location(version_dir).local_path()
+        except ValueError:
             raise ValueError(f"{key}: ShardWriter writes a local folder, not {version_dir}; shards for a store are "
-                             "written in the staging folder and published (extract.extract_shard does both)")
-        self.version_dir, self.key, self.fmt = Path(version_dir), key, fmt
+                             "written in the staging folder and published (extract.extract_shard does both)") from None
+        self.key, self.fmt = key, fmt
         self.sample_ids, self.lengths, self.first_record = list(sample_ids), [int(n) for n in lengths], first_record
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
         if len(self._index) != len(self.sample_ids):
@@ -237,12 +239,12 @@ class ShardWriter:
         prefix, self._starts, data = encode_header(fmt, key, self.sample_ids, self._row0[-1])
         self._data_start = len(prefix)
         self.num_bytes = len(prefix) + data
-        self.final_path = shard_path(self.version_dir, key)
+        self.final_path = Path(shard_path(self.version_dir, key))
         self.version_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(self.version_dir, key)
         # The shard is about to be replaced: an old manifest entry would vouch for the wrong bytes.
         with contextlib.suppress(FileNotFoundError):
-            manifest_path(self.version_dir, key).unlink()
+            Path(manifest_path(self.version_dir, key)).unlink()
         self.tmp_path = self.version_dir / f".{self.final_path.name}.{os.getpid()}.tmp"
         self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.num_bytes)
@@ -352,16 +354,16 @@ def load_shard_manifest(version_dir: storage.Location, key: str) -> dict | None:
 def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     """The version's manifest: shard key -> entry, aggregated from the per-shard files (sorted by key)."""
     version_dir = storage.location(version_dir)
-    names = sorted(n for n in storage.file_sizes(version_dir) if n.endswith(MANIFEST_SUFFIX) and not n.startswith("."))
+    names = sorted(n for n in version_dir.file_sizes() if n.endswith(MANIFEST_SUFFIX) and not n.startswith("."))
     out: dict[str, dict] = {}
-    for n, blob in zip(names, storage.read_many([storage.join(version_dir, n) for n in names]), strict=True):
+    for n, blob in zip(names, storage.read_many([version_dir.join(n) for n in names]), strict=True):
         try:
-            entry = storage.parse_json(blob, storage.join(version_dir, n))
+            entry = parse_json(blob, version_dir.join(n))
         except ValueError as e:
             raise ValueError(f"{e}: a corrupt shard manifest; delete it and the shard "
                              f"{n[: -len(MANIFEST_SUFFIX)]} counts as missing and is extracted again") from None
         if entry.get("shard") != n[: -len(MANIFEST_SUFFIX)]:
-            raise ValueError(f"{storage.join(version_dir, n)}: manifest names shard {entry.get('shard')!r}, "
+            raise ValueError(f"{version_dir.join(n)}: manifest names shard {entry.get('shard')!r}, "
                              "not its own file name")
         out[entry["shard"]] = entry
     return out
@@ -370,7 +372,7 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
 def is_shard_complete(version_dir: storage.Location, key: str, expected_ids: Sequence[str] | None = None) -> bool:
     """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
     entry = load_shard_manifest(version_dir, key)
-    if entry is None or storage.size(shard_path(version_dir, key)) != entry["bytes"]:
+    if entry is None or shard_path(version_dir, key).size() != entry["bytes"]:
         return False
     return expected_ids is None or [s["id"] for s in entry["samples"]] == list(expected_ids)
 
@@ -379,14 +381,14 @@ def verify_shard(path: storage.Location, manifest_entry: dict) -> None:
     """Recompute size and sha256 (on a store: read back in full); a mismatch is a `ShardCorruptError` naming
     the shard."""
     path = storage.location(path)
-    size = storage.size(path)
+    size = path.size()
     if size is None:
         raise ShardCorruptError(f"shard {manifest_entry.get('shard')} ({path}): file is missing")
     if size != manifest_entry["bytes"]:
         raise ShardCorruptError(
             f"shard {manifest_entry['shard']} ({path}): {size} bytes on disk, manifest says {manifest_entry['bytes']}"
         )
-    digest = storage.sha256(path)
+    digest = path.sha256()
     if digest != manifest_entry["sha256"]:
         raise ShardCorruptError(
             f"shard {manifest_entry['shard']} ({path}): sha256 {digest} does not match the manifest's "
@@ -395,18 +397,17 @@ def verify_shard(path: storage.Location, manifest_entry: dict) -> None:
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
-    """Per-sample random access over a version's shards, memory-mapped through `safetensors.safe_open`.
+    """Per-sample random access over a version's shards, through `ranged.open_tensors`: memory-mapped by
+    safetensors when the version is on this machine, range requests on an object store (each shard's header
+    once per process, then one concurrent fetch of a sample's rows).
 
     Only complete shards (those with a manifest entry) are visible. Samples are
     ordered by shard key then merged_train order. File handles open lazily per
-    process, so the dataset can be handed to DataLoader workers. A version on an
-    object store is read with range requests (`ranged.RangedSafetensors`): each
-    shard's header once per process, then one concurrent fetch of a sample's rows.
+    process, so the dataset can be handed to DataLoader workers.
     """
 
-    def __init__(self, version_dir: storage.Location, shard_keys: Sequence[str] | None = None) -> None:
+    def __init__(self, version_dir: storage.Location | Path | str, shard_keys: Sequence[str] | None = None) -> None:
         self.version_dir = storage.location(version_dir)
-        self._remote = storage.is_remote(self.version_dir)
         manifest = load_manifest(self.version_dir)
         keys = sorted(manifest) if shard_keys is None else list(shard_keys)
         missing = [k for k in keys if k not in manifest]
@@ -425,24 +426,18 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         self.metadata = self._read_metadata(keys)
 
     def _read_metadata(self, keys: list[str]) -> dict:
-        from safetensors import safe_open
-
         common = ("format", "format_version", "target_identity", "aux_layers", "aux_layer_numbering", "dtype",
                   "hidden_size", "last_hidden_post_norm")
         first: dict[str, str] | None = None
         for f_index, path in enumerate(self._files):
-            if self._remote:
-                meta = self._handle(f_index).metadata()
-            else:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
+            meta = self._handle(f_index).metadata()
             if meta.get("format") != SHARD_FORMAT:
                 raise ValueError(f"{path}: not an {SHARD_FORMAT} shard (header format={meta.get('format')!r})")
             if first is None:
                 first = meta
             elif any(meta.get(k) != first.get(k) for k in common):
                 diff = [k for k in common if meta.get(k) != first.get(k)]
-                raise ValueError(f"{path}: header differs from {storage.name(self._files[0])} in {diff}")
+                raise ValueError(f"{path}: header differs from {self._files[0].name} in {diff}")
         assert first is not None
         return {
             "format_version": int(first["format_version"]),
@@ -466,37 +461,18 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         return [sid for *_, sid in self._rows]
 
     def _handle(self, f: int):
-        from safetensors import safe_open
-
         if self._pid != os.getpid():  # forked into a worker: never share the parent's handles
             self._handles, self._pid = {}, os.getpid()
         h = self._handles.get(f)
         if h is None:
-            h = self._handles[f] = RangedSafetensors(self._files[f], self._sizes[f]) if self._remote \
-                else safe_open(str(self._files[f]), framework="pt")
+            h = self._handles[f] = open_tensors(self._files[f], self._sizes[f])
         return h
 
     def __getitem__(self, i: int) -> dict:
         f, start, end, sid = self._rows[i]
-        h = self._handle(f)
-        if self._remote:
-            return self._remote_item(h, start, end, sid)
-        aux, last = h.get_slice("aux_hidden")[start:end], h.get_slice("last_hidden")[start:end]
-        if self.metadata["dtype"] in SCALED_DTYPES:
-            aux = dequantize(aux, h.get_slice("aux_scale")[start:end])
-            last = dequantize(last, h.get_slice("last_scale")[start:end])
-        return {
-            "input_ids": h.get_slice("input_ids")[start:end].long(),
-            "loss_mask": h.get_slice("loss_mask")[start:end].long(),
-            "aux_hidden": aux,
-            "last_hidden": last,
-            "sample_id": sid,
-        }
-
-    def _remote_item(self, h: RangedSafetensors, start: int, end: int, sid: str) -> dict:
         scaled = self.metadata["dtype"] in SCALED_DTYPES
         names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden", *(["aux_scale", "last_scale"] if scaled else [])]
-        got = dict(zip(names, h.rows([(n, start, end) for n in names]), strict=True))
+        got = dict(zip(names, self._handle(f).rows([(n, start, end) for n in names]), strict=True))
         aux, last = got["aux_hidden"], got["last_hidden"]
         if scaled:
             aux, last = dequantize(aux, got["aux_scale"]), dequantize(last, got["last_scale"])

@@ -17,7 +17,8 @@ from typing import Any
 
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import ArtifactLayout
-from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json
+from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from eagle3_dagster.storage import read_json
 from eagle3_dagster.stages import Progress, StageReport, no_progress
 from eagle3_dagster.target import target_facts
 

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from eagle3_dagster.train.data import TrainSchedule
 
 def free_space_location(layout: ArtifactLayout) -> Path:
-    """Where extraction needs free disk: hidden.root, or the staging folder when the root is on a store."""
-    return layout.staging_dir if storage.is_remote(layout.hidden_root) else Path(layout.hidden_root)
+    """Where extraction needs free disk: the folder shards are written in (hidden.root, or the staging folder
+    of a root on a store)."""
+    return storage.location(layout.hidden_root).local_folder(layout.staging_dir)
 
 
 def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
@@ -43,7 +44,7 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
     )
     report = StageReport(metadata={
         "version": plan.version,
-        "version_dir": plan.version_dir,
+        "version_dir": str(plan.version_dir),
         "num_shards": plan.num_shards,
         "num_samples": plan.num_samples,
         "num_tokens": plan.num_tokens,
@@ -58,8 +59,7 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "free_at": plan.free_at,
         "needed_bytes": plan.needed_bytes,
         "fits": plan.fits,
-        "superseded_versions": [{"version": v.version, "path": str(v.path), "bytes": v.num_bytes}
-                                for v in plan.superseded],
+        "superseded_versions": [v.summary for v in plan.superseded],
         "superseded_bytes": plan.superseded_bytes,
         "aux_layers_canonical": list(ctx.target.aux_layers),
         "merged_train_sha256": ctx.merged_train_sha256,
@@ -120,7 +120,7 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
         "version": ctx.version,
-        "version_dir": ctx.version_dir,
+        "version_dir": str(ctx.version_dir),
         "shards": keys,
         "num_samples": sum(s.num_records for s in specs),
         "num_tokens": sum(s.num_tokens for s in specs),
@@ -143,7 +143,7 @@ def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[
     bad = []
     for key in keys:
         try:
-            verify_shard(storage.join(ctx.version_dir, manifest[key]["file"]), manifest[key])
+            verify_shard(ctx.version_dir.join(manifest[key]["file"]), manifest[key])
         except Exception as e:  # a missing or corrupted shard: name it in the check
             bad.append(f"{key}: {e}")
     return {
@@ -202,7 +202,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
-    local_root = ctx.staging_dir or ctx.version_dir.parent  # dumps and logs stay on the host's disk
+    local_root = ctx.staging_dir  # the local folder shards are written in: dumps and logs stay on the host's disk
     report = host_report or extraction_preflight(profile, host, local_root)
     if (why := other_sglang_release(report, profile.gpu_host.sglang_version)) is not None:  # a report from elsewhere
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")
@@ -265,7 +265,7 @@ def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = T
         "dry_run": result.dry_run,
         "freed_bytes": result.freed_bytes,
         "freed_human": _human(result.freed_bytes),
-        "removed": [{"version": v.version, "path": str(v.path), "bytes": v.num_bytes} for v in result.removed],
+        "removed": [v.summary for v in result.removed],
     })
 
 

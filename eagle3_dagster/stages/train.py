@@ -22,7 +22,6 @@ from pathlib import Path
 from eagle3_dagster import storage
 from eagle3_dagster.config import PROJECT_ROOT, Profile
 from eagle3_dagster.contracts import ArtifactLayout
-from eagle3_dagster.io import read_json
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
 from eagle3_dagster.threads import thread_env
@@ -115,7 +114,7 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     weight) is refused with an error, so no materialization ever names it."""
     from eagle3_dagster.drafter.export import check_export
 
-    metrics = read_json(plan.out_dir / "metrics.json")
+    metrics = storage.read_json(plan.out_dir / "metrics.json")
     export_dir = plan.out_dir / "export"
     check = check_export(export_dir)
     if not check.ok:
@@ -125,7 +124,7 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     if profile.train.export_location:
         from eagle3_dagster.drafter.publish import publish_export
 
-        dest = storage.join(storage.location(profile.train.export_location, PROJECT_ROOT), plan.out_dir.name)
+        dest = storage.location(profile.train.export_location, PROJECT_ROOT).join(plan.out_dir.name)
         publish_export(export_dir, dest, log=lambda _line: None)
         published = {"export_location": str(dest)}
     from eagle3_dagster.train.outputs import summary_metadata

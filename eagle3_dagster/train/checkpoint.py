@@ -20,7 +20,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3_dagster.io import atomic_write_json, atomic_write_text, naming_full_disk, read_json
+from eagle3_dagster.io import atomic_write_json, atomic_write_text, naming_full_disk
+from eagle3_dagster.storage import read_json
 
 LATEST = "latest"
 

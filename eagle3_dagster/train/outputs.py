@@ -17,7 +17,7 @@ from eagle3_dagster.train.loop import Trainer
 
 
 def write_outputs(job, trainer: Trainer, drafter: Eagle3Drafter, final: dict, timing: dict, out: Path) -> dict:
-    from eagle3_dagster.io import read_json
+    from eagle3_dagster.storage import read_json
 
     initial_path = out / "initial_eval.json"
     k = job.train.ttt_steps

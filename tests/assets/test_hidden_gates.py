@@ -100,7 +100,7 @@ def test_cleanup_job_lists_superseded_versions_in_a_dry_run_and_deletes_only_the
     plan = _plan(profile, instance, GpuHostResource.from_profile(profile))
     assert plan.success
     current = Path(str(plan.asset_materializations_for_node("extraction_plan")[0].metadata["version_dir"].value))
-    old = layout.hidden_root / "hs-0123456789ab"
+    old = Path(layout.hidden_root) / "hs-0123456789ab"
     old.mkdir(parents=True)
     (old / "shard-00000.safetensors").write_bytes(b"x" * 300)
     job = defs.resolve_job_def("cleanup_hidden_states")

@@ -116,7 +116,7 @@ def test_sglang_stage_extracts_shards_with_the_plans_bytes_through_dagster(setup
         want = torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], dim=-1)
         torch.testing.assert_close(sample["aux_hidden"].float(), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(sample["last_hidden"].float(), out.last_hidden_state[0], rtol=1e-4, atol=1e-4)
-    assert not any((layout.hidden_root / ".dumps").rglob("*.safetensors"))  # chunk files cleaned up
+    assert not any((Path(layout.hidden_root) / ".dumps").rglob("*.safetensors"))  # chunk files cleaned up
 
 
 def test_driver_failure_brings_sglang_log_tail_and_traceback(setup, monkeypatch):

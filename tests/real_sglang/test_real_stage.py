@@ -83,4 +83,4 @@ def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sgla
         sgl.append(torch.stack([rel_err(x, fp32[i]).median() for x, i in zip(got, [*AUX, -1])]))
         b16.append(torch.stack([rel_err(bf16[i], fp32[i]).median() for i in [*AUX, -1]]))
     assert (torch.stack(sgl).median(0).values <= ENVELOPE_FACTOR * torch.stack(b16).median(0).values).all()
-    assert not any((layout.hidden_root / ".dumps").rglob("*.safetensors"))
+    assert not any((Path(layout.hidden_root) / ".dumps").rglob("*.safetensors"))

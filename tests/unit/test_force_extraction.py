@@ -6,6 +6,8 @@ protocol; tests/assets/test_hidden_gates.py runs the same switch from the launch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from eagle3_dagster.hidden.extract import extract_shard
@@ -32,7 +34,7 @@ def test_force_replaces_a_complete_shard_with_a_new_file_of_the_same_bytes_and_n
             yield r, torch.full((n, 3 * H), float(n)), torch.full((n, H), float(n))
 
     first = extract_shard(spec, merged, version_dir, fmt, backend)
-    path = shard_path(version_dir, spec.key)
+    path = Path(shard_path(version_dir, spec.key))
     before, data = path.stat(), path.read_bytes()
 
     skipped = extract_shard(spec, merged, version_dir, fmt, backend)

@@ -44,6 +44,9 @@ GPU_HOST_MODULES = ["eagle3_dagster.sglang.dump_hook", "eagle3_dagster.sglang.dr
                     "eagle3_dagster.train.worker", "resources.pipes_child"]
 # Provided by the host itself: SGLang is the environment, and it brings its own CUDA torch.
 HOST_PROVIDED = {"sglang"}
+# Loaded by name rather than imported: fsspec imports the implementation of a URL's protocol when one is
+# used, s3fs for s3:// (the SGLang driver uploads shards from the GPU host when hidden.root is on S3).
+LOADED_BY = {"fsspec": ["s3fs"]}
 # The GPU host is Linux x86_64 whatever machine runs the test; extras of SGLang are not installed.
 HOST_ENV = default_environment() | {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
                                    "extra": ""}
@@ -191,6 +194,8 @@ def test_gpu_install_names_exactly_what_the_gpu_host_modules_import():
             continue
         assert top in packages, f"{module} imports {top}, which no installed distribution provides"
         needed[canonicalize_name(packages[top][0])] = f"{top} (imported by {module})"
+        for loaded in LOADED_BY.get(top, []):
+            needed[canonicalize_name(packages[loaded][0])] = f"{loaded} (loaded by {top}, imported by {module})"
     project = _pyproject()
     direct = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]]
     declared = {canonicalize_name(r.name) for r in direct if canonicalize_name(r.name) != PROJECT}

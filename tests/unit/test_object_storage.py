@@ -59,8 +59,8 @@ def _extract(micro_target: Path, merged: Path, version_dir, staging: Path | None
 
 
 def _store_files(url: str) -> dict[str, bytes]:
-    names = sorted(storage.file_sizes(url))
-    return dict(zip(names, storage.read_many([storage.join(url, n) for n in names]), strict=True))
+    names = sorted(storage.location(url).file_sizes())
+    return dict(zip(names, storage.read_many([storage.location(url).join(n) for n in names]), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +101,14 @@ def test_plan_of_a_store_checks_the_staging_space_for_one_shard_in_flight(refere
                       code_version="hf-1")
     fresh = plan_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
                             staging_dir=tmp_path, free_bytes=10**9)
-    sizes = storage.file_sizes(url)
+    sizes = storage.location(url).file_sizes()
     largest = max(sizes[f"{s.key}.safetensors"] + sizes[f"{s.key}.manifest.json"] for s in specs)
     assert fresh.needed_bytes == largest < fresh.remaining_bytes == fresh.total_bytes
     assert fresh.free_at == str(tmp_path) and fresh.fits
     short = plan_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
                             staging_dir=tmp_path, free_bytes=largest - 1)
     assert not short.fits and "staging folder" in short.message
-    done = plan_extraction(specs, fmt, storage.parent(url), VERSION, throughput_tokens_per_s=100.0,
+    done = plan_extraction(specs, fmt, storage.location(url).parent, VERSION, throughput_tokens_per_s=100.0,
                            staging_dir=tmp_path, free_bytes=0)
     assert done.remaining_bytes == 0 and done.needed_bytes == 0 and done.fits
 
@@ -120,13 +120,13 @@ def test_training_reads_from_the_store_exactly_the_tensors_of_a_local_copy(refer
     remote, mapped = HiddenStatesDataset(url), HiddenStatesDataset(local)
     assert remote.metadata == mapped.metadata and remote.lengths() == mapped.lengths() == LENGTHS
     requested: list[int] = []
-    real = storage.read_ranges
+    real = storage.Location.read_ranges
 
     def counting(loc, ranges):
         requested.extend(end - start for start, end in ranges)
         return real(loc, ranges)
 
-    monkeypatch.setattr(storage, "read_ranges", counting)
+    monkeypatch.setattr(storage.Location, "read_ranges", counting)
     for i in range(len(mapped)):
         requested.clear()
         a, b = remote[i], mapped[i]
@@ -164,11 +164,11 @@ def test_a_corrupted_object_on_the_store_is_refused_and_extracted_again(s3_serve
     merged, local = reference
     url = f"s3://eagle3-test/corrupt/{VERSION}"
     _extract(micro_target, merged, url, tmp_path)
-    shard = storage.join(url, "shard-00001.safetensors")
-    good = storage.read_bytes(shard)
+    shard = storage.location(url).join("shard-00001.safetensors")
+    good = shard.read_bytes()
     flipped = bytearray(good)
     flipped[-5] ^= 0xFF  # same size: only the checksum can tell
-    storage.write_bytes(shard, bytes(flipped))
+    shard.write_bytes(bytes(flipped))
     spec = plan_shards(merged, SAMPLES_PER_SHARD)[1]
     complete, why = verified_complete(url, spec)
     assert not complete and "sha256" in why and "shard-00001" in why
@@ -176,19 +176,19 @@ def test_a_corrupted_object_on_the_store_is_refused_and_extracted_again(s3_serve
         verify_shard(shard, load_manifest(url)["shard-00001"])
     results = _extract(micro_target, merged, url, tmp_path)
     assert [(r.skipped, r.reextracted_corrupt) for r in results] == [(True, False), (False, True), (True, False)]
-    assert storage.read_bytes(shard) == good == (local / "shard-00001.safetensors").read_bytes()
+    assert shard.read_bytes() == good == (local / "shard-00001.safetensors").read_bytes()
 
 
 def test_cleanup_deletes_superseded_versions_on_the_store(s3_server, tmp_path):
-    root = "s3://eagle3-test/cleanup"
+    root = storage.location("s3://eagle3-test/cleanup")
     for version in ("hs-aaaaaaaaaaaa", "hs-bbbbbbbbbbbb"):
-        storage.write_bytes(storage.join(root, version, "shard-00000.safetensors"), b"x" * 10)
-    storage.write_bytes(storage.join(root, "not-a-version", "keep.txt"), b"y")
+        root.join(version, "shard-00000.safetensors").write_bytes(b"x" * 10)
+    root.join("not-a-version", "keep.txt").write_bytes(b"y")
     assert [(v.version, v.num_bytes) for v in find_versions(root, "hs-bbbbbbbbbbbb")] == [("hs-aaaaaaaaaaaa", 10)]
     dry = cleanup_superseded(root, "hs-bbbbbbbbbbbb", dry_run=True, log=lambda _line: None)
-    assert dry.freed_bytes == 10 and storage.subfolders(root) == ["hs-aaaaaaaaaaaa", "hs-bbbbbbbbbbbb", "not-a-version"]
+    assert dry.freed_bytes == 10 and root.subfolders() == ["hs-aaaaaaaaaaaa", "hs-bbbbbbbbbbbb", "not-a-version"]
     cleanup_superseded(root, "hs-bbbbbbbbbbbb", dry_run=False, log=lambda _line: None)
-    assert storage.subfolders(root) == ["hs-bbbbbbbbbbbb", "not-a-version"]
+    assert root.subfolders() == ["hs-bbbbbbbbbbbb", "not-a-version"]
 
 
 def test_a_url_carrying_credentials_is_refused_without_echoing_them():
@@ -203,20 +203,20 @@ from pathlib import Path
 from eagle3_dagster import storage
 from eagle3_dagster.hidden.extract_hf import extract_all_hf
 
-real_upload, uploads = storage.upload_file, []
+real_upload, uploads = storage.Location.upload_file, []
 
-def upload(local, loc, expected_sha256):
+def upload(loc, local, expected_sha256):
     uploads.append(loc)
     if len(uploads) == 2:
         # shard-00001: put half its bytes where the object goes (what a store that shows partial writes
         # would hold), say so, and wait there for the kill, so it lands mid-upload whatever the speed
         data = Path(local).read_bytes()
-        storage.write_bytes(loc, data[: len(data) // 2])
+        loc.write_bytes(data[: len(data) // 2])
         print("mid-upload", flush=True)
         threading.Event().wait()
-    real_upload(local, loc, expected_sha256)
+    real_upload(loc, local, expected_sha256)
 
-storage.upload_file = upload
+storage.Location.upload_file = upload
 extract_all_hf(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], samples_per_shard={sps}, aux_layers={aux},
                dtype="float32", batch_tokens={bt}, target_identity="micro", device="cpu", staging_dir=Path(sys.argv[4]))
 """
@@ -232,7 +232,7 @@ def test_upload_killed_mid_way_resumes_by_uploading_only_what_is_missing(s3_serv
     kill_when_it_says(code, [str(micro_target), str(merged), url, str(staging)], "mid-upload",
                       "before uploading shard-00001")
     assert sorted(load_manifest(url)) == ["shard-00000"]  # the half object is not vouched for
-    assert storage.size(storage.join(url, "shard-00001.safetensors")) is not None
+    assert storage.location(url).join("shard-00001.safetensors").size() is not None
     results = _extract(micro_target, merged, url, staging)
     assert [(r.skipped, r.uploaded_from_staging) for r in results] == [(True, False), (False, True), (False, False)]
     assert _store_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
@@ -253,13 +253,13 @@ def test_drafter_export_published_to_the_store_comes_back_identical_and_checked(
     back = fetch_export(dest, tmp_path / "fetched")
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in export.iterdir()}
 
-    weights = storage.join(dest, "model.safetensors")
-    good = storage.read_bytes(weights)
-    storage.write_bytes(weights, good[:-1] + bytes([good[-1] ^ 1]))
+    weights = storage.location(dest).join("model.safetensors")
+    good = weights.read_bytes()
+    weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(ValueError, match="model.safetensors.*published export is corrupted"):
         fetch_export(dest, tmp_path / "corrupt")
     assert not (tmp_path / "corrupt" / "model.safetensors").exists()  # nothing failing its checksum is kept
-    storage.remove(storage.join(dest, EXPORT_MANIFEST))  # a publish that died before its manifest
+    storage.location(dest).join(EXPORT_MANIFEST).remove()  # a publish that died before its manifest
     with pytest.raises(FileNotFoundError, match="did not finish"):
         fetch_export(dest, tmp_path / "unfinished")
 
@@ -283,17 +283,17 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     meta = report.metadata
     assert fits and meta["free_at"] == str(layout.staging_dir) == str(tmp_path / "run" / "hidden_staging")
     contract = meta[PLAN_CONTRACT_KEY]
-    assert contract == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.exists(contract)
+    assert contract == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.location(contract).exists()
     keys = [f"shard-0000{i}" for i in range(meta["num_shards"])]
     extracted, checks = extract_stage(profile, contract, keys)
     assert all(passed for passed, _ in checks.values()), checks
     assert extracted.metadata["bytes_written"] == meta["total_bytes"]
     again, _ = extract_stage(profile, contract, keys)
     assert again.metadata["resumed_shards"] == len(keys)
-    storage.write_bytes("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors", b"old")
+    storage.location("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors").write_bytes(b"old")
     cleaned = cleanup_stage(profile, layout, dry_run=False, plan=contract, log=lambda _line: None)
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
-    assert storage.subfolders("s3://eagle3-test/stages") == [meta["version"]]
+    assert storage.location("s3://eagle3-test/stages").subfolders() == [meta["version"]]
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -317,10 +317,10 @@ def test_a_store_root_plans_its_staging_folder_under_run_root_by_default():
 
     profile = load_profile("micro", overrides={"run_root": "/data/run", "hidden": {"root": "s3://bucket/hidden/"}})
     layout = ArtifactLayout.from_profile(profile)
-    assert layout.hidden_root == "s3://bucket/hidden" and layout.hidden_version_dir("hs-1") == "s3://bucket/hidden/hs-1"
+    assert str(layout.hidden_root) == "s3://bucket/hidden" and str(layout.hidden_version_dir("hs-1")) == "s3://bucket/hidden/hs-1"
     assert free_space_location(layout) == Path("/data/run/hidden_staging")
     local = ArtifactLayout.from_profile(load_profile("micro", overrides={"hidden": {"root": "/data/hidden"}}))
-    assert free_space_location(local) == Path("/data/hidden") == local.hidden_root
+    assert free_space_location(local) == Path("/data/hidden") == Path(local.hidden_root)
 
 
 def test_finished_training_publishes_its_checked_export_to_the_export_location(s3_server, tmp_path, target_dir):
@@ -344,3 +344,26 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
     back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in (run / "export").iterdir()}
+
+
+def test_the_sglang_driver_publishes_to_the_store_the_bytes_it_writes_to_a_local_folder(s3_server, tmp_path):
+    """The SGLang backend with hidden.root on S3, through the driver's command line as the GPU host runs it
+    (loopback server running the real dump hook): the store holds the bytes the same driver writes to a local
+    folder, only the shard asked for, and the staging folder is emptied once it is uploaded."""
+    from eagle3_dagster.sglang.driver import main
+    from tests.unit.test_sglang_driver import FakeSGLang
+
+    merged = extract_hf_test._merged_train(tmp_path / "merged_train.jsonl", vocab=50)
+    local, url = tmp_path / "local" / VERSION, f"s3://eagle3-test/sglang/{VERSION}"
+    server = FakeSGLang(tmp_path / "dumps")
+    try:
+        for version_dir in (str(local), url):
+            assert main(["--base-url", server.url, "--dump-dir", str(tmp_path / "dumps"), "--merged-train",
+                         str(merged), "--version-dir", version_dir, "--staging-dir", str(tmp_path / "staging"),
+                         "--shard", "shard-00001", "--samples-per-shard", "3", "--aux-layers", "1,2,4",
+                         "--hidden-size", "8", "--dtype", "bfloat16", "--target-identity", "t"]) == 0
+    finally:
+        server.close()
+    assert sorted(load_manifest(url)) == ["shard-00001"]
+    assert _store_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
+    assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))

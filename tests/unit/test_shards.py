@@ -94,7 +94,7 @@ def test_write_order_does_not_change_shard_bytes(tmp_path):
 def test_manifest_maps_sample_to_rows_and_checksum(tmp_path):
     entry = _write(tmp_path, "shard-00000", SAMPLES)
     assert [s["rows"] for s in entry["samples"]] == [[0, 3], [3, 8], [8, 9]]
-    assert entry["bytes"] == shard_path(tmp_path, "shard-00000").stat().st_size
+    assert entry["bytes"] == Path(shard_path(tmp_path, "shard-00000")).stat().st_size
     verify_shard(shard_path(tmp_path, "shard-00000"), entry)
 
 
@@ -129,7 +129,7 @@ def test_write_sample_rejects_wrong_shape_and_unknown_id(tmp_path):
 def test_resume_trusts_the_manifest_not_the_file(tmp_path):
     _write(tmp_path, "shard-00000", SAMPLES)
     assert is_shard_complete(tmp_path, "shard-00000", [s["id"] for s in SAMPLES])
-    manifest_path(tmp_path, "shard-00000").unlink()  # crash between rename and manifest
+    Path(manifest_path(tmp_path, "shard-00000")).unlink()  # crash between rename and manifest
     assert shard_path(tmp_path, "shard-00000").exists()
     assert not is_shard_complete(tmp_path, "shard-00000")
     _write(tmp_path, "shard-00000", SAMPLES[:2])

@@ -163,7 +163,7 @@ def test_a_hung_store_fails_a_range_read_within_the_profiles_bound_naming_the_ob
 def test_a_hung_store_fails_reading_a_manifest_within_the_bound_naming_it(store, caplog):
     url, _, proxy = store
     manifest = "s3://faults/v1/manifest.json"
-    storage.write_json(manifest, {"shard": 1})
+    storage.location(manifest).write_json({"shard": 1})
     proxy.hanging = True
     caplog.set_level(logging.WARNING, logger="eagle3_dagster.storage")
     started = time.monotonic()
@@ -181,8 +181,9 @@ def test_the_profiles_storage_settings_reach_the_processes_a_run_starts(monkeypa
     monkeypatch.setattr(storage, "_settings", None)
     profile = load_profile("micro", overrides={"storage": {"read_timeout_s": 7, "attempts": 2}})
     build_definitions(profile)  # the code location and its run workers
-    assert storage.settings() == profile.storage and storage.settings().read_timeout_s == 7
+    expected = storage.StorageSettings(**profile.storage.model_dump())
+    assert storage.settings() == expected and storage.settings().read_timeout_s == 7
     child = subprocess.run([sys.executable, "-c", "from eagle3_dagster import storage; "
-                            "print(storage.settings().model_dump_json())"], capture_output=True, text=True,
+                            "print(repr(storage.settings()))"], capture_output=True, text=True,
                            env={**os.environ, **storage.child_env()}, check=True)  # torchrun workers, drivers
-    assert StorageConfig.model_validate_json(child.stdout) == profile.storage
+    assert child.stdout.strip() == repr(expected)

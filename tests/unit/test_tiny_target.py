@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3_dagster.io import read_json, sha256_file
+from eagle3_dagster.io import sha256_file
+from eagle3_dagster.storage import read_json
 from eagle3_dagster.target import load_target_config, target_identity, target_summary
 from eagle3_dagster.tiny.build import build_tiny_target, weights_digest
 from eagle3_dagster.tiny.pretrain import downsample, pack_sequences
