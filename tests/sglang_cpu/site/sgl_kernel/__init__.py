@@ -274,16 +274,22 @@ def _extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_bu
     _refuse_attention_options(op, k_scale, v_scale, is_cross_attn, sliding_window_size, sinks)
     if tree_mask is not None:  # SGLang passes none for chains (tree_topk 1): causal is the chain's mask
         raise _unsupported(op, "tree masks (speculative verify with topk > 1)")
+    # The kernel's MLA case: new K/V with other heads than the cache (DeepSeek's MHA prefill over the latent
+    # cache) means "prefix skipped": the cache is not read, and a request with a cached prefix is an error.
+    prefix_skipped = k_extend is not None and k_buffer.shape[1] != k_extend.shape[1]
     for b, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         n, at = int(extend_seq_lens[b]), int(extend_start_loc[b])
+        _check(not prefix_skipped or s == n, op, f"extend attention: expect seq_len_prefix to be 0, got {s - n}")
         prefix = req_to_token[r, :s - n].long()
         if k_extend is None or v_extend is None:
             own = req_to_token[r, s - n:s].long()
             k_new, v_new = k_buffer[own], v_buffer[own]
         else:
             k_new, v_new = k_extend[at:at + n], v_extend[at:at + n]
-        keys = torch.cat([k_buffer[prefix].to(k_new.dtype), k_new])
-        values = torch.cat([v_buffer[prefix].to(v_new.dtype), v_new])
+        keys, values = k_new, v_new
+        if s > n:
+            keys = torch.cat([k_buffer[prefix].to(k_new.dtype), k_new])
+            values = torch.cat([v_buffer[prefix].to(v_new.dtype), v_new])
         visible = None
         if is_causal:
             visible = torch.ones(n, s, dtype=torch.bool)
