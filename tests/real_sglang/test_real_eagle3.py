@@ -38,9 +38,17 @@ NUM_TRAIN_PROMPTS = 48
 TRAIN_STEPS = 300
 NUM_PROMPTS = 12  # held-out prompts served and simulated
 MAX_NEW_TOKENS = 48
-# SGLang has no torch_native draft attention backend (`speculative/draft_utils.py`); its CPU one is `intel_amx`
-# (`srt/layers/attention/intel_amx_backend.py`), whose two kernels the shim implements in torch. float32: see above.
-EAGLE3_CPU_ARGS = ("--attention-backend", "intel_amx", "--dtype", "float32")
+# SGLang's CPU attention backend for speculative decoding is `intel_amx` (`srt/layers/attention/intel_amx_backend.py`,
+# whose two kernels the shim implements in torch): `torch_native` has no EAGLE draft backend
+# (`speculative/draft_utils.py`) and no TARGET_VERIFY metadata (its extend reads `extend_seq_lens`, which verify
+# batches do not carry). It is named through the split flags: SGLang's post-processing
+# (`arg_groups/overrides.py:_attention_backend_platform_fallbacks`) turns `--attention-backend intel_amx` into
+# `torch_native` when `get_platform().has_amx` is False, which it is under the shim (`cpu_has_amx_support()` needs
+# `convert_weight_packed`, which the shim leaves unregistered so that every other layer stays on native torch);
+# the split `--prefill-attention-backend`/`--decode-attention-backend` win over `attention_backend` and are not
+# reset. float32: see above.
+EAGLE3_CPU_ARGS = ("--prefill-attention-backend", "intel_amx", "--decode-attention-backend", "intel_amx",
+                   "--dtype", "float32")
 
 
 def _greedy_corpus(model, aux: tuple[int, ...], prompts: list[list[int]], new_tokens: int) -> list[dict]:

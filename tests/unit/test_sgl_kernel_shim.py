@@ -129,6 +129,22 @@ def test_draft_and_extend_cache_locs_are_read_from_each_requests_row(shim):
     assert draft[2, :14].tolist() == list(range(14))  # request 1, branch 0: its row as it is
 
 
+def test_assign_req_to_token_pool_scatters_the_new_slots_into_each_requests_row_request_after_request(shim):
+    """sgl-kernel `assign_req_to_token_pool_cpu` (spec.cpp): `req_to_token[req_pool_indices[i], start[i]:end[i]] =
+    out_cache_loc[prefix[i]:prefix[i+1]]`, prefix the running sum of end - start; nothing else is written."""
+    req_to_token = torch.full((3, 10), -1, dtype=torch.int32)
+    rpi = torch.tensor([2, 0])
+    start, end = torch.tensor([4, 0], dtype=torch.int32), torch.tensor([7, 2], dtype=torch.int32)
+    shim.assign_req_to_token_pool_cpu(rpi, req_to_token, start, end, torch.tensor([50, 51, 52, 60, 61]), 10)
+    want = torch.full((3, 10), -1, dtype=torch.int32)
+    want[2, 4:7], want[0, 0:2] = torch.tensor([50, 51, 52]), torch.tensor([60, 61])
+    assert torch.equal(req_to_token, want)
+    with pytest.raises(RuntimeError, match="out_cache_loc must be int64"):
+        shim.assign_req_to_token_pool_cpu(rpi, req_to_token, start, end, torch.tensor([1, 2, 3, 4, 5]).int(), 10)
+    with pytest.raises(RuntimeError, match="req_to_token must be int32"):
+        shim.assign_req_to_token_pool_cpu(rpi, req_to_token.long(), start, end, torch.tensor([1, 2, 3, 4, 5]), 10)
+
+
 def _tree(shim, parent_list, selected, seq_lens, topk, depth, n, mode):
     bs = len(seq_lens)
     mask = torch.zeros(bs * n * n if mode == 1 else sum(seq_lens) * n + bs * n * n, dtype=torch.bool)

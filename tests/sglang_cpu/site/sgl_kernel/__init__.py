@@ -122,6 +122,22 @@ def assign_extend_cache_locs_cpu(req_pool_indices: torch.Tensor, req_to_token: t
         at += e - s
 
 
+def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
+                                 pool_len: int) -> None:
+    """The inverse of assign_extend_cache_locs: `req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`
+    = the next `end_offset[i] - start_offset[i]` slots of `out_cache_loc`, request after request."""
+    op = "assign_req_to_token_pool_cpu"
+    _check(req_to_token.dtype == torch.int32, op, f"req_to_token must be int32, got {req_to_token.dtype}")
+    _check(out_cache_loc.dtype == torch.int64, op, f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
+    _check(start_offset.dtype == end_offset.dtype, op, "start_offset and end_offset must have one dtype")
+    rows = req_to_token.view(-1, pool_len)
+    at = 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        rows[r, s:e] = out_cache_loc[at:at + e - s].to(torch.int32)
+        at += e - s
+
+
 def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                     seq_lens: torch.Tensor, topk: int, num_steps: int, pool_len: int) -> torch.Tensor:
     """A req_to_token row per (request b, branch k) [B * topk, pool_len]: the request's first seq_len slots,
