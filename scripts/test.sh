@@ -20,9 +20,5 @@ fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
-# tier (tests/real_sglang) included. One test is left out: SGLang 0.5.23 refuses to serve EAGLE-3 on this
-# CPU path at start-up ("EAGLE is not supported in decode attention backend torch_native", issue 20);
-# `pytest -m sglang` still runs it.
-exec .venv/bin/python -m pytest -ra -m "" \
-  --deselect tests/real_sglang/test_real_eagle3.py::test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is_the_simulators \
-  "$@"
+# tier (tests/real_sglang) included.
+exec .venv/bin/python -m pytest -ra -m "" "$@"

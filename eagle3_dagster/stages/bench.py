@@ -119,6 +119,8 @@ def serving_spec(profile: Profile, target_path: Path, export: Path, installed: s
 
     extra: tuple[str, ...] = ()
     if spec is not None:
+        if installed is not None:  # every launch of the drafter, not only the stage's, meets the release check
+            _check_export_release(export, installed, "the serving host")
         extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
                  "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                  "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
@@ -131,17 +133,21 @@ def _serving_release(profile: Profile, export: Path, host: Any) -> str:
     """The SGLang release installed on the host, refused unless it is `gpu_host.sglang_version` (when set) and
     one the export's aux ids are right on (config.json `eagle3_dagster_sglang.releases`): releases read a draft
     config's ids differently, so another one would feed the drafter other layers than it was trained on."""
+    installed = host.preflight(".", sglang_version=profile.gpu_host.sglang_version)["sglang_version"]
+    _check_export_release(export, installed, host.where())
+    return installed
+
+
+def _check_export_release(export: Path, installed: str, where: str) -> None:
     import json
 
-    installed = host.preflight(".", sglang_version=profile.gpu_host.sglang_version)["sglang_version"]
     right_on = (json.loads((export / "config.json").read_text()).get("eagle3_dagster_sglang") or {}).get("releases")
     if right_on is not None and installed not in right_on:
         raise ValueError(
-            f"benchmark_report: {host.where()} has SGLang {installed}, but the export {export} has aux ids right on "
+            f"benchmark_report: {where} has SGLang {installed}, but the export {export} has aux ids right on "
             f"SGLang {', '.join(right_on)} only (config.json eagle3_dagster_sglang.releases): {installed} would "
             f"capture other layers for the drafter; install one of those there, or export again with "
             f"gpu_host.sglang_version: {installed}")
-    return installed
 
 
 def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress: Progress,

@@ -144,3 +144,20 @@ def test_a_profile_with_eagle31_options_for_a_release_that_ignores_them_is_refus
         load_profile("micro", overrides={"drafter": {"fc_norm": True}, "gpu_host": {"sglang_version": "0.5.11"}})
     assert load_profile("micro", overrides={"drafter": {"fc_norm": True, "norm_output": True},
                                             "gpu_host": {"sglang_version": "0.5.12"}}).drafter.norm_output
+
+
+def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one_layer_off(tmp_path, target_dir):
+    """`serving_spec` itself, not only the stage's host check: the real-SGLang EAGLE-3 test called it directly and
+    served a 0.5.12 export (eagle_config ids [0, 1, 2] for canonical [1, 2, 3]) on 0.5.23, which captured layers
+    [0, 1, 2]; its acceptance then differed from the simulator's by exactly that (issue 20)."""
+    from eagle3_dagster.bench.specdec import SpecConfig
+    from eagle3_dagster.stages.bench import serving_spec
+
+    from eagle3_dagster.config import load_profile
+
+    profile = load_profile("micro")
+    export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
+    with pytest.raises(ValueError, match=r"SGLang 0\.5\.23, but the export .* right on SGLang 0\.5\.12 only"):
+        serving_spec(profile, target_dir, export, "0.5.23", SpecConfig(3))
+    assert "--speculative-algorithm" in serving_spec(profile, target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    assert serving_spec(profile, target_dir, export, "0.5.23", None).extra_args == ()  # no drafter, nothing to read

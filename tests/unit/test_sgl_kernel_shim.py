@@ -129,6 +129,22 @@ def test_draft_and_extend_cache_locs_are_read_from_each_requests_row(shim):
     assert draft[2, :14].tolist() == list(range(14))  # request 1, branch 0: its row as it is
 
 
+def test_assign_req_to_token_pool_scatters_the_new_slots_into_each_requests_row_request_after_request(shim):
+    """sgl-kernel `assign_req_to_token_pool_cpu` (spec.cpp): `req_to_token[req_pool_indices[i], start[i]:end[i]] =
+    out_cache_loc[prefix[i]:prefix[i+1]]`, prefix the running sum of end - start; nothing else is written."""
+    req_to_token = torch.full((3, 10), -1, dtype=torch.int32)
+    rpi = torch.tensor([2, 0])
+    start, end = torch.tensor([4, 0], dtype=torch.int32), torch.tensor([7, 2], dtype=torch.int32)
+    shim.assign_req_to_token_pool_cpu(rpi, req_to_token, start, end, torch.tensor([50, 51, 52, 60, 61]), 10)
+    want = torch.full((3, 10), -1, dtype=torch.int32)
+    want[2, 4:7], want[0, 0:2] = torch.tensor([50, 51, 52]), torch.tensor([60, 61])
+    assert torch.equal(req_to_token, want)
+    with pytest.raises(RuntimeError, match="out_cache_loc must be int64"):
+        shim.assign_req_to_token_pool_cpu(rpi, req_to_token, start, end, torch.tensor([1, 2, 3, 4, 5]).int(), 10)
+    with pytest.raises(RuntimeError, match="req_to_token must be int32"):
+        shim.assign_req_to_token_pool_cpu(rpi, req_to_token.long(), start, end, torch.tensor([1, 2, 3, 4, 5]), 10)
+
+
 def _tree(shim, parent_list, selected, seq_lens, topk, depth, n, mode):
     bs = len(seq_lens)
     mask = torch.zeros(bs * n * n if mode == 1 else sum(seq_lens) * n + bs * n * n, dtype=torch.bool)
@@ -257,3 +273,28 @@ def test_extend_attention_sees_the_cached_prefix_and_the_new_tokens_causally(shi
                                                   rpi, torch.tensor(seq_lens), torch.tensor(extend),
                                                   torch.tensor([0, 3]), 4, 0.3, 0.0, False, 0, None, None,
                                                   torch.ones(32, dtype=torch.bool), True)
+
+
+def test_extend_attention_with_new_kv_of_other_heads_than_the_cache_skips_the_prefix_as_the_kernel_does(shim):
+    """sgl-kernel's `extend_attention_cpu`: `is_prefix_skipped = k_buffer.size(1) != num_heads_kv` (DeepSeek's MHA
+    prefill, whose K/V [T, H, 192]/[T, H, 128] are not the latent cache's [N, 1, 576] rows): the cache is never
+    read, the new tokens attend causally to their own K/V only, and a cached prefix is refused."""
+    heads, d, dv = 4, 32, 16
+    seq_lens = [5, 3]
+    g = torch.Generator().manual_seed(6)
+    latent = torch.randn(16, 1, 48, generator=g)  # an MLA cache: one head, another width
+    req_to_token = torch.zeros(3, 32, dtype=torch.int32)
+    req_to_token[1, :5], req_to_token[2, :3] = torch.arange(5), torch.arange(5, 8)
+    q = torch.randn(8, heads, d, generator=g)
+    k_new, v_new = torch.randn(8, heads, d, generator=g), torch.randn(8, heads, dv, generator=g)
+    out = torch.empty(8, heads, dv)
+    args = (latent, latent[..., :dv], 1.0, 1.0, req_to_token, torch.tensor([1, 2]))
+    torch.ops.sgl_kernel.extend_attention_cpu(q, k_new, v_new, out, *args, torch.tensor(seq_lens),
+                                              torch.tensor(seq_lens), torch.tensor([0, 5]), 5, 0.3, 0.0, False, 0,
+                                              None, None, None, True)
+    torch.testing.assert_close(out[:5], _sdpa(q[:5], k_new[:5], v_new[:5], 5))
+    torch.testing.assert_close(out[5:], _sdpa(q[5:], k_new[5:], v_new[5:], 3))
+    with pytest.raises(RuntimeError, match="expect seq_len_prefix to be 0, got 2"):
+        torch.ops.sgl_kernel.extend_attention_cpu(q[:3], k_new[:3], v_new[:3], out[:3], *args[:5],
+                                                  torch.tensor([1]), torch.tensor([5]), torch.tensor([3]),
+                                                  torch.tensor([0]), 3, 0.3, 0.0, False, 0, None, None, None, True)

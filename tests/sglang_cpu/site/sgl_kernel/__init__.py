@@ -122,6 +122,22 @@ def assign_extend_cache_locs_cpu(req_pool_indices: torch.Tensor, req_to_token: t
         at += e - s
 
 
+def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
+                                 pool_len: int) -> None:
+    """The inverse of assign_extend_cache_locs: `req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`
+    = the next `end_offset[i] - start_offset[i]` slots of `out_cache_loc`, request after request."""
+    op = "assign_req_to_token_pool_cpu"
+    _check(req_to_token.dtype == torch.int32, op, f"req_to_token must be int32, got {req_to_token.dtype}")
+    _check(out_cache_loc.dtype == torch.int64, op, f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
+    _check(start_offset.dtype == end_offset.dtype, op, "start_offset and end_offset must have one dtype")
+    rows = req_to_token.view(-1, pool_len)
+    at = 0
+    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        rows[r, s:e] = out_cache_loc[at:at + e - s].to(torch.int32)
+        at += e - s
+
+
 def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                     seq_lens: torch.Tensor, topk: int, num_steps: int, pool_len: int) -> torch.Tensor:
     """A req_to_token row per (request b, branch k) [B * topk, pool_len]: the request's first seq_len slots,
@@ -274,16 +290,22 @@ def _extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_bu
     _refuse_attention_options(op, k_scale, v_scale, is_cross_attn, sliding_window_size, sinks)
     if tree_mask is not None:  # SGLang passes none for chains (tree_topk 1): causal is the chain's mask
         raise _unsupported(op, "tree masks (speculative verify with topk > 1)")
+    # The kernel's MLA case: new K/V with other heads than the cache (DeepSeek's MHA prefill over the latent
+    # cache) means "prefix skipped": the cache is not read, and a request with a cached prefix is an error.
+    prefix_skipped = k_extend is not None and k_buffer.shape[1] != k_extend.shape[1]
     for b, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         n, at = int(extend_seq_lens[b]), int(extend_start_loc[b])
+        _check(not prefix_skipped or s == n, op, f"extend attention: expect seq_len_prefix to be 0, got {s - n}")
         prefix = req_to_token[r, :s - n].long()
         if k_extend is None or v_extend is None:
             own = req_to_token[r, s - n:s].long()
             k_new, v_new = k_buffer[own], v_buffer[own]
         else:
             k_new, v_new = k_extend[at:at + n], v_extend[at:at + n]
-        keys = torch.cat([k_buffer[prefix].to(k_new.dtype), k_new])
-        values = torch.cat([v_buffer[prefix].to(v_new.dtype), v_new])
+        keys, values = k_new, v_new
+        if s > n:
+            keys = torch.cat([k_buffer[prefix].to(k_new.dtype), k_new])
+            values = torch.cat([v_buffer[prefix].to(v_new.dtype), v_new])
         visible = None
         if is_causal:
             visible = torch.ones(n, s, dtype=torch.bool)
