@@ -154,7 +154,7 @@ def hours_table(hours_by_hosts: dict[str, float], num_hosts: int) -> str:
 def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list[tuple[str, str, str]]:
     """(check, PASS|FAIL|SKIP, detail) for everything the profile needs of a GPU host (`num_gpus`: that
     host's; default the profile's first host's)."""
-    from eagle3_dagster.gpu_host import other_sglang_release
+    from eagle3_dagster.sglang.releases import other_sglang_release
 
     needs_sglang = profile.hidden.backend == "sglang" or profile.bench.mode == "served"
     host_gpus = profile.gpu_host.all_hosts[0].num_gpus if num_gpus is None else num_gpus

@@ -375,7 +375,7 @@ class HiddenConfig(_Strict):
     @field_validator("sglang_server_args")
     @classmethod
     def _extraction_options(cls, value: list[str]) -> list[str]:
-        from eagle3_dagster.gpu_host import refused_extraction_option
+        from eagle3_dagster.sglang.server import refused_extraction_option
 
         if (why := refused_extraction_option(value)) is not None:
             raise ValueError(why)

@@ -34,7 +34,8 @@ import httpx
 import numpy as np
 
 if TYPE_CHECKING:
-    from eagle3_dagster.gpu_host import GpuHost, ServerSpec
+    from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.sglang.server import ServerSpec
 
 ROW_PREFIX = "EAGLE3_BENCH_ROW "
 PromptSets = Mapping[str, Sequence[tuple[str, Sequence[int]]]]
@@ -176,7 +177,7 @@ def run_on_host(host: "GpuHost", server: "ServerSpec", prompt_sets: PromptSets, 
                 max_new_tokens: int, concurrency: int = 8, request_timeout_s: float = 600.0,
                 log: Callable[[str], None] = lambda _msg: None) -> list[dict]:
     """Start `server` on the host, run the client beside it, return its rows; the server is always stopped."""
-    from eagle3_dagster.gpu_host import sglang_server
+    from eagle3_dagster.sglang.server import sglang_server
 
     if server.context_length is not None:
         for set_name, prompts in prompt_sets.items():

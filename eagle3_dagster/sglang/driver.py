@@ -11,7 +11,7 @@ shard is committed.
 
 The driver must see the same file system as the server's `SGLANG_HS_DUMP_DIR`,
 so on a remote GPU host it runs there (the GPU-host resource launches it through
-Pipes). It needs the server launched as `gpu_host.extraction_server_args` does:
+Pipes). It needs the server launched as `sglang.server.ServerSpec` launches it for extraction:
 radix cache off (a cached prefix produces no states; `cached_tokens > 0` is an
 error here), and CUDA graphs off for prefill.
 """

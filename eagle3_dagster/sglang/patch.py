@@ -65,8 +65,12 @@ def locate_sglang(python: str) -> tuple[str, Path]:
 
 def file_state(version: str, data: bytes) -> str:
     """'patched', 'unpatched' or 'modified-unknown' for the bytes of a supported release's file."""
+    return digest_state(version, hashlib.sha256(data).hexdigest())
+
+
+def digest_state(version: str, digest: str) -> str:
+    """`file_state` of the file whose sha256 is `digest` (what the host's preflight probe reports)."""
     release = release_for(version)
-    digest = hashlib.sha256(data).hexdigest()
     if digest == release.pristine_sha256:
         return "unpatched"
     if digest == release.patched_sha256:

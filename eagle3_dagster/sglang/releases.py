@@ -122,3 +122,17 @@ def draft_aux_ids(canonical: list[int], family: str, versions: list[str] | None 
             f"{family} target from a draft config; choose aux layers starting at 2"
         )
     return best
+
+
+def other_sglang_release(report: dict, expected: str | None) -> str | None:
+    """Why a host whose preflight `report` this is cannot run a step for `expected`, or None.
+
+    The export writes its aux ids for `gpu_host.sglang_version`, and releases read them differently
+    (DeepSeek: `always_plus_one` up to 0.5.12, `plus_one_if_first_is_one` from 0.5.13): a host on
+    another release would extract, or serve, a set that is not the one the export names."""
+    installed = report.get("sglang_version")
+    if expected is None or installed is None or installed == expected:
+        return None
+    return (f"has SGLang {installed} installed, but gpu_host.sglang_version is {expected}: the drafter's aux ids "
+            f"are written for {expected}, and another release may read them as other layers; install SGLang "
+            f"{expected} there or set gpu_host.sglang_version to {installed}")

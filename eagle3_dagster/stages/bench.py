@@ -115,7 +115,7 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
 def serving_spec(profile: Profile, target_path: Path, export: Path, installed: str | None, spec: Any) -> Any:
     """The served benchmark's server: the target, and with `spec` (a `SpecConfig`) the exported drafter under
     `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`."""
-    from eagle3_dagster.gpu_host import ServerSpec
+    from eagle3_dagster.sglang.server import ServerSpec
 
     extra: tuple[str, ...] = ()
     if spec is not None:

@@ -85,7 +85,8 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
     (hf backend run on the host). Raises PreflightError naming the host and what is missing."""
     import sys
 
-    from eagle3_dagster.gpu_host import PreflightError, server_option
+    from eagle3_dagster.gpu_host import PreflightError
+    from eagle3_dagster.sglang.server import server_option
 
     sglang = profile.hidden.backend == "sglang"
     on_gpus = sglang and server_option(profile.hidden.sglang_server_args, "--device") in (None, "cuda")
@@ -198,7 +199,9 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     included), so nothing that explains it passes through a throttle."""
     import time
 
-    from eagle3_dagster.gpu_host import LogTail, PreflightError, ServerSpec, other_sglang_release, sglang_server
+    from eagle3_dagster.gpu_host import PreflightError
+    from eagle3_dagster.sglang.releases import other_sglang_release
+    from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
 
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")

@@ -36,7 +36,8 @@ import httpx
 import pytest
 import torch
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, LogTail, sglang_server
+from eagle3_dagster.gpu_host import GpuHost, HostSpec
+from eagle3_dagster.sglang.server import LogTail, sglang_server
 from tests.real_sglang.support import VERSION, free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 

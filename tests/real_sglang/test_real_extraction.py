@@ -1,7 +1,7 @@
 """Hidden-state extraction on SGLang's own server (0.5.23, CPU), checked against transformers.
 
 One patched release server for the module, started by the project's launcher
-(`gpu_host.sglang_server`: the release's extraction options from releases.json, the CPU options, and
+(`sglang.server.sglang_server`: the release's extraction options from releases.json, the CPU options, and
 `--chunked-prefill-size 64`), serving the micro tiny target. The project's driver prefills six samples
 in one batch (concurrency 6; two share a 40-token prefix, three are longer than a prefill chunk, so
 SGLang splits them and the driver stitches the chunks by request id and position) and commits the
@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, LogTail, ServerSpec, sglang_server
+from eagle3_dagster.gpu_host import GpuHost, HostSpec
 from eagle3_dagster.hidden.plan import shard_bytes
 from eagle3_dagster.hidden.sharding import plan_shards
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_manifest
 from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
+from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
 from eagle3_dagster.target import target_identity
 from tests.real_sglang.support import AUX, ENVELOPE_FACTOR, VERSION, free_port, hf_states, rel_err
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_dagster.config import load_profile
-from eagle3_dagster.gpu_host import EXTRACTION_REFUSED_OPTIONS, ServerSpec
+from eagle3_dagster.sglang.server import EXTRACTION_REFUSED_OPTIONS, ServerSpec
 from eagle3_dagster.sglang import releases
 
 SKIPPING_ROWS = ["--enable-hierarchical-cache", "--enable-hicache", "--enable-session-radix-cache",

@@ -19,8 +19,9 @@ import dagster as dg
 import httpx
 import pytest
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError, ServerError, ServerSpec, sglang_server
+from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError
 from eagle3_dagster.sglang import patch
+from eagle3_dagster.sglang.server import ServerError, ServerSpec, sglang_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

@@ -1,0 +1,223 @@
+"""The SGLang server's lifecycle on the GPU host: its command line, start, health wait, log and stop.
+
+Owns: `ServerSpec` (extraction or serving mode: the release's options from patches/sglang/releases.json,
+the dump environment, the options an extraction refuses), `sglang_server` (refuse a port someone else
+holds, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
+`--served-model-name` it was launched with, always stop it) and `LogTail` (the log file and its last lines
+for an error message). The health checks themselves run beside the server (`sglang.health`).
+Transport, process groups and pid files are `eagle3_dagster.gpu_host`'s; SGLang is never imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3_dagster.gpu_host import GpuHost, HostProcess, program_argv
+from eagle3_dagster.sglang import health
+from eagle3_dagster.sglang import patch as sglang_patch
+
+LogFn = Callable[[str], None]
+
+
+class ServerError(RuntimeError):
+    """The SGLang server did not become healthy; the message carries its last log lines."""
+
+
+# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture,
+# or a prefill would skip rows (prefix tokens served from a cache have no hidden states; a mixed batch
+# is not a plain EXTEND forward, which is all the hook dumps).
+EXTRACTION_REFUSED_OPTIONS = {
+    "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
+    "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
+    "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
+    "--enable-dp-attention": "rows are scattered across ranks",
+    "--enable-hierarchical-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-hicache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-session-radix-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--radix-cache-backend": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-lmcache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-mixed-chunk": "decode rows join prefill chunks, a MIXED forward the dump does not capture",
+    "--disaggregation-mode": "prefill/decode disaggregation moves prefixes between servers",
+}
+# SGLang's own way to turn the prefix cache back off is the only one the extraction accepts.
+REQUIRED_EXTRACTION_OPTIONS = ("--disable-radix-cache",)
+
+
+def refused_extraction_option(args: Sequence[str]) -> str | None:
+    """Why an extraction server cannot run with these options (naming the first bad one), or None."""
+    for arg in args:
+        option = arg.split("=")[0]
+        if option in EXTRACTION_REFUSED_OPTIONS:
+            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
+                    "remove it from the server options")
+    return None
+
+
+def server_option(args: Sequence[str], option: str) -> str | None:
+    """The last value given for `option` (`--opt v` or `--opt=v`), as argparse would read it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model_path: str
+    port: int = 30000
+    tp_size: int = 1
+    dump_dir: str | None = None  # set: extraction mode (SGLANG_HS_DUMP_DIR); None: serving
+    dump_layers: tuple[int, ...] = ()  # canonical ids
+    context_length: int | None = None  # serving: --context-length (the profile's target.serving_context)
+    extra_args: tuple[str, ...] = ()
+    launcher: tuple[str, ...] | None = None  # default: (python, -m, sglang.launch_server); tests use a stand-in
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_timeout_s: float = 1800.0
+    trust_remote_code: bool = False  # the profile's target.trust_remote_code; off unless it says so
+    sglang_version: str | None = None  # the host's release: its own options (patches/sglang/releases.json)
+
+    def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
+        args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
+                "--tp-size", str(self.tp_size), "--host", "127.0.0.1", "--port", str(self.port)]
+        if served_model_name is not None:
+            args += ["--served-model-name", served_model_name]
+        if self.trust_remote_code:
+            args.append("--trust-remote-code")
+        if self.context_length is not None:
+            args += ["--context-length", str(self.context_length)]
+        if self.dump_dir is not None:
+            args += self._extraction_args()
+        elif self.sglang_version is not None:  # serving: no fused all-reduce (releases.json serving_args)
+            args += sglang_patch.release_for(self.sglang_version).serving_args
+        return [*args, *self.extra_args]
+
+    def _extraction_args(self) -> list[str]:
+        """Every token computed (no prefix cache), whole prompts per forward, the hook run on every forward
+        (no CUDA graphs, piecewise prefill graphs included) and on all-reduced states (no fused all-reduce)."""
+        if (why := refused_extraction_option(self.extra_args)) is not None:
+            raise ValueError(why)
+        if self.sglang_version is None:
+            args = ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
+                    "--skip-server-warmup"]
+        else:
+            args = list(sglang_patch.release_for(self.sglang_version).extraction_args)
+        missing = [a for a in REQUIRED_EXTRACTION_OPTIONS if a not in args]
+        if missing:  # a releases.json row without it would serve cached prefixes with no states
+            raise ValueError(f"hidden-state extraction on sglang {self.sglang_version} would run without {missing}: "
+                             "a cached prefix has no hidden states")
+        return args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(self.env)
+        if server_option(self.extra_args, "--device") == "cpu":
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's is_cpu() reads it besides --device cpu
+        if self.dump_dir is not None:
+            if len(self.dump_layers) == 0:
+                raise ValueError("extraction server needs dump_layers (canonical aux ids)")
+            env["SGLANG_HS_DUMP_DIR"] = self.dump_dir
+            env["SGLANG_HS_DUMP_LAYERS"] = ",".join(map(str, self.dump_layers))
+        return env
+
+
+class LogTail:
+    """A process's log: every line appended to a file, the last `keep` kept for an error message."""
+
+    def __init__(self, path, keep: int = 200, echo: LogFn | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self.lines: deque[str] = deque(maxlen=keep)
+        self._echo = echo
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            self._file.write(line + "\n")
+        if self._echo is not None:
+            self._echo(line)
+
+    def text(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str  # as seen from the host itself
+    process: HostProcess
+    served_model_name: str  # the nonce it was launched with; the health wait checked that it answers with it
+
+
+@contextlib.contextmanager
+def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Iterator[RunningServer]:
+    """Start the server, stream its log to `on_log`, wait until it is healthy and is the one we started.
+
+    A server left by a dead worker of this project is stopped through its pid file; anything else
+    already answering on the port is refused before launching, and the server that turns healthy
+    must answer with the unique `--served-model-name` it was launched with. Its process group is
+    always stopped on leaving.
+    """
+    name = f"sglang-{spec.port}"
+    host.stop_stale(name)
+    if host.run(program_argv(host.spec.python, health, "port", spec.port), check=False).returncode == 0:
+        raise ServerError(f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
+                          f"server this project started (none is recorded in {host.spec.workdir}/{name}.pid); "
+                          f"stop it or set hidden.sglang_port to a free port")
+    served_model_name = f"eagle3-{uuid.uuid4().hex[:16]}"
+    proc = host.spawn(spec.argv(host.spec.python, served_model_name), spec.environment(), name)
+    tail: deque[str] = deque(maxlen=40)
+
+    def pump() -> None:
+        for line in proc.proc.stdout:
+            tail.append(line.rstrip("\n"))
+            on_log(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, name="sglang-log", daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{spec.port}"
+    try:
+        _wait_healthy(host, proc, url, spec.health_timeout_s, tail, served_model_name)
+        yield RunningServer(base_url=url, process=proc, served_model_name=served_model_name)
+    finally:
+        proc.stop()
+        reader.join(timeout=5)
+
+
+def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str],
+                  served_model_name: str) -> None:
+    waiter = subprocess.Popen(
+        host.command(program_argv(host.spec.python, health, "wait", url, timeout_s, served_model_name)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        while waiter.poll() is None:
+            if proc.poll() is not None:
+                raise ServerError(f"SGLang server exited with {proc.poll()} before it was healthy:\n" + "\n".join(tail))
+            time.sleep(0.2)
+        said = waiter.stdout.read().strip()[-300:]
+        if waiter.returncode == 2:
+            raise ServerError(f"{host.where()}: refusing a server that is not ours: {said}")
+        if waiter.returncode != 0:
+            raise ServerError(f"SGLang server not healthy at {url}/health_generate within {timeout_s:.0f}s "
+                              f"({said}); last log lines:\n" + "\n".join(tail))
+    finally:
+        if waiter.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(waiter.pid, signal.SIGKILL)
+            waiter.wait()
