@@ -9,15 +9,18 @@ written into the standard shard (`eagle3_dagster.hidden.shards.ShardWriter`),
 whose manifest is the only proof of completion. Chunk files are deleted once the
 shard is committed.
 
-The driver must see the same file system as the server's `SGLANG_HS_DUMP_DIR`,
-so on a remote GPU host it runs there (the GPU-host resource launches it through
-Pipes). It needs the server launched as `sglang.server.ServerSpec` launches it for extraction:
-radix cache off (a cached prefix produces no states; `cached_tokens > 0` is an
-error here), and CUDA graphs off for prefill.
+The driver must see the same file system as the server's `SGLANG_HS_DUMP_DIR`
+(`dump_folder`), so on a remote GPU host it runs there: `stages/hidden.py`
+launches it on the host with the plan contract and a shard key, as it does the hf
+backend's `hidden/hf_driver.py`. It needs the server launched as
+`sglang.server.ServerSpec` launches it for extraction: radix cache off (a cached
+prefix produces no states; `cached_tokens > 0` is an error here), and CUDA
+graphs off for prefill.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -32,6 +35,7 @@ from safetensors import safe_open
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
+from eagle3_dagster.hidden.context import HiddenContext, load_plan
 from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
 from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec
 from eagle3_dagster.hidden.shards import ShardFormat
@@ -193,43 +197,47 @@ def extract_shard_sglang(
                          progress=progress, log=log, staging_dir=staging_dir, force=force)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3_dagster.sglang.driver ...`: one shard, run on the GPU host beside the dump folder.
+def dump_folder(ctx: HiddenContext) -> Path:
+    """The server's `SGLANG_HS_DUMP_DIR` for the plan's version: on the local disk its shards are written to,
+    so the chunk files never cross a network. The stage launches the server with it, the driver reads it."""
+    return ctx.staging_dir / ".dumps" / ctx.version
 
-    Progress and the summary go to stdout, which the hidden-states stage streams into the run log."""
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3_dagster.sglang.driver --plan PLAN --shard KEY --base-url URL`: one shard of the plan,
+    run on the GPU host beside the dump folder.
+
+    Everything about the shard comes from the plan contract (extraction_plan's plan.json, on storage the host
+    sees): its samples, merged_train, the version folder and staging folder, the aux layers, hidden size, dtype,
+    target identity and code version of the shard format, and the dump folder derived from them. Progress and
+    the summary go to stdout, which the hidden-states stage streams into the run log."""
     import argparse
 
-    from eagle3_dagster.hidden.sharding import plan_shards
-
-    p = argparse.ArgumentParser(prog="eagle3_dagster.sglang.driver")
-    p.add_argument("--base-url", required=True)
-    p.add_argument("--dump-dir", required=True, type=Path)
-    p.add_argument("--merged-train", required=True, type=Path)
-    p.add_argument("--version-dir", required=True, help="local folder or object-store URL (s3://…)")
-    p.add_argument("--staging-dir", type=Path, default=None, help="local folder for shards before upload to a store")
-    p.add_argument("--shard", required=True, help="shard key, e.g. shard-00003")
-    p.add_argument("--samples-per-shard", required=True, type=int)
-    p.add_argument("--aux-layers", required=True, help="canonical ids, e.g. 2,30,58")
-    p.add_argument("--hidden-size", required=True, type=int)
-    p.add_argument("--dtype", required=True)
-    p.add_argument("--target-identity", required=True)
-    p.add_argument("--code-version", default=SGLANG_BACKEND_CODE_VERSION, help="the plan's shard-format code version")
-    p.add_argument("--max-seq-len", type=int, default=None, help="the plan's max_seq_len (shard boundaries)")
-    p.add_argument("--concurrency", type=int, default=8)
+    p = argparse.ArgumentParser(prog="python -m eagle3_dagster.sglang.driver")
+    p.add_argument("--plan", required=True, help="the plan contract (plan.json) of extraction_plan")
+    p.add_argument("--shard", required=True, help="a shard key of the plan, e.g. shard-00003")
+    # Not in the plan, so flags: the server is this run's (launched for it, on the port the profile names today,
+    # and gone when the run ends); how many requests are in flight changes no byte of a shard, so neither the
+    # plan nor the version id carries it; and --force is the run's own choice.
+    p.add_argument("--base-url", required=True, help="the server this run launched, as the host sees it")
+    p.add_argument("--concurrency", type=int, default=8, help="hidden.sglang_concurrency: prefills in flight")
     p.add_argument("--force", action="store_true", help="extract the shard again even when its manifest says complete")
     a = p.parse_args(argv)
-    specs = {s.key: s for s in plan_shards(a.merged_train, a.samples_per_shard, max_seq_len=a.max_seq_len)}
-    if a.shard not in specs:
-        raise SystemExit(f"{a.merged_train}: no shard {a.shard!r} at {a.samples_per_shard} samples per shard")
+    ctx = load_plan(a.plan)
+    by_key = {s.key: s for s in ctx.shards}
+    if a.shard not in by_key:
+        print(f"shard {a.shard!r} is not in the plan {a.plan} ({len(by_key)} shards)", file=sys.stderr)
+        return 2
 
     def progress(done: int, total: int) -> None:
         print(f"{a.shard}: {done}/{total} tokens", flush=True)
 
+    fmt = ctx.fmt
     result = extract_shard_sglang(
-        DriverSettings(a.base_url, a.dump_dir, concurrency=a.concurrency), a.merged_train, specs[a.shard],
-        a.version_dir, aux_layers=[int(x) for x in a.aux_layers.split(",")], hidden_size=a.hidden_size,
-        dtype=a.dtype, target_identity=a.target_identity, code_version=a.code_version, progress=progress,
-        log=lambda line: print(line, flush=True), staging_dir=a.staging_dir, force=a.force,
+        DriverSettings(a.base_url, dump_folder(ctx), concurrency=a.concurrency), ctx.merged_train, by_key[a.shard],
+        ctx.version_dir, aux_layers=list(fmt.aux_layers), hidden_size=fmt.hidden_size, dtype=fmt.dtype,
+        target_identity=fmt.target_identity, code_version=fmt.code_version, progress=progress,
+        log=lambda line: print(line, flush=True), staging_dir=ctx.staging_dir, force=a.force,
     )
     print(orjson.dumps({
         "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,

@@ -116,7 +116,7 @@ def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_ho
     if profile.hidden.backend == "hf":
         results = _extract_hf(profile, plan, ctx, specs, gpu_host, progress, force)
     else:
-        results, log_path = _extract_sglang(profile, ctx, specs, gpu_host, host_report, progress, force)
+        results, log_path = _extract_sglang(profile, plan, ctx, specs, gpu_host, host_report, progress, force)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
@@ -190,9 +190,10 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     return returncode, list(out)
 
 
-def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
+def _extract_sglang(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
                     host_report: dict | None, progress: Progress, force: bool = False) -> list:
-    """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder.
+    """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
+    (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
 
     The server's log goes to a file under the hidden-states root (its path is in the metadata) and the
     run log; on failure the error carries its last 200 lines and the driver's own output (traceback
@@ -200,6 +201,7 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     import time
 
     from eagle3_dagster.gpu_host import PreflightError
+    from eagle3_dagster.sglang.driver import dump_folder
     from eagle3_dagster.sglang.releases import other_sglang_release
     from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
 
@@ -209,26 +211,18 @@ def _extract_sglang(profile: Profile, ctx: HiddenContext, specs: list[ShardSpec]
     report = host_report or extraction_preflight(profile, host, local_root)
     if (why := other_sglang_release(report, profile.gpu_host.sglang_version)) is not None:  # a report from elsewhere
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")
-    dump_dir = local_root / ".dumps" / ctx.version
     log_path = local_root / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                      dump_dir=str(dump_dir), dump_layers=ctx.target.aux_layers,
+                      dump_dir=str(dump_folder(ctx)), dump_layers=ctx.target.aux_layers,
                       sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code,
                       extra_args=tuple(profile.hidden.sglang_server_args))
     results = []
     try:
         with sglang_server(host, spec, on_log=server_log) as server:
             for i, shard in enumerate(specs, 1):
-                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--base-url", server.base_url,
-                        "--dump-dir", str(dump_dir), "--merged-train", str(ctx.merged_train),
-                        "--version-dir", str(ctx.version_dir), "--shard", shard.key,
-                        *(["--staging-dir", str(ctx.staging_dir)] if ctx.staging_dir else []),
-                        "--samples-per-shard", str(profile.hidden.samples_per_shard),
-                        "--max-seq-len", str(profile.data.max_seq_len),
-                        "--aux-layers", ",".join(map(str, ctx.target.aux_layers)),
-                        "--hidden-size", str(ctx.target.hidden_size), "--dtype", profile.hidden.dtype,
-                        "--target-identity", ctx.target.identity, "--code-version", ctx.fmt.code_version,
+                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--plan", str(plan),
+                        "--shard", shard.key, "--base-url", server.base_url,
                         "--concurrency", str(profile.hidden.sglang_concurrency), *(["--force"] if force else [])]
                 returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
                 if returncode != 0:

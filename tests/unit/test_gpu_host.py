@@ -277,7 +277,8 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
         hidden_stage.extraction_preflight(profile, host, tmp_path)
     ctx = type("Ctx", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
-        hidden_stage._extract_sglang(profile, ctx, [], host, {"sglang_version": "0.5.13"}, lambda _m: None)
+        hidden_stage._extract_sglang(profile, tmp_path / "v" / "plan.json", ctx, [], host, {"sglang_version": "0.5.13"},
+                                     lambda _m: None)
 
 
 def test_pipes_messages_on_stderr_reach_the_session_and_other_lines_stay_log_text():

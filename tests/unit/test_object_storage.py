@@ -350,20 +350,20 @@ def test_the_sglang_driver_publishes_to_the_store_the_bytes_it_writes_to_a_local
     """The SGLang backend with hidden.root on S3, through the driver's command line as the GPU host runs it
     (loopback server running the real dump hook): the store holds the bytes the same driver writes to a local
     folder, only the shard asked for, and the staging folder is emptied once it is uploaded."""
-    from eagle3_dagster.sglang.driver import main
-    from tests.unit.test_sglang_driver import FakeSGLang
+    from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.sglang.driver import dump_folder, main
+    from tests.unit.test_sglang_driver import FakeSGLang, write_driver_plan
 
     merged = extract_hf_test._merged_train(tmp_path / "merged_train.jsonl", vocab=50)
     local, url = tmp_path / "local" / VERSION, f"s3://eagle3-test/sglang/{VERSION}"
-    server = FakeSGLang(tmp_path / "dumps")
-    try:
-        for version_dir in (str(local), url):
-            assert main(["--base-url", server.url, "--dump-dir", str(tmp_path / "dumps"), "--merged-train",
-                         str(merged), "--version-dir", version_dir, "--staging-dir", str(tmp_path / "staging"),
-                         "--shard", "shard-00001", "--samples-per-shard", "3", "--aux-layers", "1,2,4",
-                         "--hidden-size", "8", "--dtype", "bfloat16", "--target-identity", "t"]) == 0
-    finally:
-        server.close()
+    for version_dir in (str(local), url):
+        plan = write_driver_plan(merged, version_dir, staging_dir=tmp_path / "staging")
+        server = FakeSGLang(dump_folder(load_plan(plan)))  # the local folder shards are written in, as the stage does
+        try:
+            assert main(["--plan", str(plan), "--shard", "shard-00001", "--base-url", server.url]) == 0
+        finally:
+            server.close()
     assert sorted(load_manifest(url)) == ["shard-00001"]
-    assert _store_files(url) == {p.name: p.read_bytes() for p in sorted(local.iterdir())}
+    shards = {n: b for n, b in _store_files(url).items() if n != "plan.json"}  # each plan names its own folders
+    assert shards == {p.name: p.read_bytes() for p in sorted(local.iterdir()) if p.name != "plan.json"}
     assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))

@@ -128,19 +128,40 @@ def test_missing_dump_fails_naming_the_sample_and_commits_nothing(tmp_path, merg
     assert not any(p.suffix == ".safetensors" for p in (tmp_path / "v1").iterdir())
 
 
-def test_cli_extracts_the_named_shard(tmp_path, merged_train):
-    from eagle3_dagster.sglang.driver import main
+def write_driver_plan(merged_train: Path, version_dir, staging_dir: Path | None = None):
+    """A plan contract as extraction_plan writes it, for a target of hidden size 8 dumped at LAYERS, 3 samples
+    per shard; returns its path (the driver reads everything about a shard from it)."""
+    from eagle3_dagster.hidden.context import HiddenContext, write_plan
+    from eagle3_dagster.hidden.shards import ShardFormat
+    from eagle3_dagster.target import TargetFacts
 
-    server = FakeSGLang(tmp_path / "dumps")
+    fmt = ShardFormat(hidden_size=8, dtype="bfloat16", aux_layers=tuple(LAYERS), target_identity="t",
+                      code_version="sglang-1")
+    target = TargetFacts(path=Path("/unused"), identity="t", num_layers=5, hidden_size=8, vocab_size=50,
+                         aux_layers=tuple(LAYERS))
+    version_dir = str(version_dir)
+    ctx = HiddenContext(target, plan_shards(merged_train, samples_per_shard=3), fmt, version_dir.rsplit("/", 1)[-1],
+                        version_dir, merged_train, staging_dir=staging_dir)
+    return write_plan(ctx)
+
+
+def test_cli_extracts_the_named_shard_of_the_plan(tmp_path, merged_train):
+    from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.sglang.driver import dump_folder, main
+
+    plan = write_driver_plan(merged_train, tmp_path / "v1")
+    server = FakeSGLang(dump_folder(load_plan(plan)))
     try:
-        rc = main(["--base-url", server.url, "--dump-dir", str(tmp_path / "dumps"), "--merged-train", str(merged_train),
-                   "--version-dir", str(tmp_path / "v1"), "--shard", "shard-00001", "--samples-per-shard", "3",
-                   "--aux-layers", "1,2,4", "--hidden-size", "8", "--dtype", "bfloat16", "--target-identity", "t"])
+        rc = main(["--plan", str(plan), "--shard", "shard-00001", "--base-url", server.url])
     finally:
         server.close()
     assert rc == 0
     assert list(load_manifest(tmp_path / "v1")) == ["shard-00001"]
     assert len(server.requests) == 2
+    ds = HiddenStatesDataset(tmp_path / "v1")
+    assert ds.metadata["aux_layers"] == LAYERS and ds.metadata["dtype"] == "bfloat16"
+    assert ds.metadata["target_identity"] == "t"
+    assert main(["--plan", str(plan), "--shard", "shard-00009", "--base-url", server.url]) == 2
 
 
 def test_shard_failing_its_checksum_is_extracted_again_not_trusted(tmp_path, merged_train):
