@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_dagster.hidden.hf_driver", description=__doc__)
     parser.add_argument("--plan", required=True, help="the plan contract (plan.json) of extraction_plan")
     parser.add_argument("--shard", action="append", required=True, help="a shard key of the plan (repeatable)")
-    parser.add_argument("--dtype", required=True, help="hidden.dtype")
+    # Not in the plan's fields, so a flag: how many tokens go through the model per forward (the version id
+    # hashes it, since it changes the bytes, but plan.json does not carry it); --force is the run's own choice.
     parser.add_argument("--batch-tokens", type=int, required=True, help="hidden.batch_tokens")
     parser.add_argument("--force", action="store_true", help="extract the shards again even when complete")
     args = parser.parse_args(argv)
@@ -42,19 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"shards {unknown} are not in the plan {args.plan} ({len(by_key)} shards)", file=sys.stderr)
         return 2
-    results = extract_shards_hf(ctx, [by_key[k] for k in args.shard], dtype=args.dtype,
-                                batch_tokens=args.batch_tokens, progress=lambda line: print(line, flush=True),
-                                force=args.force)
+    results = extract_shards_hf(ctx, [by_key[k] for k in args.shard], batch_tokens=args.batch_tokens,
+                                progress=lambda line: print(line, flush=True), force=args.force)
     for r in results:
         print(json.dumps(r), flush=True)
     return 0
 
 
-def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, dtype: str, batch_tokens: int,
-                      progress: Progress, force: bool = False) -> list[dict]:
-    """The hf backend over some shards of a plan, with one loaded model (`force`: complete shards too)."""
+def extract_shards_hf(ctx: HiddenContext, specs: list[ShardSpec], *, batch_tokens: int, progress: Progress,
+                      force: bool = False) -> list[dict]:
+    """The hf backend over some shards of a plan, with one loaded model in the plan's dtype (`force`: complete
+    shards too)."""
     from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
 
+    dtype = ctx.fmt.dtype
     model = load_target_hf(ctx.target.path, dtype)
     results = []
     for spec in specs:

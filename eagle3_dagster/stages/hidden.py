@@ -164,10 +164,10 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
         from eagle3_dagster.threads import stage_threads
 
         stage_threads()
-        return extract_shards_hf(ctx, specs, dtype=profile.hidden.dtype, batch_tokens=profile.hidden.batch_tokens,
-                                 progress=progress, force=force)
+        return extract_shards_hf(ctx, specs, batch_tokens=profile.hidden.batch_tokens, progress=progress,
+                                 force=force)
     argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),
-            "--dtype", profile.hidden.dtype, "--batch-tokens", str(profile.hidden.batch_tokens),
+            "--batch-tokens", str(profile.hidden.batch_tokens),
             *(a for s in specs for a in ("--shard", s.key)), *(["--force"] if force else [])]
     returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
     if returncode != 0:

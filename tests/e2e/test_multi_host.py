@@ -162,7 +162,7 @@ def two_host_extraction(tmp_path_factory) -> dict:
         (reference / "plan.json").write_text(json.dumps(contract))
         host_b = GpuHost(HostSpec("ssh", sys.executable, str(root / "work_b"), sshd_b.target, sshd_b.options))
         host_b.run([sys.executable, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(reference / "plan.json"),
-                    "--dtype", raw["hidden"]["dtype"], "--batch-tokens", str(raw["hidden"]["batch_tokens"]),
+                    "--batch-tokens", str(raw["hidden"]["batch_tokens"]),
                     *(a for k in keys for a in ("--shard", k))], timeout=900)
 
         with dagster_dev(REPO / "workspace.yaml", home, "eagle3_dagster", env={"EAGLE3_PROFILE": str(profile)}) as dep:
