@@ -90,14 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         partitions = next((s.partitions_def for s in specs if s.partitions_def is not None), None)
         if partitions is None:
             run(job_name)
-            continue
-        if isinstance(partitions, dg.DynamicPartitionsDefinition):
-            register_shards(defs, instance)
-            keys = instance.get_dynamic_partitions(partitions.name)
         else:
-            keys = partitions.get_partition_keys()
-        for key in keys:
-            run(job_name, key)
+            keys = instance.get_dynamic_partitions(partitions.name) if isinstance(
+                partitions, dg.DynamicPartitionsDefinition) else partitions.get_partition_keys()
+            for key in keys:
+                run(job_name, key)
+        register_shards(defs, instance)  # what the sensor would do once merged_train is materialized
     print(f"pipeline finished in {time.monotonic() - t0:.0f}s; open the UI with scripts/ui.sh", flush=True)
     return 0
 
@@ -106,8 +104,12 @@ def register_shards(defs: dg.Definitions, instance: dg.DagsterInstance) -> None:
     """Apply the sensor's requests now instead of waiting for the daemon's next tick."""
     sensor = defs.resolve_sensor_def("register_shard_partitions")
     event = instance.get_latest_materialization_event(dg.AssetKey("merged_train"))
+    if event is None:
+        return
     num = event.asset_materialization.metadata["num_shards"].value
     result = automation.shard_partition_requests(instance, int(num))
+    if not result.dynamic_partitions_requests:
+        return  # registered already
     for request in result.dynamic_partitions_requests or []:
         if isinstance(request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
