@@ -129,13 +129,26 @@ def _profile(tmp_path: Path, gpu_host: dict) -> Path:
     return path
 
 
-def test_the_single_host_form_is_one_host_and_one_pool_slot():
+def test_every_checked_in_profile_lists_one_host_and_one_pool_slot():
     for name in ("demo", "micro", "production"):
         g = load_profile(name).gpu_host
-        assert len(g.all_hosts) == 1 and pool_limits(len(g.all_hosts)) == {"gpu_host": 1}
-    prod = load_profile("production").gpu_host.all_hosts[0]
+        assert len(g.hosts) == 1 and pool_limits(len(g.hosts)) == {"gpu_host": 1}
+    prod = load_profile("production").gpu_host.hosts[0]
     assert (prod.label, prod.transport, prod.python, prod.num_gpus) == \
         ("eagle@gpu-host-0", "ssh", "/opt/sglang/.venv/bin/python", 8)
+
+
+def test_a_host_given_flat_under_gpu_host_is_refused_with_the_list_to_write_instead(tmp_path):
+    path = _profile(tmp_path, {"transport": "ssh", "ssh_target": "eagle@h0", "num_gpus": 8, "lease_wait_s": 60})
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: invalid profile")
+    assert "gpu_host.num_gpus, gpu_host.ssh_target, gpu_host.transport: a host's fields go in the list " \
+           "gpu_host.hosts (one element for one host)" in message
+    # the block to paste: the same host as a one-element list, the section's own fields left where they are
+    assert "gpu_host:\n    hosts:\n    - num_gpus: 8\n      ssh_target: eagle@h0\n      transport: ssh\n" \
+           "    lease_wait_s: 60" in message
 
 
 def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(tmp_path):
@@ -143,10 +156,10 @@ def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(t
         {"transport": "ssh", "ssh_target": "eagle@h0", "python": "/opt/a/python", "num_gpus": 8},
         {"name": "h1", "transport": "ssh", "ssh_target": "eagle@h1", "workdir": "/w1", "num_gpus": 4},
         {"transport": "local"}]})).gpu_host
-    assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.all_hosts] == [
+    assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.hosts] == [
         ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8), ("h1", "python", "/w1", 4),
         ("local", "python", ".eagle3/gpu_host", 0)]
-    assert pool_limits(len(g.all_hosts)) == {"gpu_host": 3}
+    assert pool_limits(len(g.hosts)) == {"gpu_host": 3}
 
 
 @pytest.mark.parametrize("gpu_host, message", [
@@ -154,7 +167,7 @@ def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(t
                 {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2202"]}]},
      "gpu_host: Value error, gpu_host.hosts: names must be unique, ['u@127.0.0.1'] name several hosts"),
     ({"python": "/x/python", "hosts": [{"transport": "local"}]},
-     "gpu_host.hosts is given, so gpu_host.python belongs in each host"),
+     "gpu_host: Value error, gpu_host.python: a host's fields go in the list gpu_host.hosts"),
     ({"hosts": [{"transport": "ssh"}]}, "gpu_host.hosts.0: Value error, ssh_target is required for transport 'ssh'"),
     ({"hosts": []}, "gpu_host.hosts: List should have at least 1 item"),
 ])
