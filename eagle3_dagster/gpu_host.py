@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from eagle3_dagster.config import HostConfig
 from eagle3_dagster.sglang import patch as sglang_patch
 
 LogFn = Callable[[str], None]
@@ -171,23 +172,6 @@ class ServerError(RuntimeError):
     """The SGLang server did not become healthy; the message carries its last log lines."""
 
 
-@dataclass(frozen=True)
-class HostSpec:
-    transport: str = "local"  # "local" | "ssh"
-    python: str = "python"
-    workdir: str = ".eagle3/gpu_host"
-    ssh_target: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    num_gpus: int = 0  # what the preflight of GPU work expects
-    name: str | None = None  # in leases, run tags and logs; default: where()
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("local", "ssh"):
-            raise ValueError(f"gpu_host.transport must be 'local' or 'ssh', got {self.transport!r}")
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
-
-
 def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
     """`cd cwd && exec env K=V ... argv` with everything quoted for a POSIX shell."""
     parts = ["exec", "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
@@ -196,7 +180,7 @@ def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd:
 
 
 class GpuHost:
-    def __init__(self, spec: HostSpec) -> None:
+    def __init__(self, spec: HostConfig) -> None:
         self.spec = spec
 
     def wrap(self, script: str) -> list[str]:
@@ -230,7 +214,7 @@ class GpuHost:
 
     @property
     def name(self) -> str:
-        return self.spec.name or ("local" if self.spec.transport == "local" else str(self.spec.ssh_target))
+        return self.spec.label
 
     def is_this_process(self, python: str) -> bool:
         """True when a command for this host would run here with `python` (the same interpreter, no ssh)."""

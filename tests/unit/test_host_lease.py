@@ -146,9 +146,10 @@ def test_a_host_given_flat_under_gpu_host_is_refused_with_the_list_to_write_inst
     assert message.startswith(f"{path}: invalid profile")
     assert "gpu_host.num_gpus, gpu_host.ssh_target, gpu_host.transport: a host's fields go in the list " \
            "gpu_host.hosts (one element for one host)" in message
-    # the block to paste: the same host as a one-element list, the section's own fields left where they are
-    assert "gpu_host:\n    hosts:\n    - num_gpus: 8\n      ssh_target: eagle@h0\n      transport: ssh\n" \
-           "    lease_wait_s: 60" in message
+    # the block to paste (keys in the file's order, which _profile sorts): the same host as a one-element list,
+    # the section's own fields left where they are
+    assert "gpu_host:\n  hosts:\n  - num_gpus: 8\n    ssh_target: eagle@h0\n    transport: ssh\n" \
+           "  lease_wait_s: 60\n" in message
 
 
 def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(tmp_path):
