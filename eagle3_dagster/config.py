@@ -267,7 +267,8 @@ class HostConfig(_Strict):
     transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
     ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
+    python: str = Field("python", description="the interpreter on the host (SGLang's environment); on a local "
+                        "host the default, python, is the interpreter running the pipeline")
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
     num_gpus: int = _bounded(
         0, ge=0, le=1024, why="more GPUs than one host has", description="GPUs the preflight expects on the host")

@@ -31,6 +31,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -181,7 +182,9 @@ def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd:
 
 class GpuHost:
     def __init__(self, spec: HostConfig) -> None:
-        self.spec = spec
+        # A local host's default interpreter (`python`) is this process's, not the first `python` on PATH.
+        local_default = spec.transport == "local" and spec.python == "python"
+        self.spec = spec.model_copy(update={"python": sys.executable}) if local_default else spec
 
     def wrap(self, script: str) -> list[str]:
         """The local argv that runs a shell script on the host."""

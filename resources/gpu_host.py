@@ -61,12 +61,9 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
 
     @classmethod
     def from_profile(cls, profile) -> "GpuHostResource":
-        """The profile's hosts; a local host with the default interpreter (`python`) runs this process's."""
         g = profile.gpu_host
-        hosts = [HostEntry(**h.model_dump(exclude={"python"}),
-                           python=sys.executable if h.transport == "local" and h.python == "python" else h.python)
-                 for h in g.hosts]
-        return cls(hosts=hosts, **g.model_dump(include=set(HostsConfig.model_fields) - {"hosts"}))
+        return cls(hosts=[HostEntry(**h.model_dump()) for h in g.hosts],
+                   **g.model_dump(include=set(HostsConfig.model_fields) - {"hosts"}))
 
     def all_hosts(self) -> list[GpuHost]:
         return [GpuHost(h) for h in self.hosts]

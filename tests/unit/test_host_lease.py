@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
-from eagle3_dagster.gpu_host import PreflightError
+from eagle3_dagster.config import HostConfig, ProfileError, load_profile, load_profile_file
+from eagle3_dagster.gpu_host import GpuHost, PreflightError
 from eagle3_dagster.hidden.plan import hours_on_hosts
 from eagle3_dagster.host_lease import NoHostError, history, lease_host, lease_path, pool_limits, try_lock, who_holds
 
@@ -161,6 +162,47 @@ def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(t
         ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8), ("h1", "python", "/w1", 4),
         ("local", "python", ".eagle3/gpu_host", 0)]
     assert pool_limits(len(g.hosts)) == {"gpu_host": 3}
+
+
+def test_a_local_host_with_the_default_interpreter_runs_the_pipelines_own():
+    """`eagle3 preflight` and the Dagster resource alike: not the first `python` on PATH."""
+    assert GpuHost(HostConfig()).spec.python == sys.executable
+    assert GpuHost(HostConfig(python="/opt/x/python")).spec.python == "/opt/x/python"
+    assert GpuHost(HostConfig(transport="ssh", ssh_target="u@h")).spec.python == "python"
+
+
+def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_and_checks(tmp_path):
+    import dagster as dg
+
+    from resources.gpu_host import GpuHostResource, HostEntry
+
+    g = load_profile_file(_profile(tmp_path, {"lease_wait_s": 5, "hosts": [
+        {"name": "h0", "transport": "ssh", "ssh_target": "eagle@h0", "ssh_options": ["-p", "2222"], "num_gpus": 8},
+        {"python": "/opt/a/python", "workdir": "/w1"}]})).gpu_host
+    resource = GpuHostResource.from_profile(SimpleNamespace(gpu_host=g))
+    assert [h.model_dump() for h in resource.hosts] == [h.model_dump() for h in g.hosts]
+    assert (resource.lease_dir, resource.lease_wait_s) == (None, 5)
+    assert [h.name for h in resource.all_hosts()] == ["h0", "local"]
+    # the launchpad's fields for a host are HostConfig's, with its help
+    fields = GpuHostResource.to_config_schema().as_field().config_type.fields["hosts"].config_type.inner_type.fields
+    assert {k: f.description for k, f in fields.items()} == \
+        {k: f.description for k, f in HostConfig.model_fields.items()}
+    with pytest.raises(ValueError, match="ssh_target is required for transport 'ssh'"):
+        HostEntry(transport="ssh")
+    with pytest.raises(ValueError, match="gpu_host.python: a host's fields go in the list gpu_host.hosts"):
+        GpuHostResource(python="/x/python", hosts=[HostEntry()])
+
+    @dg.asset(required_resource_keys={"gpu_host"})
+    def uses_a_host(context) -> None:
+        assert [h.name for h in context.resources.gpu_host.all_hosts()] == ["g0"]
+
+    def launch(config: dict) -> bool:
+        return dg.materialize([uses_a_host], resources={"gpu_host": GpuHostResource.configure_at_launch()},
+                              run_config={"resources": {"gpu_host": {"config": config}}}).success
+
+    assert launch({"hosts": [{"name": "g0", "transport": "local"}]})
+    with pytest.raises(dg.DagsterInvalidConfigError, match='Received unexpected config entry "python"'):
+        launch({"python": "/x/python"})  # the one-host form of earlier resource configs
 
 
 @pytest.mark.parametrize("gpu_host, message", [
