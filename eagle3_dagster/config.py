@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.storage import StorageSettings, location
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
@@ -255,35 +256,6 @@ class DataConfig(_Strict):
     draft_vocab_size: int = _bounded(
         32000, ge=1, le=2**24, why="larger than any target's vocabulary (Kimi-K2.5: 163,840)",
         description="tokens in the drafter's vocabulary")
-
-
-class HostConfig(_Strict):
-    """One GPU host: where its commands run and with which interpreter.
-
-    The one description of a host: the profile lists them (`gpu_host.hosts`), the engine's `GpuHost` runs
-    commands on one, and the Dagster resource's config is this class made a `dg.Config`
-    (resources/gpu_host.py), so its fields and their help are written here only."""
-
-    transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
-    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment); on a local "
-                        "host the default, python, is the interpreter running the pipeline")
-    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
-    num_gpus: int = _bounded(
-        0, ge=0, le=1024, why="more GPUs than one host has", description="GPUs the preflight expects on the host")
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
-                             "the ssh target (required when two hosts would get the same name)")
-
-    @model_validator(mode="after")
-    def _target_for_ssh(self) -> "HostConfig":
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("ssh_target is required for transport 'ssh'")
-        return self
-
-    @property
-    def label(self) -> str:
-        return self.name or (self.ssh_target if self.transport == "ssh" else "local")
 
 
 class HostsConfig(_Strict):

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from eagle3_dagster.config import HostConfig
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang import patch as sglang_patch
 
 LogFn = Callable[[str], None]

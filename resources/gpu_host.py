@@ -29,7 +29,8 @@ import dagster as dg
 from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from pydantic import Field
 
-from eagle3_dagster.config import HostConfig, HostsConfig
+from eagle3_dagster.config import HostsConfig
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost
 
 HOST_TAG = "eagle3/gpu_host"  # the run tag naming the host a GPU step leased

@@ -110,8 +110,8 @@ def two_host_extraction(tmp_path_factory) -> dict:
     import dagster as dg
 
     from assets.hidden_states import current_plan
-    from eagle3_dagster.config import HostConfig
     from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.host_lease import history, who_holds
 
     root = tmp_path_factory.mktemp("multi_host")

@@ -36,8 +36,8 @@ import httpx
 import pytest
 import torch
 
-from eagle3_dagster.config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost, LogTail, sglang_server
+from eagle3_dagster.host_config import HostConfig
 from tests.real_sglang.support import VERSION, free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 

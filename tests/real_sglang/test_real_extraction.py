@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
-from eagle3_dagster.config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost, LogTail, ServerSpec, sglang_server
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.hidden.plan import shard_bytes
 from eagle3_dagster.hidden.sharding import plan_shards
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_manifest

@@ -19,8 +19,8 @@ import dagster as dg
 import httpx
 import pytest
 
-from eagle3_dagster.config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost, PreflightError, ServerError, ServerSpec, sglang_server
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

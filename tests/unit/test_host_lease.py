@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_dagster.config import HostConfig, ProfileError, load_profile, load_profile_file
+from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
 from eagle3_dagster.gpu_host import GpuHost, PreflightError
 from eagle3_dagster.hidden.plan import hours_on_hosts
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.host_lease import NoHostError, history, lease_host, lease_path, pool_limits, try_lock, who_holds
 
 ROOT = Path(__file__).resolve().parents[2]

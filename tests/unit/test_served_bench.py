@@ -20,8 +20,8 @@ import pytest
 
 from eagle3_dagster.bench.served import ServedBenchmarkError, prompt_token_limit, run_on_host, run_served_sets
 from eagle3_dagster.drafter.export import export_drafter
-from eagle3_dagster.config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost, ServerError, ServerSpec
+from eagle3_dagster.host_config import HostConfig
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
 pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host

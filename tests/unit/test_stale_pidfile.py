@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_dagster.config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
 
 
 def _stranger() -> subprocess.Popen:
