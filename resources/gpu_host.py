@@ -58,7 +58,8 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
     The profile's `gpu_host` less what only the stages read (`sglang_version`): the hosts, of which each GPU
     step leases one (`lease`), the lease folder and how long a step waits."""
 
-    hosts: list[HostEntry] = Field(min_length=1, description=HostsConfig.model_fields["hosts"].description)
+    hosts: list[HostEntry] = Field(default_factory=lambda: [HostEntry()], min_length=1,
+                                   description=HostsConfig.model_fields["hosts"].description)
 
     @classmethod
     def from_profile(cls, profile) -> "GpuHostResource":
