@@ -729,3 +729,58 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     for k, v in extra.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+class UndeclaredSetting(LookupError):
+    """A stage used a setting it was not given (not an AttributeError: `getattr(x, name, default)` would hide it)."""
+
+
+class _Withheld:
+    """Stands in a restricted profile for a setting the stage was not given: any use of it raises, naming it."""
+
+    __slots__ = ("_path", "_stage")
+
+    def __init__(self, path: str, stage: str) -> None:
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_stage", stage)
+
+    def _refuse(self, *_args, **_kwargs):
+        raise UndeclaredSetting(f"{self._stage} uses {self._path}, a setting it is not given: declare it where "
+                                f"the asset names the settings its output depends on (assets/settings.py)")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # copy, pickle and typing probes are not uses
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self) -> str:  # tracebacks and debuggers print it: not a use
+        return f"<{self._path}: not given to {self._stage}>"
+
+    __bool__ = __str__ = __format__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = _refuse
+    __int__ = __float__ = __index__ = __len__ = __iter__ = __contains__ = __getitem__ = __fspath__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __neg__ = __call__ = _refuse
+
+
+def restricted(profile: Profile, paths: typing.Iterable[str], stage: str) -> Profile:
+    """The profile as `stage` is given it: only the settings at `paths` (dotted, a section or a field).
+
+    Everything else is withheld: using it raises `UndeclaredSetting`, so a stage cannot come to depend on a
+    setting that its asset's code version does not hash. The copy is not validated again (pydantic's
+    `model_copy`), and the profile it came from is unchanged.
+    """
+    return _restricted(profile, frozenset(paths), stage, "")
+
+
+def _restricted(model: BaseModel, paths: frozenset[str], stage: str, prefix: str) -> BaseModel:
+    updates = {}
+    for name in type(model).model_fields:
+        path = prefix + name
+        if path in paths:
+            continue
+        value = getattr(model, name)
+        if isinstance(value, BaseModel) and any(p.startswith(path + ".") for p in paths):
+            updates[name] = _restricted(value, paths, stage, path + ".")
+        else:
+            updates[name] = _Withheld(path, stage)
+    return model.model_copy(update=updates)

@@ -18,7 +18,7 @@ from resources.gpu_host import GpuHostResource, HostEntry
 
 def _observe(model_dir, tmp_path, instance):
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(model_dir)}})
-    (asset,) = target_model.build(profile)
+    (asset,) = target_model.build(profile).assets
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
     result = observe([asset], resources={"gpu_host": host}, instance=instance)
     assert result.success
