@@ -185,7 +185,8 @@ def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_an
     assert (resource.lease_dir, resource.lease_wait_s) == (None, 5)
     assert [h.name for h in resource.all_hosts()] == ["h0", "local"]
     # the launchpad's fields for a host are HostConfig's, with its help
-    fields = GpuHostResource.to_config_schema().as_field().config_type.fields["hosts"].config_type.inner_type.fields
+    hosts = GpuHostResource.to_config_schema().as_field().config_type.fields["hosts"].config_type  # Noneable(Array)
+    fields = hosts.inner_type.inner_type.fields
     assert {k: f.description for k, f in fields.items()} == \
         {k: f.description for k, f in HostConfig.model_fields.items()}
     with pytest.raises(ValueError, match="ssh_target is required for transport 'ssh'"):
