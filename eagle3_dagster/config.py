@@ -287,7 +287,7 @@ class HostsConfig(_Strict):
         host = {k: v for k, v in raw.items() if k in flat}  # in the profile's order
         rest = {k: v for k, v in raw.items() if k not in flat}
         block = yaml.safe_dump({"gpu_host": {"hosts": [host], **rest}}, sort_keys=False)
-        raise ValueError(f"{where} (one element for one host); write\n{block}")
+        raise ValueError(f"{where} (one element for one host); write instead:\n{block}")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "HostsConfig":
