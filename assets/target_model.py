@@ -57,10 +57,9 @@ def _observed_target(profile: Profile):
         required_resource_keys={"gpu_host"},
     )
     def target_model(context) -> dg.ObserveResult:
-        host = context.resources.gpu_host
-        out = host.check_output(
-            [host.python, "-m", "eagle3_dagster.cli", "target-info", str(profile.target.path)], timeout_s=120
-        )
+        host = context.resources.gpu_host.host()
+        out = host.run([host.spec.python, "-m", "eagle3_dagster.cli", "target-info", str(profile.target.path)],
+                       timeout=120).stdout
         info = json.loads(out)
         return dg.ObserveResult(
             data_version=dg.DataVersion(info["identity"]),

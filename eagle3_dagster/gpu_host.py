@@ -31,6 +31,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang import patch as sglang_patch
 
 LogFn = Callable[[str], None]
@@ -171,23 +173,6 @@ class ServerError(RuntimeError):
     """The SGLang server did not become healthy; the message carries its last log lines."""
 
 
-@dataclass(frozen=True)
-class HostSpec:
-    transport: str = "local"  # "local" | "ssh"
-    python: str = "python"
-    workdir: str = ".eagle3/gpu_host"
-    ssh_target: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    num_gpus: int = 0  # what the preflight of GPU work expects
-    name: str | None = None  # in leases, run tags and logs; default: where()
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("local", "ssh"):
-            raise ValueError(f"gpu_host.transport must be 'local' or 'ssh', got {self.transport!r}")
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
-
-
 def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
     """`cd cwd && exec env K=V ... argv` with everything quoted for a POSIX shell."""
     parts = ["exec", "env", *(f"{k}={v}" for k, v in (env or {}).items()), *argv]
@@ -196,8 +181,10 @@ def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd:
 
 
 class GpuHost:
-    def __init__(self, spec: HostSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: HostConfig) -> None:
+        # A local host's default interpreter (`python`) is this process's, not the first `python` on PATH.
+        local_default = spec.transport == "local" and spec.python == "python"
+        self.spec = spec.model_copy(update={"python": sys.executable}) if local_default else spec
 
     def wrap(self, script: str) -> list[str]:
         """The local argv that runs a shell script on the host."""
@@ -230,7 +217,7 @@ class GpuHost:
 
     @property
     def name(self) -> str:
-        return self.spec.name or ("local" if self.spec.transport == "local" else str(self.spec.ssh_target))
+        return self.spec.label
 
     def is_this_process(self, python: str) -> bool:
         """True when a command for this host would run here with `python` (the same interpreter, no ssh)."""

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, LogTail, ServerSpec, sglang_server
+from eagle3_dagster.gpu_host import GpuHost, LogTail, ServerSpec, sglang_server
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.hidden.plan import shard_bytes
 from eagle3_dagster.hidden.sharding import plan_shards
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_manifest
@@ -40,7 +41,7 @@ SHARED_PREFIX = 40  # samples 0 and 1 begin with the same 40 tokens
 @pytest.fixture(scope="module")
 def server(sglang_python, micro_target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_sglang")
-    host = GpuHost(HostSpec(transport="local", python=str(sglang_python), workdir=str(tmp / "host")))
+    host = GpuHost(HostConfig(transport="local", python=str(sglang_python), workdir=str(tmp / "host")))
     spec = ServerSpec(model_path=str(micro_target), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
                       sglang_version=VERSION, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
                       env=server_env(sglang_python), health_timeout_s=1200)
