@@ -1,4 +1,5 @@
-"""What the real-SGLang tests share: the release, a free port, and the comparison with transformers.
+"""What the real-SGLang tests share: the release, a free port, the extraction server and shard, and the
+comparison with transformers.
 
 Tolerance: SGLang computes in its own kernels and dtype (bfloat16 for a float32 checkpoint), so its
 states cannot equal transformers' float32 ones bit for bit. The envelope is measured in each test:
@@ -19,6 +20,15 @@ from pathlib import Path
 
 import orjson
 import torch
+
+from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
+from eagle3_dagster.gpu_host import GpuHost, HostSpec, LogTail, ServerSpec, sglang_server
+from eagle3_dagster.hidden.extract import ShardResult
+from eagle3_dagster.hidden.sharding import ShardSpec, plan_shards
+from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat
+from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
+from eagle3_dagster.target import load_target_config, target_identity
+from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 VERSION = "0.5.23"
 AUX = (1, 2, 3)  # the micro profile's canonical aux layers (HF output_hidden_states indices)
@@ -57,9 +67,6 @@ def extraction_server(python: Path, model_dir: Path, tmp: Path, *, trust_remote_
     """The patched release server in extraction mode, started by the project's launcher (the release's
     extraction options from releases.json, the tier's CPU options, `--chunked-prefill-size CHUNK`);
     yields (the running server, its dump folder, its log file)."""
-    from eagle3_dagster.gpu_host import GpuHost, HostSpec, LogTail, ServerSpec, sglang_server
-    from tests.sglang_cpu.venv import SERVER_ARGS, server_env
-
     host = GpuHost(HostSpec(transport="local", python=str(python), workdir=str(tmp / "host")))
     spec = ServerSpec(model_path=str(model_dir), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
                       sglang_version=VERSION, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
@@ -88,19 +95,13 @@ def extraction_samples(vocab: int, lengths: list[int], shared_prefix: int, seed:
 @dataclass(frozen=True)
 class Extracted:
     version_dir: Path
-    spec: object  # the shard's ShardSpec
-    fmt: object  # its ShardFormat
-    result: object  # extract_shard_sglang's ShardResult
+    spec: ShardSpec
+    fmt: ShardFormat
+    result: ShardResult
 
 
 def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path) -> Extracted:
     """One shard of `samples` through the project's driver (all in flight at once), committed under tmp/version."""
-    from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
-    from eagle3_dagster.hidden.sharding import plan_shards
-    from eagle3_dagster.hidden.shards import ShardFormat
-    from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
-    from eagle3_dagster.target import load_target_config, target_identity
-
     hidden = load_target_config(model_dir)["hidden_size"]
     merged = tmp / "merged_train.jsonl"
     merged.write_bytes(b"".join(orjson.dumps(s) + b"\n" for s in samples))
@@ -122,8 +123,6 @@ def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tup
     an aux state not nearest to the HF state of its own index (an off-by-one layer is far further),
     stored token ids that are not the sample's.
     """
-    from eagle3_dagster.hidden.shards import HiddenStatesDataset
-
     hidden = json.loads((hf_dir / "config.json").read_text())["hidden_size"]
     ds = HiddenStatesDataset(version_dir)
     names = [f"aux {i}" for i in AUX] + ["last"]
