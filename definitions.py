@@ -18,25 +18,24 @@ from eagle3_dagster.config import Profile, load_profile
 from resources.chat_api import ChatApiResource
 from resources.gpu_host import GpuHostResource
 
-STAGES = [target_model, raw_responses, tokenized_dataset, merged_train, hidden_states, drafter_checkpoint]
+# The modules that build this code location's assets and jobs (the graph's order is their assets' deps).
+ASSET_MODULES = [target_model, raw_responses, tokenized_dataset, merged_train, hidden_states, drafter_checkpoint]
 
 
 def build_definitions(profile: Profile) -> dg.Definitions:
     storage.configure(profile.storage)  # every store call of this code location and its run workers
-    defs: list = []
-    for stage in STAGES:
-        defs.extend(stage.build(profile))
-    assets = described([d for d in defs if not isinstance(d, dg.JobDefinition)])
-    op_jobs = [d for d in defs if isinstance(d, dg.JobDefinition)]
+    parts = dg.Definitions.merge(*(module.build(profile) for module in ASSET_MODULES))
+    assets = settings.versioned(described(list(parts.assets)), profile)
+    specs = [spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs]
     jobs = automation.build_jobs(profile)
-    check, status_sensor = shard_status.build(profile)
+    check, status_sensor = shard_status.build(next(s for s in specs if s.key == shard_status.ASSET))
     api_key = dg.EnvVar(profile.generation.api_key_env) if profile.generation.backend == "openai" else None
     return dg.Definitions(
         assets=assets,
         asset_checks=[check],
-        jobs=[*jobs.values(), *op_jobs],
+        jobs=[*jobs.values(), *parts.jobs],
         sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
-                 settings.build_sensor(profile), status_sensor],
+                 settings.build_sensor(specs), status_sensor],
         resources={
             "chat_api": ChatApiResource(api_key=api_key),
             "gpu_host": GpuHostResource.from_profile(profile),

@@ -171,17 +171,18 @@ def sparkline(values: list[float], x_axis: str, width: int = 48) -> str:
             f"min {round_value(min(values))}, max {round_value(max(values))}")
 
 
-def materialize_result(report: StageReport, profile: Profile, asset: str, *, data_version: str | None = None,
+def materialize_result(context: dg.AssetExecutionContext, report: StageReport, *, data_version: str | None = None,
                        **kwargs: Any) -> dg.MaterializeResult:
     """The stage's report as metadata, the settings it was built with, and a data version from its content."""
     from assets.metadata_legend import LEGEND_KEY, legend
-    from assets.settings import settings_metadata
+    from assets.settings import recorded_settings
 
+    asset = context.asset_key.to_user_string()
     version = data_version or report.data_version
     if version is None:
         raise ValueError(f"{asset}: the stage reported no content version; every asset's data version must come "
                          "from its content")
-    metadata = {**report_metadata(report), **settings_metadata(profile, asset)}
+    metadata = {**report_metadata(report), **recorded_settings(context)}
     metadata[LEGEND_KEY] = legend(asset, metadata)
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version), **kwargs)
 

@@ -73,31 +73,32 @@ def shard_automation_condition(limit: int, cron: str) -> dg.AutomationCondition:
     return FirstPartitions(due & wanted & ready & ~AC.in_progress(), limit)
 
 
+# The jobs the UI and scripts/run_pipeline.py run: what each materializes. Their order is the graph's
+# (run_pipeline sorts them by it), not this table's.
+JOBS: dict[str, tuple[tuple[str, ...], str]] = {
+    "target_job": (("target_model",), "Build and pre-train the tiny target (tiny targets only)."),
+    "data_job": (("raw_responses", "tokenized_dataset"), "Regenerate and tokenize one dataset partition."),
+    "corpus_job": (("merged_train", "vocab_mapping", "extraction_plan"),
+                   "Merge and shuffle, build the draft vocabulary, plan the extraction."),
+    "extract_job": (("hidden_states",),
+                    "Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host)."),
+    "train_job": (("drafter_checkpoint", "benchmark_report"), "Train the drafter with torchrun, export it, "
+                  "benchmark it."),
+}
+
+
 def build_jobs(profile: Profile) -> dict:
-    tags = run_tags(profile)
-    jobs = {
-        "data_job": dg.define_asset_job(
-            "data_job", selection=["raw_responses", "tokenized_dataset"], tags=tags,
-            description="Regenerate and tokenize one dataset partition.",
-        ),
-        "corpus_job": dg.define_asset_job(
-            "corpus_job", selection=["merged_train", "vocab_mapping", "extraction_plan"], tags=tags,
-            description="Merge and shuffle, build the draft vocabulary, plan the extraction.",
-        ),
-        "extract_job": dg.define_asset_job(
+    jobs = {}
+    for name, (assets, description) in JOBS.items():
+        if name == "target_job" and profile.target.kind != "tiny":
+            continue  # an external target is observed, not built
+        selection = dg.AssetSelection.assets(*assets)
+        if "hidden_states" in assets:
             # without shards_current: a verdict on every shard, reported by its sensor, not by each shard's run
-            "extract_job", selection=dg.AssetSelection.assets("hidden_states") - dg.AssetSelection.checks(
-                dg.AssetCheckKey(dg.AssetKey("hidden_states"), SHARDS_CURRENT)),
-            tags=run_tags(profile, "hidden_states"),
-            description="Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host).",
-        ),
-        "train_job": dg.define_asset_job(
-            "train_job", selection=["drafter_checkpoint", "benchmark_report"], tags=tags,
-            description="Train the drafter with torchrun, export it, benchmark it.",
-        ),
-    }
-    if profile.target.kind == "tiny":
-        jobs["target_job"] = dg.define_asset_job("target_job", selection=["target_model"], tags=tags)
+            selection = selection - dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey("hidden_states"),
+                                                                                SHARDS_CURRENT))
+        tags = run_tags(profile, "hidden_states" if "hidden_states" in assets else None)
+        jobs[name] = dg.define_asset_job(name, selection=selection, tags=tags, description=description)
     return jobs
 
 

@@ -18,19 +18,18 @@ from assets._common import (
 )
 from assets.hidden_states import current_plan
 from assets.metadata_legend import LEGEND_KEY, legend
-from assets.settings import code_version, settings_metadata
+from assets.settings import given, recorded_settings
 from eagle3_dagster.config import Profile
 
 GROUP = "drafter"
 EXPORT_CHECK = "export_matches_sglang"
 
 
-def build(profile: Profile) -> list:
+def build(profile: Profile) -> dg.Definitions:
     @dg.asset(
         name="drafter_checkpoint",
         group_name=GROUP,
         deps=["hidden_states", "vocab_mapping", "target_model"],
-        code_version=code_version(profile, "drafter_checkpoint"),
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
@@ -46,7 +45,7 @@ def build(profile: Profile) -> list:
 
         tag_run(context, profile)
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
-        plan = prepare_training(profile, layout(profile), plan=current_plan(context.instance))
+        plan = prepare_training(given(profile, "drafter_checkpoint"), layout(profile), plan=current_plan(context.instance))
         context.log.info(f"launching: {' '.join(plan.command)}")
         invocation = context.resources.gpu_host.run_pipes(
             context=context, command=plan.command, env=plan.env, cwd=plan.cwd
@@ -55,9 +54,9 @@ def build(profile: Profile) -> list:
         for result in invocation.get_results():
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
-        report, export_ok, export_detail = finish_training(profile, layout(profile), plan)
+        report, export_ok, export_detail = finish_training(given(profile, "drafter_checkpoint"), layout(profile), plan)
         meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
-                **settings_metadata(profile, "drafter_checkpoint")}
+                **recorded_settings(context)}
         meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
         weights = report.metadata["export_dir"] / "model.safetensors"
@@ -68,7 +67,6 @@ def build(profile: Profile) -> list:
         name="benchmark_report",
         group_name=GROUP,
         deps=["drafter_checkpoint", "target_model"],
-        code_version=code_version(profile, "benchmark_report"),
         pool=GPU_POOL,
         kinds={"markdown"},
         required_resource_keys={"gpu_host"},
@@ -82,14 +80,14 @@ def build(profile: Profile) -> list:
         previous = _previous_results_path(context)
         with context.resources.gpu_host.lease(context) as host:  # a host of its own while it serves
             report = benchmark_stage(
-                profile, layout(profile), export_dir=_drafter_export(context), previous_results=previous,
+                given(profile, "benchmark_report"), layout(profile), export_dir=_drafter_export(context), previous_results=previous,
                 run_id=context.run_id, gpu_host=host, progress=progress_logger(context),
             )
         results = report.metadata["results_json"]
         report.metadata.update(results_metadata(results))
-        return materialize_result(report, profile, "benchmark_report", data_version=file_version(results))
+        return materialize_result(context, report, data_version=file_version(results))
 
-    return [drafter_checkpoint, benchmark_report]
+    return dg.Definitions(assets=[drafter_checkpoint, benchmark_report])
 
 
 def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> dict:

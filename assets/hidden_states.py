@@ -18,7 +18,7 @@ from pydantic import Field
 from assets._common import GPU_POOL, accepted, layout, materialize_result, progress_logger, run_tags, tag_run
 from assets.automation import shard_automation_condition
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.settings import code_version
+from assets.settings import gate, given
 from eagle3_dagster.config import Profile
 
 GROUP = "hidden_states"
@@ -27,12 +27,11 @@ BYTES_CHECK = "bytes_match_plan"
 MANIFEST_CHECK = "manifest_checksums"
 
 
-def build(profile: Profile) -> list:
+def build(profile: Profile) -> dg.Definitions:
     @dg.asset(
         name="extraction_plan",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=code_version(profile, "extraction_plan"),
         required_resource_keys={"gpu_host"},
         check_specs=[dg.AssetCheckSpec(FITS_CHECK, asset="extraction_plan", blocking=True,
                                        description="the shards of this hidden-state version fit in the free "
@@ -46,7 +45,7 @@ def build(profile: Profile) -> list:
         tag_run(context, profile)
         root = layout(profile).hidden_root
         free = context.resources.gpu_host.free_bytes(str(free_space_location(layout(profile))))
-        report, fits, message = plan_stage(profile, layout(profile), free_bytes=free)
+        report, fits, message = plan_stage(given(profile, "extraction_plan"), layout(profile), free_bytes=free)
         meta = report.metadata
         check = dg.AssetCheckResult(
             check_name=FITS_CHECK,
@@ -61,7 +60,7 @@ def build(profile: Profile) -> list:
         content = {k: meta[k] for k in ("version", "num_shards", "num_samples", "num_tokens", "total_bytes")}
         content["hidden_root"] = str(root)
         version = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-        return materialize_result(report, profile, "extraction_plan", data_version=version, check_results=[check])
+        return materialize_result(context, report, data_version=version, check_results=[check])
 
     # Partitioned checks (Preview in 1.13): each verdict belongs to its shard, and blocks only that shard.
     with accepted(dg.PreviewWarning, "Specifying a partitions_def on an AssetCheckSpec"):
@@ -77,8 +76,8 @@ def build(profile: Profile) -> list:
         name="hidden_states",
         group_name=GROUP,
         partitions_def=HIDDEN_STATE_SHARDS,
-        deps=["merged_train", "extraction_plan", "target_model"],
-        code_version=code_version(profile, "hidden_states"),
+        deps=["merged_train", "target_model",
+              gate("extraction_plan", "its fits_on_disk check must pass; the plan's hours are not in the shards")],
         pool=GPU_POOL,
         kinds={"safetensors"},
         required_resource_keys={"gpu_host"},
@@ -105,9 +104,9 @@ def build(profile: Profile) -> list:
         require_plan_current(context.instance, ctx.merged_train_sha256)
         keys = list(context.partition_keys)
         reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
-        preflight = lambda host: reports.append(extraction_preflight(profile, host, free_space_location(layout(profile))))  # noqa: E731
+        preflight = lambda host: reports.append(extraction_preflight(given(profile, "hidden_states"), host, free_space_location(layout(profile))))  # noqa: E731
         with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
-            report, checks = extract_stage(profile, plan, keys, gpu_host=host, host_report=reports[-1],
+            report, checks = extract_stage(given(profile, "hidden_states"), plan, keys, gpu_host=host, host_report=reports[-1],
                                            force=config.force, progress=progress_logger(context))
         report.metadata["gpu_host"] = host.name
         results = [
@@ -121,7 +120,7 @@ def build(profile: Profile) -> list:
         # One partition per run (no backfill policy): the data version is that shard's checksum.
         version = sums[keys[0]] if len(keys) == 1 and keys[0] in sums else \
             hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
-        return materialize_result(report, profile, "hidden_states", data_version=version, check_results=results)
+        return materialize_result(context, report, data_version=version, check_results=results)
 
     @dg.op(
         name="cleanup_superseded_hidden_states",
@@ -142,7 +141,7 @@ def build(profile: Profile) -> list:
     def cleanup_job():
         cleanup_op()
 
-    return [extraction_plan, hidden_states, cleanup_job]
+    return dg.Definitions(assets=[extraction_plan, hidden_states], jobs=[cleanup_job])
 
 
 class HiddenStatesConfig(dg.Config):

@@ -9,18 +9,17 @@ registered from its metadata by a sensor.
 import dagster as dg
 
 from assets._common import file_version, layout, materialize_result, progress_logger, tag_run
-from assets.settings import code_version
+from assets.settings import given
 from eagle3_dagster.config import Profile
 
 GROUP = "data"
 
 
-def build(profile: Profile) -> list:
+def build(profile: Profile) -> dg.Definitions:
     @dg.asset(
         name="merged_train",
         group_name=GROUP,
         deps=["tokenized_dataset"],
-        code_version=code_version(profile, "merged_train"),
         kinds={"json"},
         description="merged_train.jsonl: chosen datasets merged, truncated to max_seq_len with loss masks "
         "recomputed, shuffled with the configured seed (same inputs and seed, same bytes).",
@@ -29,14 +28,13 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.data import merge_partitions
 
         tag_run(context, profile)
-        report = merge_partitions(profile, layout(profile), progress=progress_logger(context))
-        return materialize_result(report, profile, "merged_train")
+        report = merge_partitions(given(profile, "merged_train"), layout(profile), progress=progress_logger(context))
+        return materialize_result(context, report)
 
     @dg.asset(
         name="vocab_mapping",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
-        code_version=code_version(profile, "vocab_mapping"),
         kinds={"pytorch"},
         description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), "
         "safetensors.",
@@ -45,7 +43,7 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.data import build_vocab
 
         tag_run(context, profile)
-        report = build_vocab(profile, layout(profile))
-        return materialize_result(report, profile, "vocab_mapping", data_version=file_version(layout(profile).vocab_mapping))
+        report = build_vocab(given(profile, "vocab_mapping"), layout(profile))
+        return materialize_result(context, report, data_version=file_version(layout(profile).vocab_mapping))
 
-    return [merged_train, vocab_mapping]
+    return dg.Definitions(assets=[merged_train, vocab_mapping])

@@ -1,12 +1,19 @@
 """Which settings each asset's output depends on, and how an edit to them reaches the UI.
 
+Each asset declares here the settings its output depends on (`READS`) and those its stage only runs with
+(`RUNS_WITH`: where, how fast, how often); the asset hands its engine stage the profile restricted to those
+two (`given`), so a stage that comes to use any other setting fails at once, naming it, instead of drifting
+from what its code version hashes.
+
 Dagster marks an asset stale when its own code version changes or when an
 input's data version changed since it was materialized; a stale parent does not
 make its children stale. An edit to `data.max_seq_len` invalidates everything
 below merged_train long before merged_train is rebuilt, so each asset's code
 version hashes the settings it reads *and* those of every asset whose content it
-consumes (`INPUTS`): the edit marks every invalidated asset stale at the next
-reload, and only those (an edit to `hidden.backfill_cron` invalidates nothing).
+consumes: its deps in the built graph (`inputs`), but for a dep marked as a gate (`gate`), whose verdict
+it waits for but whose content it does not read. The edit marks every invalidated asset stale at the next
+reload, and only those (an edit to `hidden.backfill_cron` invalidates nothing). `versioned` writes the
+code versions, and the settings they hash as each asset's definition metadata, once the graph is built.
 
 Every materialization records the settings it was built with; the
 `changed_settings` sensor compares them with the loaded profile and reports the
@@ -16,15 +23,17 @@ what changed (`data.max_seq_len: 192 → 256`), not just a new hash.
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import dagster as dg
 
-from eagle3_dagster.config import Profile
+from eagle3_dagster.config import Profile, restricted
 
 CODE_VERSION = "2"
 SETTINGS_KEY = "settings"
 CHANGED_KEY = "changed_settings"
+GATE_KEY = "eagle3/gate"
 
 # The settings (dotted paths into the profile) that change an asset's own output.
 READS: dict[str, tuple[str, ...]] = {
@@ -32,48 +41,104 @@ READS: dict[str, tuple[str, ...]] = {
     "raw_responses": ("datasets", "generation.backend", "generation.base_url", "generation.model",
                       "generation.max_new_tokens", "generation.temperature", "generation.reasoning",
                       "generation.reasoning_style", "generation.extra_body", "data.max_seq_len",
-                      "data.heldout_fraction"),
-    "tokenized_dataset": ("datasets", "data.max_seq_len", "data.heldout_fraction", "data.bad_fraction_threshold"),
-    "merged_train": ("data.max_seq_len", "data.shuffle_seed", "data.drop_datasets", "hidden.samples_per_shard"),
+                      "data.heldout_fraction", "target.dtype"),
+    # the answers' producer (generation.backend, model) is recorded in every tokenized record
+    "tokenized_dataset": ("datasets", "data.max_seq_len", "data.heldout_fraction", "data.bad_fraction_threshold",
+                          "generation.backend", "generation.model"),
+    "merged_train": ("datasets", "data.max_seq_len", "data.shuffle_seed", "data.drop_datasets",
+                     "hidden.samples_per_shard"),
     "vocab_mapping": ("data.draft_vocab_size",),
-    "extraction_plan": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype",
-                        "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.throughput_tokens_per_s"),
-    "hidden_states": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype",
+    # a plan is its prediction: the hours (throughput) and the training schedule (train.*) it prints
+    "extraction_plan": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype", "data.max_seq_len",
+                        "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.throughput_tokens_per_s",
+                        "train.batch_tokens", "train.epochs", "train.eval_fraction", "train.grad_accum",
+                        "train.max_steps", "train.nnodes", "train.nproc_per_node", "train.seed", "train.warmup_ratio"),
+    "hidden_states": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype", "data.max_seq_len",
                       "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.tp_size"),
-    "drafter_checkpoint": ("train", "drafter", "target.serving_context"),
-    "benchmark_report": ("bench",),
+    "drafter_checkpoint": ("train", "drafter", "target.serving_context", "target.dtype"),
+    # the held-out prompts are the data split's; the served drafter runs on the captured layers
+    "benchmark_report": ("bench", "data.heldout_fraction", "data.max_seq_len", "hidden.aux_layers",
+                         "target.serving_context"),
 }
-# The assets whose content an asset reads. extraction_plan is not among hidden_states' inputs: it gates
-# the extraction, and its estimate (hours) is not in the shards.
-INPUTS: dict[str, tuple[str, ...]] = {
+# The settings a stage is also given that do not change what it writes, and why.
+_TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code")  # where the target's files are, and
+# whether its own tokenizer code may run (it loads, or the stage fails: it never loads something else)
+_HOSTS = ("gpu_host",)  # which machines run it, and the SGLang release they must have
+RUNS_WITH: dict[str, tuple[str, ...]] = {
     "target_model": (),
-    "raw_responses": ("target_model",),
-    "tokenized_dataset": ("raw_responses", "target_model"),
-    "merged_train": ("tokenized_dataset",),
-    "vocab_mapping": ("merged_train", "target_model"),
-    "extraction_plan": ("merged_train", "target_model"),
-    "hidden_states": ("merged_train", "target_model"),
-    "drafter_checkpoint": ("hidden_states", "vocab_mapping", "target_model"),
-    "benchmark_report": ("drafter_checkpoint", "target_model"),
+    # what regeneration costs and how it is paced: money limits, concurrency, retries, tolerated failures
+    "raw_responses": (*_TARGET_FILES, "generation.api_key_env", "generation.concurrency", "generation.max_retries",
+                      "generation.timeout_s", "generation.budget_usd", "generation.price_usd_per_completion_token",
+                      "generation.price_usd_per_prompt_token", "generation.max_failure_fraction",
+                      "generation.resend_interrupted"),
+    "tokenized_dataset": _TARGET_FILES,
+    "merged_train": (),
+    "vocab_mapping": _TARGET_FILES,
+    # the hours for the hosts configured now; its table also gives them for 1..N hosts
+    "extraction_plan": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir"),
+    # the server's port, its extra flags (one that would change a row is refused at launch), parallel requests,
+    # where shards are staged, how long a run may take
+    "hidden_states": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir", "hidden.sglang_port", "hidden.sglang_server_args",
+                      "hidden.sglang_concurrency", "hidden.max_runtime_s"),
+    "drafter_checkpoint": (*_TARGET_FILES, *_HOSTS),
+    "benchmark_report": (*_TARGET_FILES, *_HOSTS, "hidden.sglang_port", "hidden.sglang_server_args", "hidden.tp_size"),
 }
 
 
-def setting_paths(asset: str) -> list[str]:
+def gate(asset: str, why: str) -> dg.AssetDep:
+    """A dep whose verdict the asset waits for and whose content it does not read (`why` says so)."""
+    return dg.AssetDep(asset, metadata={GATE_KEY: why})
+
+
+def inputs(specs: Iterable[dg.AssetSpec]) -> dict[str, tuple[str, ...]]:
+    """The assets whose content each asset reads: its deps in the graph, but for gates."""
+    return {spec.key.to_user_string(): tuple(dep.asset_key.to_user_string() for dep in spec.deps
+                                              if GATE_KEY not in (dep.metadata or {}))
+            for spec in specs}
+
+
+def given(profile: Profile, asset: str) -> Profile:
+    """The profile as the asset's stage gets it: the settings it reads and those it runs with, nothing else."""
+    return restricted(profile, (*READS[asset], *RUNS_WITH[asset]), asset)
+
+
+def setting_paths(asset: str, graph: Mapping[str, tuple[str, ...]]) -> list[str]:
     """The asset's own settings and, transitively, those of every asset whose content it reads."""
     paths: set[str] = set(READS[asset])
-    for parent in INPUTS[asset]:
-        paths.update(setting_paths(parent))
+    for parent in graph.get(asset, ()):  # an observed source asset has no inputs
+        paths.update(setting_paths(parent, graph))
     return sorted(paths)
 
 
-def settings_for(profile: Profile, asset: str) -> dict[str, Any]:
-    return {path: _value(profile, path) for path in setting_paths(asset)}
+def settings_for(profile: Profile, asset: str, graph: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
+    return {path: _value(profile, path) for path in setting_paths(asset, graph)}
 
 
-def code_version(profile: Profile, asset: str) -> str:
-    """Code version of the asset: bumped by hand when its code changes, plus a hash of its settings."""
-    payload = json.dumps(settings_for(profile, asset), sort_keys=True, separators=(",", ":"))
+def code_version(settings: Mapping[str, Any]) -> str:
+    """An asset's code version: bumped by hand when its code changes, plus a hash of its settings."""
+    payload = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     return f"{CODE_VERSION}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
+
+
+def versioned(assets: list, profile: Profile) -> list:
+    """The assets with their code versions and the settings these hash (definition metadata `settings`).
+
+    Computed from the built graph: an asset's code version cannot be known before its inputs'.
+    """
+    graph = inputs(spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs)
+
+    def with_settings(spec: dg.AssetSpec) -> dg.AssetSpec:
+        settings = settings_for(profile, spec.key.to_user_string(), graph)
+        return spec.replace_attributes(code_version=code_version(settings),
+                                       metadata={**spec.metadata, SETTINGS_KEY: dg.MetadataValue.json(settings)})
+
+    return [a.map_asset_specs(with_settings) if isinstance(a, dg.AssetsDefinition) else a for a in assets]
+
+
+def recorded_settings(context: dg.AssetExecutionContext) -> dict[str, dg.MetadataValue]:
+    """What a materialization records: the settings its asset's definition was built with."""
+    spec = context.assets_def.specs_by_key[context.asset_key]
+    return {SETTINGS_KEY: spec.metadata[SETTINGS_KEY]}
 
 
 def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[dict[str, str]]:
@@ -84,10 +149,6 @@ def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[
         if before != after:
             rows.append({"setting": path, "before": _text(before), "after": _text(after)})
     return rows
-
-
-def settings_metadata(profile: Profile, asset: str) -> dict[str, dg.MetadataValue]:
-    return {SETTINGS_KEY: dg.MetadataValue.json(settings_for(profile, asset))}
 
 
 def _value(profile: Profile, path: str) -> Any:
@@ -110,8 +171,10 @@ CHANGED_SCHEMA = dg.TableSchema(columns=[
 ])
 
 
-def build_sensor(profile: Profile) -> dg.SensorDefinition:
-    current = {asset: settings_for(profile, asset) for asset in READS}
+def build_sensor(specs: Iterable[dg.AssetSpec]) -> dg.SensorDefinition:
+    """`specs`: the built graph's, carrying the settings `versioned` wrote."""
+    current = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
+               if SETTINGS_KEY in spec.metadata}
 
     @dg.sensor(
         name="changed_settings",
@@ -148,3 +211,4 @@ def _recorded_settings(instance: dg.DagsterInstance, asset: str) -> dict[str, An
     value = event.asset_materialization.metadata.get(SETTINGS_KEY)
     data = getattr(value, "data", None)
     return data if isinstance(data, dict) else None
+

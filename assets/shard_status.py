@@ -31,14 +31,10 @@ from dataclasses import dataclass
 import dagster as dg
 
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.settings import code_version
-from eagle3_dagster.config import Profile
 
 SHARDS_CURRENT = "shards_current"
 STATUS_SENSOR = "shard_status"
 ASSET = dg.AssetKey("hidden_states")
-# hidden_states' deps (assets/hidden_states.py): each one's data version is recorded in every shard.
-INPUTS = ("merged_train", "extraction_plan", "target_model")
 # Not current, worst first: the order of the table and of the description.
 STATUSES = ("failed", "missing", "stale", "in progress")
 ERRORS = {"failed", "missing"}
@@ -67,14 +63,17 @@ class ShardVerdict:
     cause: str = ""
 
 
-def shard_verdicts(instance: dg.DagsterInstance, loaded_code_version: str) -> list[ShardVerdict]:
-    """One verdict per registered shard, from the instance's records (no file is read)."""
+def shard_verdicts(instance: dg.DagsterInstance, loaded_code_version: str, deps: tuple[str, ...]) -> list[ShardVerdict]:
+    """One verdict per registered shard, from the instance's records (no file is read).
+
+    `deps`: hidden_states' deps in the built graph; each one's data version is recorded in every shard.
+    """
     keys = sorted(instance.get_dynamic_partitions(HIDDEN_STATE_SHARDS.name))
     if not keys:
         return []
     status = instance.get_status_by_partition(ASSET, keys, HIDDEN_STATE_SHARDS) or {}
     latest = _latest_materializations(instance, keys)
-    inputs = {name: _data_version(instance, dg.AssetKey(name)) for name in INPUTS}
+    inputs = {name: _data_version(instance, dg.AssetKey(name)) for name in deps}
     out = []
     for key in keys:
         if status.get(key) == dg.AssetPartitionStatus.IN_PROGRESS:
@@ -148,8 +147,10 @@ def verdict_fields(verdicts: list[ShardVerdict]) -> dict:
                 "not_current")
 
 
-def build(profile: Profile) -> list:
-    loaded = code_version(profile, "hidden_states")
+def build(spec: dg.AssetSpec) -> list:
+    """The check and its sensor for hidden_states as built (`spec`: its code version and deps)."""
+    loaded = spec.code_version
+    deps = tuple(dep.asset_key.to_user_string() for dep in spec.deps)
 
     @dg.asset_check(
         asset=ASSET,
@@ -160,7 +161,7 @@ def build(profile: Profile) -> list:
         f"Reported by the {STATUS_SENSOR} sensor; Dagster's UI shows no staleness per partition.",
     )
     def shards_current(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        return dg.AssetCheckResult(**verdict_fields(shard_verdicts(context.instance, loaded)))
+        return dg.AssetCheckResult(**verdict_fields(shard_verdicts(context.instance, loaded, deps)))
 
     @dg.sensor(
         name=STATUS_SENSOR,
@@ -170,7 +171,7 @@ def build(profile: Profile) -> list:
         "whenever a shard's verdict or the asset's latest materialization changes.",
     )
     def shard_status(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        verdicts = shard_verdicts(context.instance, loaded)
+        verdicts = shard_verdicts(context.instance, loaded, deps)
         newest = context.instance.fetch_materializations(ASSET, limit=1).records
         state = json.dumps([[v.__dict__ for v in verdicts], newest[0].storage_id if newest else None])
         digest = hashlib.sha256(state.encode()).hexdigest()[:16]

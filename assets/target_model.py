@@ -12,23 +12,22 @@ import json
 import dagster as dg
 
 from assets._common import accepted, layout, materialize_result, progress_logger, tag_run
-from assets.settings import code_version
+from assets.settings import given
 from eagle3_dagster.config import Profile
 
 GROUP = "target"
 
 
-def build(profile: Profile) -> list:
+def build(profile: Profile) -> dg.Definitions:
     if profile.target.kind == "tiny":
-        return [_tiny_target_asset(profile)]
-    return [_external_target_asset(profile)]
+        return dg.Definitions(assets=[_tiny_target_asset(profile)])
+    return dg.Definitions(assets=[_external_target_asset(profile)])
 
 
 def _tiny_target_asset(profile: Profile):
     @dg.asset(
         name="target_model",
         group_name=GROUP,
-        code_version=code_version(profile, "target_model"),
         kinds={"pytorch"},
         description="The tiny DeepSeek-V3 target (MLA, MoE, first layer dense) pre-trained on ShareGPT, "
         "with a byte-level BPE carrying Kimi's special tokens and chat template.",
@@ -37,8 +36,8 @@ def _tiny_target_asset(profile: Profile):
         from eagle3_dagster.stages.target import build_target
 
         tag_run(context, profile)
-        report = build_target(profile, layout(profile), progress=progress_logger(context))
-        return materialize_result(report, profile, "target_model")
+        report = build_target(given(profile, "target_model"), layout(profile), progress=progress_logger(context))
+        return materialize_result(context, report)
 
     return target_model
 
@@ -58,10 +57,9 @@ def _observed_target(profile: Profile):
         required_resource_keys={"gpu_host"},
     )
     def target_model(context) -> dg.ObserveResult:
-        host = context.resources.gpu_host
-        out = host.check_output(
-            [host.python, "-m", "eagle3_dagster.cli", "target-info", str(profile.target.path)], timeout_s=120
-        )
+        host = context.resources.gpu_host.host()
+        out = host.run([host.spec.python, "-m", "eagle3_dagster.cli", "target-info", str(profile.target.path)],
+                       timeout=120).stdout
         info = json.loads(out)
         return dg.ObserveResult(
             data_version=dg.DataVersion(info["identity"]),

@@ -10,19 +10,18 @@ import dagster as dg
 
 from assets._common import file_version, layout, materialize_result, progress_logger, tag_run
 from assets.partitions import dataset_partitions
-from assets.settings import code_version
+from assets.settings import given
 from eagle3_dagster.config import Profile
 
 GROUP = "data"
 
 
-def build(profile: Profile) -> list:
+def build(profile: Profile) -> dg.Definitions:
     @dg.asset(
         name="tokenized_dataset",
         group_name=GROUP,
         partitions_def=dataset_partitions(profile),
         deps=["raw_responses", "target_model"],
-        code_version=code_version(profile, "tokenized_dataset"),
         kinds={"json"},
         description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
         "rendered with the target's chat template; quarantine.jsonl beside it.",
@@ -31,8 +30,8 @@ def build(profile: Profile) -> list:
         from eagle3_dagster.stages.data import tokenize_partition
 
         tag_run(context, profile)
-        report = tokenize_partition(profile, context.partition_key, layout(profile), progress=progress_logger(context))
-        return materialize_result(report, profile, "tokenized_dataset",
+        report = tokenize_partition(given(profile, "tokenized_dataset"), context.partition_key, layout(profile), progress=progress_logger(context))
+        return materialize_result(context, report,
                                   data_version=file_version(layout(profile).tokenized(context.partition_key)))
 
-    return [tokenized_dataset]
+    return dg.Definitions(assets=[tokenized_dataset])

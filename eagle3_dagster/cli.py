@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "pool-limits":
         from eagle3_dagster.host_lease import pool_limits
 
-        for pool, limit in pool_limits(len(profile.gpu_host.all_hosts)).items():
+        for pool, limit in pool_limits(len(profile.gpu_host.hosts)).items():
             print(pool, limit)
         return 0
     try:
@@ -157,7 +157,7 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
     from eagle3_dagster.sglang.releases import other_sglang_release
 
     needs_sglang = profile.hidden.backend == "sglang" or profile.bench.mode == "served"
-    host_gpus = profile.gpu_host.all_hosts[0].num_gpus if num_gpus is None else num_gpus
+    host_gpus = profile.gpu_host.hosts[0].num_gpus if num_gpus is None else num_gpus
     min_gpus = max(host_gpus, profile.hidden.tp_size if needs_sglang else 0)
 
     def row(name: str, needed: bool, ok: bool, detail: str) -> tuple[str, str, str]:
@@ -183,13 +183,12 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
 
 def _preflight(profile, layout) -> int:
     """Every host of the profile, each with its own table; exits 1 when any host fails (a run would skip it)."""
-    from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError
+    from eagle3_dagster.gpu_host import GpuHost, PreflightError
     from eagle3_dagster.stages.hidden import free_space_location
 
     failed_hosts = []
-    for h in profile.gpu_host.all_hosts:
-        host = GpuHost(HostSpec(h.transport, h.python, h.workdir, h.ssh_target, tuple(h.ssh_options),
-                                num_gpus=h.num_gpus, name=h.label))
+    for h in profile.gpu_host.hosts:
+        host = GpuHost(h)
         print(f"host {host.name}")
         try:  # the probe only: each requirement is judged below, all of them, not just the first that fails
             report = host.preflight(str(free_space_location(layout)), require_sglang=False)
@@ -255,11 +254,9 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
         raise UserError(f"{drafter}: not a drafter directory (no config.json)")
     host = None
     if profile.bench.mode == "served":
-        from eagle3_dagster.gpu_host import GpuHost, HostSpec
+        from eagle3_dagster.gpu_host import GpuHost
 
-        h = profile.gpu_host.all_hosts[0]
-        host = GpuHost(HostSpec(h.transport, h.python, h.workdir, h.ssh_target, tuple(h.ssh_options),
-                                num_gpus=h.num_gpus, name=h.label))
+        host = GpuHost(profile.gpu_host.hosts[0])
     out = out or layout.bench_dir / f"drafter-{drafter.resolve().name}"
     try:
         report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.storage import StorageSettings, location
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
@@ -257,62 +258,55 @@ class DataConfig(_Strict):
         description="tokens in the drafter's vocabulary")
 
 
-class HostConfig(_Strict):
-    """One GPU host: where its commands run and with which interpreter."""
+class HostsConfig(_Strict):
+    """The GPU hosts, always a list (one host: a one-element list), and how a run leases one. The Dagster
+    resource `gpu_host` is this class (resources/gpu_host.py), its hosts made Dagster config."""
 
-    transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
-    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
-    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host")
-    num_gpus: int = _bounded(
-        0, ge=0, le=1024, why="more GPUs than one host has", description="GPUs the preflight expects on the host")
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
-                             "the ssh target (required when two hosts would get the same name)")
-
-    @model_validator(mode="after")
-    def _target_for_ssh(self) -> "HostConfig":
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("ssh_target is required for transport 'ssh'")
-        return self
-
-    @property
-    def label(self) -> str:
-        return self.name or (self.ssh_target if self.transport == "ssh" else "local")
-
-
-# The flat fields of `gpu_host` describe its one host when `gpu_host.hosts` is not given.
-_HOST_FIELDS = tuple(HostConfig.model_fields)
-
-
-class GpuHostConfig(HostConfig):
-    """The GPU hosts: the one the inherited fields describe, or the list in `hosts`."""
-
-    hosts: list[HostConfig] | None = Field(
-        None, min_length=1, description="several GPU hosts (each with the fields above); each hidden_states run "
-        "leases one, and the gpu_host pool gets one slot per host. Unset: the one host the fields above describe")
+    hosts: list[HostConfig] = Field(
+        default_factory=lambda: [HostConfig()], min_length=1,
+        description="the GPU hosts; each hidden_states run leases one, and the gpu_host pool gets one slot per "
+        "host. Default: this machine, with the interpreter that runs the pipeline")
     lease_dir: str | None = Field(
         None, description="where the per-host lease files are locked (flock); must be one folder seen by every "
         "run worker of the instance. Unset: gpu_host_leases under the Dagster instance's storage")
     lease_wait_s: float = _bounded(
         600.0, ge=0, le=MAX_RUN_S, why=WHY_WAIT,
         description="how long a run waits for a host leased by another run before it fails")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_host(cls, raw):
+        """A host's fields directly under `gpu_host` (the one-host form of earlier profiles) are refused with
+        the list to write instead: two spellings of one host is what `hosts` replaced."""
+        flat = sorted(set(HostConfig.model_fields) & set(raw)) if isinstance(raw, dict) else []
+        if not flat:
+            return raw
+        where = f"{', '.join('gpu_host.' + k for k in flat)}: a host's fields go in the list gpu_host.hosts"
+        if "hosts" in raw:
+            raise ValueError(f"{where}: set {', '.join(flat)} in each host that needs it")
+        host = {k: v for k, v in raw.items() if k in flat}  # in the profile's order
+        rest = {k: v for k, v in raw.items() if k not in flat}
+        block = yaml.safe_dump({"gpu_host": {"hosts": [host], **rest}}, sort_keys=False)
+        raise ValueError(f"{where} (one element for one host); write instead:\n{block}")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "HostsConfig":
+        labels = [h.label for h in self.hosts]
+        twice = sorted({n for n in labels if labels.count(n) > 1})
+        if twice:
+            raise ValueError(f"gpu_host.hosts: names must be unique, {twice} name several hosts; give each a `name`")
+        return self
+
+
+class GpuHostConfig(HostsConfig):
+    """The profile's `gpu_host`: the hosts, and the SGLang release installed on them."""
+
     sglang_version: str | None = Field(
         None, description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
         "ids are written for it; unset: ids right on every supported release that can express the aux layers")
 
     @model_validator(mode="after")
-    def _hosts(self) -> "GpuHostConfig":
-        if self.hosts is not None:
-            flat = sorted(set(_HOST_FIELDS) & self.model_fields_set)
-            if flat:
-                raise ValueError(f"gpu_host.hosts is given, so gpu_host.{flat[0]} belongs in each host "
-                                 f"(set {', '.join(flat)} under gpu_host.hosts[i])")
-            labels = [h.label for h in self.hosts]
-            twice = sorted({n for n in labels if labels.count(n) > 1})
-            if twice:
-                raise ValueError(f"gpu_host.hosts: names must be unique, {twice} name several hosts; give each a "
-                                 "`name`")
+    def _known_release(self) -> "GpuHostConfig":
         if self.sglang_version is not None:
             from eagle3_dagster.sglang.releases import UnsupportedRelease, release
 
@@ -321,13 +315,6 @@ class GpuHostConfig(HostConfig):
             except UnsupportedRelease as e:
                 raise ValueError(f"gpu_host.sglang_version: {e}") from None
         return self
-
-    @property
-    def all_hosts(self) -> list[HostConfig]:
-        """The hosts GPU work may lease: `hosts`, or the one the flat fields describe."""
-        if self.hosts is not None:
-            return list(self.hosts)
-        return [HostConfig(**{f: getattr(self, f) for f in _HOST_FIELDS})]
 
 
 class HiddenConfig(_Strict):
@@ -742,3 +729,58 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     for k, v in extra.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+class UndeclaredSetting(LookupError):
+    """A stage used a setting it was not given (not an AttributeError: `getattr(x, name, default)` would hide it)."""
+
+
+class _Withheld:
+    """Stands in a restricted profile for a setting the stage was not given: any use of it raises, naming it."""
+
+    __slots__ = ("_path", "_stage")
+
+    def __init__(self, path: str, stage: str) -> None:
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_stage", stage)
+
+    def _refuse(self, *_args, **_kwargs):
+        raise UndeclaredSetting(f"{self._stage} uses {self._path}, a setting it is not given: declare it where "
+                                f"the asset names the settings its output depends on (assets/settings.py)")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # copy, pickle and typing probes are not uses
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self) -> str:  # tracebacks and debuggers print it: not a use
+        return f"<{self._path}: not given to {self._stage}>"
+
+    __bool__ = __str__ = __format__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = _refuse
+    __int__ = __float__ = __index__ = __len__ = __iter__ = __contains__ = __getitem__ = __fspath__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __neg__ = __call__ = _refuse
+
+
+def restricted(profile: Profile, paths: typing.Iterable[str], stage: str) -> Profile:
+    """The profile as `stage` is given it: only the settings at `paths` (dotted, a section or a field).
+
+    Everything else is withheld: using it raises `UndeclaredSetting`, so a stage cannot come to depend on a
+    setting that its asset's code version does not hash. The copy is not validated again (pydantic's
+    `model_copy`), and the profile it came from is unchanged.
+    """
+    return _restricted(profile, frozenset(paths), stage, "")
+
+
+def _restricted(model: BaseModel, paths: frozenset[str], stage: str, prefix: str) -> BaseModel:
+    updates = {}
+    for name in type(model).model_fields:
+        path = prefix + name
+        if path in paths:
+            continue
+        value = getattr(model, name)
+        if isinstance(value, BaseModel) and any(p.startswith(path + ".") for p in paths):
+            updates[name] = _restricted(value, paths, stage, path + ".")
+        else:
+            updates[name] = _Withheld(path, stage)
+    return model.model_copy(update=updates)

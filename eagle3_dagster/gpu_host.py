@@ -34,14 +34,15 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 from eagle3_dagster import host_probe
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang import patch as sglang_patch
 from eagle3_dagster.sglang.releases import other_sglang_release
 
@@ -83,25 +84,9 @@ def _owned(pidfile: str) -> str:
     q = shlex.quote(pidfile)
     return f"{{ {_OWNED.format(pidfile=q, var=NONCE_VAR)} && read -r OWNED_PG _ < {q}; }}"
 
+
 class PreflightError(RuntimeError):
     """The host cannot run the step; the message names what is missing."""
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    transport: str = "local"  # "local" | "ssh"
-    python: str = "python"
-    workdir: str = ".eagle3/gpu_host"
-    ssh_target: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    num_gpus: int = 0  # what the preflight of GPU work expects
-    name: str | None = None  # in leases, run tags and logs; default: where()
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("local", "ssh"):
-            raise ValueError(f"gpu_host.transport must be 'local' or 'ssh', got {self.transport!r}")
-        if self.transport == "ssh" and not self.ssh_target:
-            raise ValueError("gpu_host.ssh_target is required for transport 'ssh'")
 
 
 def program_argv(python: str, program: ModuleType, *args: object) -> list[str]:
@@ -120,8 +105,10 @@ def shell_script(argv: Sequence[str], env: Mapping[str, str] | None = None, cwd:
 
 
 class GpuHost:
-    def __init__(self, spec: HostSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: HostConfig) -> None:
+        # A local host's default interpreter (`python`) is this process's, not the first `python` on PATH.
+        local_default = spec.transport == "local" and spec.python == "python"
+        self.spec = spec.model_copy(update={"python": sys.executable}) if local_default else spec
 
     def wrap(self, script: str) -> list[str]:
         """The local argv that runs a shell script on the host."""
@@ -154,7 +141,7 @@ class GpuHost:
 
     @property
     def name(self) -> str:
-        return self.spec.name or ("local" if self.spec.transport == "local" else str(self.spec.ssh_target))
+        return self.spec.label
 
     def is_this_process(self, python: str) -> bool:
         """True when a command for this host would run here with `python` (the same interpreter, no ssh)."""

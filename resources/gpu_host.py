@@ -9,10 +9,10 @@ them back line by line: JSON Pipes messages go to the session's handler
 compute log. The command runs in its own process group on the host (pid file in
 the workdir); interruption, failure or a dying worker's next run stop it.
 
-With several hosts (`hosts`), a GPU step takes one with `lease` (engine:
-eagle3_dagster/host_lease.py): the first free host whose preflight passes, held
-until the step ends, and named in the run tag `eagle3/gpu_host`. `run_pipes`
-leases one itself unless it is handed a host.
+The hosts are a list (`hosts`, one element for one host); a GPU step takes one
+with `lease` (engine: eagle3_dagster/host_lease.py): the first free host whose
+preflight passes, held until the step ends, and named in the run tag
+`eagle3/gpu_host`. `run_pipes` leases one itself unless it is handed a host.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import dagster as dg
 from dagster_pipes import PIPES_PROTOCOL_VERSION_FIELD
 from pydantic import Field
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec
+from eagle3_dagster.config import HostsConfig
+from eagle3_dagster.host_config import HostConfig
+from eagle3_dagster.gpu_host import GpuHost
 
 HOST_TAG = "eagle3/gpu_host"  # the run tag naming the host a GPU step leased
 
@@ -45,47 +47,28 @@ class _StderrMessageReader(dg.PipesMessageReader):
         return "The remote process wrote no Pipes messages to stderr; is dagster-pipes installed on the GPU host?"
 
 
-class GpuHostEntry(dg.Config):
-    """One GPU host of `GpuHostResource.hosts` (the profile's `gpu_host.hosts[i]`)."""
-
-    name: str | None = Field(None, description="name in leases, run tags and logs; default: local or the ssh target")
-    transport: str = Field("local", description="local or ssh")
-    ssh_target: str | None = Field(None, description="user@host for transport=ssh")
-    ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. ['-p', '2222']")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment)")
-    workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
-    num_gpus: int = Field(0, description="GPUs the preflight expects on the host")
-
-    def spec(self) -> HostSpec:
-        return HostSpec(self.transport, self.python, self.workdir, self.ssh_target, tuple(self.ssh_options),
-                        num_gpus=self.num_gpus, name=self.name)
+class HostEntry(dg.Config, HostConfig):
+    """One GPU host in the resource's config: the engine's HostConfig (its fields, help and checks) as
+    Dagster config, so the launchpad shows and checks the same fields as the profile's `gpu_host.hosts[i]`."""
 
 
-class GpuHostResource(dg.ConfigurableResource, GpuHostEntry):
+class GpuHostResource(dg.ConfigurableResource, HostsConfig):
     """Where GPU work runs: this machine or SSH targets, always with an explicit interpreter.
 
-    The inherited fields describe one host; `hosts` lists several, of which each GPU step leases one (`lease`)."""
+    The profile's `gpu_host` less what only the stages read (`sglang_version`): the hosts, of which each GPU
+    step leases one (`lease`), the lease folder and how long a step waits."""
 
-    hosts: list[GpuHostEntry] = Field(default_factory=list, description="several hosts; empty: the one above")
-    lease_dir: str | None = Field(None, description="folder of the per-host lease files; default: "
-                                  "gpu_host_leases under the instance's storage")
-    lease_wait_s: float = Field(600.0, description="how long a step waits for a host another run holds")
+    hosts: list[HostEntry] = Field(default_factory=lambda: [HostEntry()], min_length=1,
+                                   description=HostsConfig.model_fields["hosts"].description)
 
     @classmethod
     def from_profile(cls, profile) -> "GpuHostResource":
         g = profile.gpu_host
-        entries = [GpuHostEntry(name=h.label, transport=h.transport, ssh_target=h.ssh_target,
-                                ssh_options=list(h.ssh_options), workdir=h.workdir, num_gpus=h.num_gpus,
-                                python=h.python if h.transport == "ssh" or h.python != "python" else sys.executable)
-                   for h in g.all_hosts]
-        return cls(**entries[0].model_dump(), hosts=entries if g.hosts is not None else [], lease_dir=g.lease_dir,
-                   lease_wait_s=g.lease_wait_s)
-
-    def check_output(self, argv: Sequence[str], timeout_s: float = 120.0) -> str:
-        return self.host().run(list(argv), timeout=timeout_s).stdout
+        return cls(hosts=[HostEntry(**h.model_dump()) for h in g.hosts],
+                   **g.model_dump(include=set(HostsConfig.model_fields) - {"hosts"}))
 
     def all_hosts(self) -> list[GpuHost]:
-        return [GpuHost(h.spec()) for h in self.hosts] if self.hosts else [GpuHost(self.spec())]
+        return [GpuHost(h) for h in self.hosts]
 
     def host(self) -> GpuHost:
         """The first host: for work that needs no GPU of its own (reading the target, free space)."""

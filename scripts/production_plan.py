@@ -50,13 +50,13 @@ def main() -> int:
     aux = tuple(h.aux_layers or (2, 30, 58))
     print(f"{args.profile}: {args.tokens:,} tokens in {args.samples:,} samples, {len(specs)} shards of "
           f"{h.samples_per_shard}, {h.throughput_tokens_per_s:g} tokens/s per host, "
-          f"{len(profile.gpu_host.all_hosts)} host(s) in the profile")
+          f"{len(profile.gpu_host.hosts)} host(s) in the profile")
     for dtype in ("bfloat16", "float8_e4m3fn"):
         fmt = ShardFormat(hidden_size=args.hidden_size, dtype=dtype, aux_layers=aux, target_identity="planned",
                           code_version="planned")
         plan = plan_extraction(specs, fmt, "/nonexistent", "hs-000000000000", free_bytes=0,
                                throughput_tokens_per_s=h.throughput_tokens_per_s,
-                               num_hosts=len(profile.gpu_host.all_hosts))
+                               num_hosts=len(profile.gpu_host.hosts))
         hours = "  ".join(f"{n} host{'s' * (n > 1)}: {x:.1f} h" for n, x in plan.hours_by_hosts.items())
         print(f"{dtype:<14} {plan.total_bytes:,} bytes = {plan.total_bytes / TIB:.2f} TiB   {hours}")
     world = profile.train.nproc_per_node * profile.train.nnodes

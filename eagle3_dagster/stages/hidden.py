@@ -39,7 +39,7 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
     plan = plan_extraction(
         ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
         throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
-        num_hosts=len(profile.gpu_host.all_hosts),
+        num_hosts=len(profile.gpu_host.hosts),
         staging_dir=layout.staging_dir,
     )
     report = StageReport(metadata={

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from assets.settings import settings_metadata
+from assets.settings import SETTINGS_KEY
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
 
@@ -24,8 +24,11 @@ def instance():
 
 
 def materialized_with(instance: dg.DagsterInstance, profile, *assets: str) -> None:
+    """Materializations as `materialize_result` records them: the settings in the asset's built definition."""
+    specs = {s.key.to_user_string(): s for s in build_definitions(profile).resolve_all_asset_specs()}
     for asset in assets:
-        instance.report_runless_asset_event(dg.AssetMaterialization(asset, metadata=settings_metadata(profile, asset)))
+        settings = {SETTINGS_KEY: specs[asset].metadata[SETTINGS_KEY]}
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset, metadata=settings))
 
 
 def sensor_tick(profile, instance, cursor=None):

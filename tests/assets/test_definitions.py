@@ -98,3 +98,32 @@ def test_an_edit_invalidates_every_asset_built_from_what_it_changes_and_only_tho
     assert invalidated(hidden={"throughput_tokens_per_s": 1.0}) == {"extraction_plan"}
     assert invalidated(train={"lr": 0.01}) == {"drafter_checkpoint", "benchmark_report"}
     assert invalidated(hidden={"backfill_cron": "*/5 * * * *", "max_runtime_s": 600}) == set()
+
+
+def test_a_stage_using_a_setting_its_asset_does_not_hash_fails_at_once_naming_it(monkeypatch, tmp_path) -> None:
+    """The settings an asset's code version hashes are the ones its stage is given: no silent drift."""
+    from assets import settings
+
+    reads = tuple(p for p in settings.READS["merged_train"] if p != "data.drop_datasets")
+    monkeypatch.setitem(settings.READS, "merged_train", reads)
+    profile = load_profile("micro", overrides={"run_root": str(tmp_path), "hidden": {"root": str(tmp_path / "h")}})
+    with dg.instance_for_test() as instance:
+        result = build_definitions(profile).resolve_job_def("corpus_job").execute_in_process(
+            instance=instance, raise_on_error=False)
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    error = failure.step_failure_data.error
+    messages = [error.message] + ([error.cause.message] if error.cause else [])
+    assert any("merged_train uses data.drop_datasets, a setting it is not given" in m for m in messages), messages
+
+
+def test_the_pipeline_runs_the_jobs_in_the_graphs_order() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import run_pipeline
+
+    micro = [name for name, _ in run_pipeline.stages(build_definitions(load_profile("micro")))]
+    assert micro == ["target_job", "data_job", "corpus_job", "extract_job", "train_job"]
+    production = [name for name, _ in run_pipeline.stages(build_definitions(load_profile("production")))]
+    assert production == micro[1:]  # an external target is observed: no job builds it
+    assert run_pipeline.toposorted({"c": ["b"], "b": ["a"], "a": []}) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="cycle: a → b → a"):
+        run_pipeline.toposorted({"a": ["b"], "b": ["a"]})

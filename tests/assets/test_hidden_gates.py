@@ -16,7 +16,6 @@ import dagster as dg
 import pytest
 import torch
 
-from assets import hidden_states as hidden_assets
 from assets.metadata_legend import undescribed
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
@@ -55,7 +54,7 @@ def setup(tmp_path, micro_target):
 
 def _plan(profile, instance: dg.DagsterInstance, gpu_host: GpuHostResource) -> dg.ExecuteInProcessResult:
     """extraction_plan as the code location builds it, materialized with `gpu_host` as its resource."""
-    [plan] = [a for a in hidden_assets.build(profile) if isinstance(a, dg.AssetsDefinition)
+    [plan] = [a for a in build_definitions(profile).assets if isinstance(a, dg.AssetsDefinition)
               and a.key == dg.AssetKey("extraction_plan")]
     return dg.materialize([plan], instance=instance, resources={"gpu_host": gpu_host}, raise_on_error=False)
 

@@ -45,10 +45,16 @@ def test_a_series_is_an_inline_sparkline_from_its_first_to_its_last_value():
 def test_every_materialization_carries_a_legend_naming_each_key_and_the_ones_not_described():
     """Dagster 1.13 has no per-key metadata description: the legend is one markdown entry listing them."""
     from assets._common import materialize_result
-    from eagle3_dagster.config import load_profile
 
     report = StageReport(metadata={"forced": True, "resumed_shards": 0, "something_new": 1}, data_version="v")
-    meta = materialize_result(report, load_profile("micro"), "hidden_states").metadata
+
+    @dg.asset(name="hidden_states", metadata={"settings": dg.MetadataValue.json({"hidden.dtype": "bfloat16"})})
+    def hidden_states(context):  # from __future__ annotations: Dagster cannot read a string annotation
+        return materialize_result(context, report)
+
+    [event] = dg.materialize([hidden_states]).asset_materializations_for_node("hidden_states")
+    meta = event.metadata
+    assert meta["settings"].data == {"hidden.dtype": "bfloat16"}  # the settings its definition was built with
     text = meta["metadata_legend"].value
     assert "| `forced` | whether the run config set force" in text
     assert "| `settings` | the profile settings" in text

@@ -56,7 +56,7 @@ def setup(tmp_path_factory, micro_target):
         "run_root": str(tmp / "run"),
         "hidden": {"backend": "sglang", "root": str(tmp / "hidden"), "tp_size": 1, "sglang_port": _free_port(),
                    "samples_per_shard": 4, "sglang_concurrency": 2},
-        "gpu_host": {"transport": "local", "python": str(python), "workdir": str(tmp / "work")},
+        "gpu_host": {"hosts": [{"transport": "local", "python": str(python), "workdir": str(tmp / "work")}]},
     })
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)  # the session's micro target: this profile's target.tiny

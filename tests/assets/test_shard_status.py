@@ -12,7 +12,6 @@ import pytest
 
 from assets.automation import shard_keys
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.settings import code_version
 from assets.shard_status import SHARDS_CURRENT, STATUS_SENSOR
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
@@ -31,8 +30,14 @@ def upstream(instance, **versions: str) -> None:
         instance.report_runless_asset_event(dg.AssetMaterialization(asset, tags={"dagster/data_version": version}))
 
 
+def code_version(profile) -> str:
+    """hidden_states' code version in the profile's built graph."""
+    return build_definitions(profile).resolve_assets_def("hidden_states").code_versions_by_key[
+        dg.AssetKey("hidden_states")]
+
+
 def shard(instance, key: str, profile, inputs: dict[str, str] = INPUTS) -> None:
-    tags = {"dagster/code_version": code_version(profile, "hidden_states"), "dagster/data_version": f"sha-{key}",
+    tags = {"dagster/code_version": code_version(profile), "dagster/data_version": f"sha-{key}",
             **{f"dagster/input_data_version/{k}": v for k, v in inputs.items()}}
     instance.report_runless_asset_event(dg.AssetMaterialization("hidden_states", partition=key, tags=tags))
 
@@ -97,7 +102,7 @@ def test_a_settings_edit_makes_every_shard_stale_a_warning_naming_the_code_versi
     edited = load_profile("micro", overrides={"hidden": {"dtype": "bfloat16"}})
     evaluation, rows = verdict(tick(edited, instance, cursor=first.cursor))
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
-    old, new = code_version(profile, "hidden_states"), code_version(edited, "hidden_states")
+    old, new = code_version(profile), code_version(edited)
     assert rows == {k: ("stale", f"code version {old} → {new}: a setting it reads changed") for k in shard_keys(2)}
 
 

@@ -13,13 +13,13 @@ from dagster._core.definitions.observe import observe
 from assets import target_model
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.target import target_identity
-from resources.gpu_host import GpuHostResource
+from resources.gpu_host import GpuHostResource, HostEntry
 
 
 def _observe(model_dir, tmp_path, instance):
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(model_dir)}})
-    (asset,) = target_model.build(profile)
-    host = GpuHostResource(transport="local", python=sys.executable, workdir=str(tmp_path / "host"))
+    (asset,) = target_model.build(profile).assets
+    host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
     result = observe([asset], resources={"gpu_host": host}, instance=instance)
     assert result.success
     (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]

@@ -42,7 +42,7 @@ if __name__ == "__main__":
 
 import dagster as dg  # noqa: E402  (the child above must not pay for importing dagster)
 
-from resources.gpu_host import GpuHostResource  # noqa: E402
+from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402
 
 
 class SleepConfig(dg.Config):
@@ -77,5 +77,5 @@ defs = dg.Definitions(
         dg.define_asset_job("gpu_b_job", selection=["gpu_b"]),
     ],
     # The project's resource, local transport, this interpreter; pid files go to the test's scratch folder.
-    resources={"gpu_host": GpuHostResource(python=sys.executable, workdir=dg.EnvVar("E2E_SCRATCH"))},
+    resources={"gpu_host": GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=dg.EnvVar("E2E_SCRATCH"))])},
 )

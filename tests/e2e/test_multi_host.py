@@ -110,7 +110,8 @@ def two_host_extraction(tmp_path_factory) -> dict:
     import dagster as dg
 
     from assets.hidden_states import current_plan
-    from eagle3_dagster.gpu_host import GpuHost, HostSpec
+    from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.host_lease import history, who_holds
 
     root = tmp_path_factory.mktemp("multi_host")
@@ -160,7 +161,7 @@ def two_host_extraction(tmp_path_factory) -> dict:
         contract["version_dir"] = str(reference)
         reference.mkdir()
         (reference / "plan.json").write_text(json.dumps(contract))
-        host_b = GpuHost(HostSpec("ssh", sys.executable, str(root / "work_b"), sshd_b.target, sshd_b.options))
+        host_b = GpuHost(HostConfig(**hosts[1]))
         host_b.run([sys.executable, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(reference / "plan.json"),
                     "--batch-tokens", str(raw["hidden"]["batch_tokens"]),
                     *(a for k in keys for a in ("--shard", k))], timeout=900)

@@ -1,4 +1,5 @@
-"""What the real-SGLang tests share: the release, a free port, and the comparison with transformers.
+"""What the real-SGLang tests share: the release, a free port, the extraction server and shard, and the
+comparison with transformers.
 
 Tolerance: SGLang computes in its own kernels and dtype (bfloat16 for a float32 checkpoint), so its
 states cannot equal transformers' float32 ones bit for bit. The envelope is measured in each test:
@@ -10,14 +11,31 @@ must stay within ENVELOPE_FACTOR times that envelope.
 from __future__ import annotations
 
 import functools
+import json
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import torch
+
+from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
+from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
+from eagle3_dagster.hidden.extract import ShardResult
+from eagle3_dagster.hidden.sharding import ShardSpec, plan_shards
+from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat
+from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
+from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
+from eagle3_dagster.target import load_target_config, target_identity
+from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 VERSION = "0.5.23"
 AUX = (1, 2, 3)  # the micro profile's canonical aux layers (HF output_hidden_states indices)
 ENVELOPE_FACTOR = 3.0
+CHUNK = 64  # the extraction tests' prefill chunk: longer samples are split, and the driver stitches them
 
 
 def free_port() -> int:
@@ -44,3 +62,99 @@ def _model(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@contextmanager
+def extraction_server(python: Path, model_dir: Path, tmp: Path, *, trust_remote_code: bool = False) -> Iterator:
+    """The patched release server in extraction mode, started by the project's launcher (the release's
+    extraction options from releases.json, the tier's CPU options, `--chunked-prefill-size CHUNK`);
+    yields (the running server, its dump folder, its log file)."""
+    host = GpuHost(HostConfig(transport="local", python=str(python), workdir=str(tmp / "host")))
+    spec = ServerSpec(model_path=str(model_dir), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
+                      sglang_version=VERSION, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
+                      env=server_env(python), health_timeout_s=1200, trust_remote_code=trust_remote_code)
+    log = LogTail(tmp / "sglang.log")
+    try:
+        with sglang_server(host, spec, on_log=log) as running:
+            yield running, Path(spec.dump_dir), tmp / "sglang.log"
+    finally:
+        log.close()
+
+
+def extraction_samples(vocab: int, lengths: list[int], shared_prefix: int, seed: int = 20) -> list[dict]:
+    """merged_train records of random ids; the first two begin with the same `shared_prefix` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (shared_prefix,), generator=g).tolist()
+    out = []
+    for k, n in enumerate(lengths):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        if k < 2:
+            ids[:shared_prefix] = prefix
+        out.append({"id": f"B1/conv{k}/0", "dataset": "B1", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
+    return out
+
+
+@dataclass(frozen=True)
+class Extracted:
+    version_dir: Path
+    spec: ShardSpec
+    fmt: ShardFormat
+    result: ShardResult
+
+
+def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path) -> Extracted:
+    """One shard of `samples` through the project's driver (all in flight at once), committed under tmp/version."""
+    hidden = load_target_config(model_dir)["hidden_size"]
+    merged = tmp / "merged_train.jsonl"
+    merged.write_bytes(b"".join(orjson.dumps(s) + b"\n" for s in samples))
+    (spec,) = plan_shards(merged, len(samples))
+    fmt = ShardFormat(hidden_size=hidden, dtype="float32", aux_layers=AUX,
+                      target_identity=target_identity(model_dir), code_version=SGLANG_BACKEND_CODE_VERSION)
+    version_dir = tmp / "version"
+    result = extract_shard_sglang(DriverSettings(base_url, dump_dir, concurrency=len(samples)), merged, spec,
+                                  version_dir, aux_layers=list(AUX), hidden_size=hidden, dtype="float32",
+                                  target_identity=fmt.target_identity)
+    return Extracted(version_dir, spec, fmt, result)
+
+
+def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tuple[str, list[str]]:
+    """The stored shard against transformers' states of the text model in `hf_dir`.
+
+    Returns the table (per tensor: SGLang vs HF fp32 and HF bf16 vs HF fp32, median and max of the
+    per-token relative error) and the failures: a tensor outside ENVELOPE_FACTOR times the envelope,
+    an aux state not nearest to the HF state of its own index (an off-by-one layer is far further),
+    stored token ids that are not the sample's.
+    """
+    hidden = json.loads((hf_dir / "config.json").read_text())["hidden_size"]
+    ds = HiddenStatesDataset(version_dir)
+    names = [f"aux {i}" for i in AUX] + ["last"]
+    errs = {n: {"sglang": [], "bf16": []} for n in names}
+    failures = []
+    by_id = {s["id"]: s for s in samples}
+    for k in range(len(ds)):
+        stored = ds[k]
+        ids = by_id[ds.sample_ids[k]]["input_ids"]
+        if stored["input_ids"].tolist() != ids:
+            failures.append(f"{ds.sample_ids[k]}: stored token ids differ from the sample's")
+        fp32 = hf_states(hf_dir, torch.float32, ids)
+        bf16 = hf_states(hf_dir, torch.bfloat16, ids)
+        got = list(stored["aux_hidden"].float().split(hidden, dim=-1)) + [stored["last_hidden"].float()]
+        want = [fp32[i] for i in AUX] + [fp32[-1]]
+        ref16 = [bf16[i] for i in AUX] + [bf16[-1]]
+        for n, g, w, b in zip(names, got, want, ref16):
+            errs[n]["sglang"].append(rel_err(g, w))
+            errs[n]["bf16"].append(rel_err(b, w))
+        for i, g in zip(AUX, got):  # nearest to its own index among every HF state
+            dist = [rel_err(g, h).median().item() for h in fp32]
+            if (nearest := min(range(len(dist)), key=dist.__getitem__)) != i:
+                failures.append(f"{ds.sample_ids[k]}: aux {i} is nearest to HF state {nearest}")
+    lines = []
+    for n in names:
+        s, b = torch.cat(errs[n]["sglang"]), torch.cat(errs[n]["bf16"])
+        sm, sx, bm, bx = s.median().item(), s.max().item(), b.median().item(), b.max().item()
+        lines.append(f"{n:>6}: SGLang vs HF fp32 median {sm:.4%} max {sx:.4%} | HF bf16 vs HF fp32 median "
+                     f"{bm:.4%} max {bx:.4%}")
+        if not (sm <= ENVELOPE_FACTOR * bm and sx <= ENVELOPE_FACTOR * bx):
+            failures.append(f"{n}: outside {ENVELOPE_FACTOR} x the bf16 envelope")
+    table = f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens:\n" + "\n".join(lines)
+    return table, failures

@@ -36,7 +36,8 @@ import httpx
 import pytest
 import torch
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec
+from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import LogTail, sglang_server
 from tests.real_sglang.support import VERSION, free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
@@ -194,7 +195,7 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
     served_spec = dataclasses.replace(served_spec, port=free_port(), health_timeout_s=1800,
                                       extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
                                       env={**served_spec.env, **server_env(sglang_python)})
-    host = GpuHost(HostSpec(transport="local", python=str(sglang_python), workdir=str(tmp_path / "host")))
+    host = GpuHost(HostConfig(transport="local", python=str(sglang_python), workdir=str(tmp_path / "host")))
     log = LogTail(tmp_path / "sglang.log")
     served = {}
     try:

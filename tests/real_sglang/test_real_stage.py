@@ -42,7 +42,7 @@ def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sgla
                    "sglang_server_args": [*SERVER_ARGS, "--chunked-prefill-size", "64"]},
         # no gpu_host.sglang_version: the micro aux layers [1, 2, 3] are no draft config's on 0.5.23 (the export's
         # concern); extraction reads the release from the host's preflight
-        "gpu_host": {"transport": "local", "python": str(sglang_python), "workdir": str(tmp_path / "work")},
+        "gpu_host": {"hosts": [{"python": str(sglang_python), "workdir": str(tmp_path / "work")}]},
     })
     layout = ArtifactLayout.from_profile(profile)
     build_target(profile, layout)

@@ -74,8 +74,10 @@ def base_site_packages() -> Path:
 
 
 def base_packages() -> list[str]:
-    return sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
-                  if d.metadata["Name"])
+    """The packages of the base site-packages the venv builds on, whatever else is on sys.path (an
+    editable install's `*.egg-info` in the checkout is there under `python -m`, not under pytest)."""
+    dists = importlib.metadata.distributions(path=[str(base_site_packages())])
+    return sorted(f"{d.metadata['Name']}=={d.version}" for d in dists if d.metadata["Name"])
 
 
 def inputs_digest(version: str) -> str:

@@ -60,7 +60,7 @@ def test_subcommand_help_describes_the_subcommand():
 
 def test_preflight_fails_with_a_table_when_a_needed_check_fails(tmp_path):
     # The sglang backend on this interpreter, which has no sglang and no GPU.
-    profile = profile_in(tmp_path, hidden={"backend": "sglang"}, gpu_host={"num_gpus": 1})
+    profile = profile_in(tmp_path, hidden={"backend": "sglang"}, gpu_host={"hosts": [{"num_gpus": 1}]})
     out = eagle3("--profile", str(profile), "preflight")
     assert out.returncode == 1, out.stdout + out.stderr
     rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}

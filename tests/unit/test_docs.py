@@ -6,6 +6,8 @@
   A bash script (scripts/*.sh) must exist, be executable and pass `bash -n`; when it hands its arguments
   to a Python script (`exec ... scripts/x.py "$@"`) or to pytest, those arguments are checked there.
 - Every profile a page names (`configs/X.yaml`, `--profile X`, `EAGLE3_PROFILE=X`) loads.
+- Every profile fragment a page shows (a yaml code block whose keys are profile sections) loads, merged
+  into the production profile.
 - Every repository path a page shows in an inline code span exists.
 
 `--help` runs are batched: one interpreter per script (or module) runs each distinct argument list the pages
@@ -29,6 +31,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
+YAML_LANGS = {"yaml", "yml"}
 # Top-level folders whose paths an inline code span may name; each must exist.
 TREE_DIRS = ("assets", "benchmarks", "configs", "deploy", "docs", "eagle3_dagster", "patches", "resources",
              "scripts", "tests", "dagster_home", ".ci")
@@ -52,6 +55,7 @@ class Page:
     slugs: set[str] = field(default_factory=set)
     links: list[tuple[int, str]] = field(default_factory=list)  # (line, target)
     code: list[tuple[int, str]] = field(default_factory=list)  # (first line, text) of each shell code block
+    yaml: list[tuple[int, str]] = field(default_factory=list)  # (first line, text) of each yaml code block
     spans: list[tuple[int, str]] = field(default_factory=list)  # (line, text) of each inline code span
 
 
@@ -79,6 +83,8 @@ def read_page(path: Path) -> Page:
             if line.strip().startswith(fence) and not line.strip().strip(fence[0]):
                 if block_lang in SHELL_LANGS:
                     page.code.append((block_start, "\n".join(block)))
+                elif block_lang in YAML_LANGS:
+                    page.yaml.append((block_start, "\n".join(block)))
                 fence = None
             else:
                 block.append(line)
@@ -408,6 +414,30 @@ def test_every_profile_a_page_names_loads(name: str) -> None:
         pytest.fail(f"{', '.join(PROFILES[name])}: profile {name!r} does not load: {e}")
 
 
+def fragment_problems(page: Page) -> list[str]:
+    """A yaml block whose top-level keys are all profile sections, merged into the production profile, must load;
+    other yaml (Dagster run config, instance files) is not a profile's."""
+    import yaml
+
+    from eagle3_dagster.config import Profile, ProfileError, load_profile
+
+    problems = []
+    for number, text in page.yaml:
+        block = yaml.safe_load(text)
+        if not isinstance(block, dict) or not set(block) <= set(Profile.model_fields):
+            continue
+        try:
+            load_profile("production", overrides=block)
+        except ProfileError as e:
+            problems.append(f"{rel(page.path)}:{number}: {e}")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_every_profile_fragment_a_page_shows_loads(page: Path) -> None:
+    assert fragment_problems(READ[page.resolve()]) == []
+
+
 @pytest.mark.parametrize("page", PAGES, ids=rel)
 def test_every_repository_path_a_page_shows_exists(page: Path) -> None:
     doc = READ[page.resolve()]
@@ -427,6 +457,7 @@ def test_the_pages_show_what_the_check_looks_for() -> None:
     assert {"scripts/demo.sh", "scripts/test.sh", "scripts/ui.sh", "eagle3 plan"} <= shown
     assert {"demo", "micro", "production"} <= set(PROFILES)
     assert "drafter-quality-by-training-recipe" in READ[(ROOT / "docs" / "benchmarks.md").resolve()].slugs
+    assert sum(text.startswith("gpu_host:") for _, text in READ[(ROOT / "docs" / "gpu-hosts.md").resolve()].yaml) == 2
 
 
 def test_slugs_are_githubs() -> None:
@@ -455,3 +486,7 @@ def test_a_broken_link_anchor_command_or_profile_is_reported(tmp_path) -> None:
 
     with pytest.raises(ProfileError):
         load_profile("no_such_profile")
+    fragment = tmp_path / "fragment.md"
+    fragment.write_text("```yaml\ngpu_host:\n  transport: ssh\n```\n\n```yaml\nops: {x: 1}\n```\n")
+    (flat,) = fragment_problems(read_page(fragment))
+    assert flat.startswith("fragment.md:2: ") and "gpu_host.transport: a host's fields go in the list" in flat

@@ -19,7 +19,8 @@ import dagster as dg
 import httpx
 import pytest
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec, PreflightError
+from eagle3_dagster.gpu_host import GpuHost, PreflightError
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang import patch
 from eagle3_dagster.sglang.server import ServerError, ServerSpec, sglang_server
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import sglang_wheels  # noqa: E402
 from sshd_server import free_port, start_sshd  # noqa: E402
-from resources.gpu_host import GpuHostResource  # noqa: E402
+from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real sshd and server processes
 
@@ -93,8 +94,9 @@ def sshd(tmp_path_factory):
 def _hosts(tmp_path, sshd):
     target, options = sshd
     return {
-        "local": GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work"))),
-        "ssh": GpuHost(HostSpec("ssh", sys.executable, str(tmp_path / "work"), target, options)),
+        "local": GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work"))),
+        "ssh": GpuHost(HostConfig(transport="ssh", python=sys.executable, workdir=str(tmp_path / "work"),
+                                  ssh_target=target, ssh_options=list(options))),
     }
 
 
@@ -110,12 +112,12 @@ def test_command_runs_with_explicit_interpreter_env_and_exit_code(tmp_path, sshd
 
 
 def test_preflight_fails_fast_on_interpreter_without_sglang(tmp_path):
-    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
     start = time.monotonic()
     with pytest.raises(PreflightError, match=rf"interpreter {sys.executable} has no sglang: ModuleNotFoundError"):
         host.preflight(str(tmp_path / "out"))
     assert time.monotonic() - start < 30
-    missing = GpuHost(HostSpec("local", "/nonexistent/python", str(tmp_path / "work")))
+    missing = GpuHost(HostConfig(python="/nonexistent/python", workdir=str(tmp_path / "work")))
     with pytest.raises(PreflightError, match="/nonexistent/python does not run"):
         missing.preflight(str(tmp_path))
 
@@ -124,8 +126,7 @@ def test_preflight_fails_fast_on_interpreter_without_sglang(tmp_path):
 def test_preflight_reports_sglang_version_patch_state_gpus_and_disk(tmp_path, sshd, transport):
     python = sglang_wheels.make_site("0.5.14", tmp_path, extra_paths=(Path(__file__).resolve().parents[2],))
     host = _hosts(tmp_path, sshd)[transport]
-    host = GpuHost(HostSpec(host.spec.transport, str(python), host.spec.workdir, host.spec.ssh_target,
-                            host.spec.ssh_options))
+    host = GpuHost(host.spec.model_copy(update={"python": str(python)}))
     report = host.preflight(str(tmp_path / "not" / "yet"))
     assert report["sglang_version"] == "0.5.14" and report["patch_state"] == "unpatched"
     assert report["free_bytes"] > 0 and report["disk_path"] == str(tmp_path)
@@ -169,7 +170,7 @@ def test_server_lifecycle_health_wait_log_stream_and_group_killed_on_exception(t
 
 
 def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
-    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
     port = free_port()
     with pytest.raises(ServerError, match=r"exited with 7(.|\n)*CUDA out of memory"):
         with sglang_server(host, _fake_spec(tmp_path, port, FAKE_CRASH="1"), on_log=lambda line: None):
@@ -178,7 +179,7 @@ def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
 
 
 def test_stale_server_from_a_dead_worker_is_stopped_before_the_next_start(tmp_path):
-    host = GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
     port = free_port()
     spec = _fake_spec(tmp_path, port)
     orphan = host.spawn(spec.argv(sys.executable), spec.environment(), f"sglang-{port}")
@@ -206,8 +207,7 @@ with open_dagster_pipes() as pipes:
 @pytest.mark.parametrize("transport", ["local", "ssh"])
 def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_stderr(tmp_path, sshd, transport):
     target, options = sshd
-    resource = GpuHostResource(transport=transport, python=sys.executable, workdir=str(tmp_path / "work"),
-                               ssh_target=target if transport == "ssh" else None, ssh_options=list(options))
+    resource = GpuHostResource(hosts=[HostEntry(**_hosts(tmp_path, sshd)[transport].spec.model_dump())])
     script = tmp_path / "child.py"
     script.write_text(PIPES_CHILD)
 
@@ -232,8 +232,8 @@ def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_st
 def test_ssh_target_that_looks_like_an_option_is_a_host_name_not_a_command(tmp_path):
     """Without `--`, ssh would read `-oProxyCommand=...` as an option and run the command."""
     marker = tmp_path / "proxy-command-ran"
-    host = GpuHost(HostSpec("ssh", "python", str(tmp_path / "w"), f"-oProxyCommand=touch {marker}",
-                            ("-o", "ConnectTimeout=2")))
+    host = GpuHost(HostConfig(transport="ssh", workdir=str(tmp_path / "w"), ssh_target=f"-oProxyCommand=touch {marker}",
+                              ssh_options=["-o", "ConnectTimeout=2"]))
     argv = host.command(["true"])
     assert argv[argv.index("--") + 1] == f"-oProxyCommand=touch {marker}"
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
@@ -259,7 +259,7 @@ def _site_with_version(tmp_path, version: str) -> Path:
 
 def test_preflight_refuses_an_installed_sglang_other_than_gpu_host_sglang_version(tmp_path):
     """The export writes aux ids for the profile's release; another installed release may read them one layer off."""
-    host = GpuHost(HostSpec("local", str(_site_with_version(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=str(_site_with_version(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     assert host.preflight(str(tmp_path))["sglang_version"] == "0.5.13"
     assert host.preflight(str(tmp_path), sglang_version="0.5.13")["sglang_version"] == "0.5.13"
     with pytest.raises(PreflightError, match=r"has SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12"):
@@ -272,7 +272,7 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
 
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"), "hidden": {"backend": "sglang"},
                                                "gpu_host": {"sglang_version": "0.5.12"}})
-    host = GpuHost(HostSpec("local", str(_site_with_version(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=str(_site_with_version(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage.extraction_preflight(profile, host, tmp_path)
     ctx = type("Ctx", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()

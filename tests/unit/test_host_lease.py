@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
-from eagle3_dagster.gpu_host import PreflightError
+from eagle3_dagster.gpu_host import GpuHost, PreflightError
 from eagle3_dagster.hidden.plan import hours_on_hosts
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.host_lease import NoHostError, history, lease_host, lease_path, pool_limits, try_lock, who_holds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,13 +131,27 @@ def _profile(tmp_path: Path, gpu_host: dict) -> Path:
     return path
 
 
-def test_the_single_host_form_is_one_host_and_one_pool_slot():
+def test_every_checked_in_profile_lists_one_host_and_one_pool_slot():
     for name in ("demo", "micro", "production"):
         g = load_profile(name).gpu_host
-        assert len(g.all_hosts) == 1 and pool_limits(len(g.all_hosts)) == {"gpu_host": 1}
-    prod = load_profile("production").gpu_host.all_hosts[0]
+        assert len(g.hosts) == 1 and pool_limits(len(g.hosts)) == {"gpu_host": 1}
+    prod = load_profile("production").gpu_host.hosts[0]
     assert (prod.label, prod.transport, prod.python, prod.num_gpus) == \
         ("eagle@gpu-host-0", "ssh", "/opt/sglang/.venv/bin/python", 8)
+
+
+def test_a_host_given_flat_under_gpu_host_is_refused_with_the_list_to_write_instead(tmp_path):
+    path = _profile(tmp_path, {"transport": "ssh", "ssh_target": "eagle@h0", "num_gpus": 8, "lease_wait_s": 60})
+    with pytest.raises(ProfileError) as e:
+        load_profile_file(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: invalid profile")
+    assert "gpu_host.num_gpus, gpu_host.ssh_target, gpu_host.transport: a host's fields go in the list " \
+           "gpu_host.hosts (one element for one host)" in message
+    # the block to paste (keys in the file's order, which _profile sorts): the same host as a one-element list,
+    # the section's own fields left where they are
+    assert "gpu_host:\n  hosts:\n  - num_gpus: 8\n    ssh_target: eagle@h0\n    transport: ssh\n" \
+           "  lease_wait_s: 60\n" in message
 
 
 def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(tmp_path):
@@ -143,10 +159,52 @@ def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(t
         {"transport": "ssh", "ssh_target": "eagle@h0", "python": "/opt/a/python", "num_gpus": 8},
         {"name": "h1", "transport": "ssh", "ssh_target": "eagle@h1", "workdir": "/w1", "num_gpus": 4},
         {"transport": "local"}]})).gpu_host
-    assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.all_hosts] == [
+    assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.hosts] == [
         ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8), ("h1", "python", "/w1", 4),
         ("local", "python", ".eagle3/gpu_host", 0)]
-    assert pool_limits(len(g.all_hosts)) == {"gpu_host": 3}
+    assert pool_limits(len(g.hosts)) == {"gpu_host": 3}
+
+
+def test_a_local_host_with_the_default_interpreter_runs_the_pipelines_own():
+    """`eagle3 preflight` and the Dagster resource alike: not the first `python` on PATH."""
+    assert GpuHost(HostConfig()).spec.python == sys.executable
+    assert GpuHost(HostConfig(python="/opt/x/python")).spec.python == "/opt/x/python"
+    assert GpuHost(HostConfig(transport="ssh", ssh_target="u@h")).spec.python == "python"
+
+
+def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_and_checks(tmp_path):
+    import dagster as dg
+
+    from resources.gpu_host import GpuHostResource, HostEntry
+
+    g = load_profile_file(_profile(tmp_path, {"lease_wait_s": 5, "hosts": [
+        {"name": "h0", "transport": "ssh", "ssh_target": "eagle@h0", "ssh_options": ["-p", "2222"], "num_gpus": 8},
+        {"python": "/opt/a/python", "workdir": "/w1"}]})).gpu_host
+    resource = GpuHostResource.from_profile(SimpleNamespace(gpu_host=g))
+    assert [h.model_dump() for h in resource.hosts] == [h.model_dump() for h in g.hosts]
+    assert (resource.lease_dir, resource.lease_wait_s) == (None, 5)
+    assert [h.name for h in resource.all_hosts()] == ["h0", "local"]
+    # the launchpad's fields for a host are HostConfig's, with its help
+    hosts = GpuHostResource.to_config_schema().as_field().config_type.fields["hosts"].config_type  # Noneable(Array)
+    fields = hosts.inner_type.inner_type.fields
+    assert {k: f.description for k, f in fields.items()} == \
+        {k: f.description for k, f in HostConfig.model_fields.items()}
+    with pytest.raises(ValueError, match="ssh_target is required for transport 'ssh'"):
+        HostEntry(transport="ssh")
+    with pytest.raises(ValueError, match="gpu_host.python: a host's fields go in the list gpu_host.hosts"):
+        GpuHostResource(python="/x/python", hosts=[HostEntry()])
+
+    @dg.asset(required_resource_keys={"gpu_host"})
+    def uses_a_host(context) -> None:
+        assert [h.name for h in context.resources.gpu_host.all_hosts()] == ["g0"]
+
+    def launch(config: dict) -> bool:
+        return dg.materialize([uses_a_host], resources={"gpu_host": GpuHostResource.configure_at_launch()},
+                              run_config={"resources": {"gpu_host": {"config": config}}}).success
+
+    assert launch({"hosts": [{"name": "g0", "transport": "local"}]})
+    with pytest.raises(dg.DagsterInvalidConfigError, match='Received unexpected config entry "python"'):
+        launch({"python": "/x/python"})  # the one-host form of earlier resource configs
 
 
 @pytest.mark.parametrize("gpu_host, message", [
@@ -154,7 +212,7 @@ def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(t
                 {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2202"]}]},
      "gpu_host: Value error, gpu_host.hosts: names must be unique, ['u@127.0.0.1'] name several hosts"),
     ({"python": "/x/python", "hosts": [{"transport": "local"}]},
-     "gpu_host.hosts is given, so gpu_host.python belongs in each host"),
+     "gpu_host: Value error, gpu_host.python: a host's fields go in the list gpu_host.hosts"),
     ({"hosts": [{"transport": "ssh"}]}, "gpu_host.hosts.0: Value error, ssh_target is required for transport 'ssh'"),
     ({"hosts": []}, "gpu_host.hosts: List should have at least 1 item"),
 ])

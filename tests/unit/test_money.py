@@ -129,7 +129,7 @@ def test_raw_responses_partitions_queue_behind_each_other_in_a_pool_of_one(micro
     from assets.raw_responses import build
     from eagle3_dagster.config import PROJECT_ROOT
 
-    (asset,) = build(micro_profile)
+    (asset,) = build(micro_profile).assets
     assert asset.op.pool == "raw_responses"
     instance = yaml.safe_load((PROJECT_ROOT / "dagster_home" / "dagster.yaml").read_text())
     assert instance["concurrency"]["pools"]["default_limit"] == 1

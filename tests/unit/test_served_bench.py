@@ -20,7 +20,8 @@ import pytest
 
 from eagle3_dagster.bench.served import ServedBenchmarkError, prompt_token_limit, run_on_host, run_served_sets
 from eagle3_dagster.drafter.export import export_drafter
-from eagle3_dagster.gpu_host import GpuHost, HostSpec
+from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import ServerError, ServerSpec
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
@@ -68,7 +69,7 @@ def direct_server():
 
 
 def _host(tmp_path) -> GpuHost:
-    return GpuHost(HostSpec("local", sys.executable, str(tmp_path / "work")))
+    return GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
 
 
 def _server(port: int, *extra: str, context: int | None = 4096, **env: str) -> ServerSpec:
@@ -268,7 +269,7 @@ def test_served_benchmark_refuses_a_host_release_the_export_or_profile_does_not_
     profile = _bench_profile(tmp_path, port, **({"sglang_version": "0.5.12"} if case == "profile" else {}))
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096,
                             sglang_versions=["0.5.12"] if case == "export" else None)
-    host = GpuHost(HostSpec("local", str(_standin_host_python(tmp_path, "0.5.13")), str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=str(_standin_host_python(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     logs: list[str] = []
     want = (r"SGLang 0\.5\.13\b.*0\.5\.12" if case == "export"
             else r"SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12")
@@ -304,7 +305,7 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
                   "spec_configs": [[3, 1, 4]], "concurrency": 2}})
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)
-    host = GpuHost(HostSpec("local", str(python), str(tmp_path / "work")))
+    host = GpuHost(HostConfig(python=str(python), workdir=str(tmp_path / "work")))
     logs: list[str] = []
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096)  # the project's own
     report = benchmark_stage(profile, layout, export_dir=export, previous_results=None, run_id="r1",

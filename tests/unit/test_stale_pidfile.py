@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_dagster.gpu_host import GpuHost, HostSpec
+from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
 
 
 def _stranger() -> subprocess.Popen:
@@ -30,7 +31,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def host(tmp_path):
-    return GpuHost(HostSpec(workdir=str(tmp_path / "work")))
+    return GpuHost(HostConfig(workdir=str(tmp_path / "work")))
 
 
 @pytest.mark.parametrize("content", [

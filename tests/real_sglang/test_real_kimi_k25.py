@@ -1,0 +1,66 @@
+"""Extraction through Kimi-K2.5's own class on SGLang's server (0.5.23, CPU), checked against transformers.
+
+The micro tiny target, wrapped in Kimi-K2.5's checkpoint layout (`eagle3_dagster.tiny.kimi_k25`: the
+same text weights under `language_model.`, a tiny random MoonViT tower and projector, our minimal
+remote-code processor), is served as `KimiK25ForConditionalGeneration`, the class production runs:
+its forward embeds the ids itself and calls the DeepSeek-V3 language model with `input_ids=None`
+and `input_embeds` (`general_mm_embed_routine`), so the dump hook must key the rows by
+`forward_batch.input_ids`. The launcher adds `--trust-remote-code`, as the production profile does.
+The project's driver prefills the samples (two longer than a prefill chunk, stitched).
+
+Checked two ways: every stored state equals transformers' `output_hidden_states` of the unwrapped
+text model within the bf16 envelope of tests/real_sglang/support.py, and the shard is bit for bit the
+one the same server stores for the same samples from the unwrapped target (`DeepseekV3ForCausalLM`,
+called with the ids), so the `input_ids=None` path changes nothing the hook captures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_dagster.hidden.shards import HiddenStatesDataset
+from eagle3_dagster.tiny.kimi_k25 import wrap_as_kimi_k25
+from tests.real_sglang.support import CHUNK, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+
+LENGTHS = [140, 90, 33, 75]
+SHARED_PREFIX = 20
+
+
+def _served(python, model_dir, tmp, samples, *, trust_remote_code: bool):
+    """The committed shard's version folder and SGLang's log; one server at a time, never two at once."""
+    tmp.mkdir()
+    with extraction_server(python, model_dir, tmp, trust_remote_code=trust_remote_code) as (running, dump_dir, log):
+        out = extract_samples(running.base_url, dump_dir, tmp, samples, model_dir)
+        served = log.read_text()
+    assert out.result.num_samples == len(samples) and out.result.num_tokens == sum(LENGTHS)
+    return out.version_dir, served
+
+
+@pytest.mark.timeout(3600)  # the first test of the session builds the venv (minutes)
+def test_kimi_k25_class_stores_the_text_models_states_bit_for_bit_and_within_the_bf16_envelope(
+        sglang_python, micro_target, tmp_path):
+    kimi = wrap_as_kimi_k25(micro_target, tmp_path / "kimi_k25")
+    samples = extraction_samples(json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS,
+                                 SHARED_PREFIX, seed=25)
+    assert sum(n > CHUNK for n in LENGTHS) >= 2
+    wrapped_dir, log = _served(sglang_python, kimi, tmp_path / "kimi", samples, trust_remote_code=True)
+    assert "type=KimiK25ForConditionalGeneration" in log, log[-3000:]  # SGLang's "Load weight end" line
+
+    table, failures = compare_with_hf(wrapped_dir, samples, micro_target)
+    print(f"\nSGLang {VERSION} (CPU), KimiK25ForConditionalGeneration vs transformers' text model, {table}")
+    (tmp_path / "tolerance.txt").write_text(table + "\n")
+    assert not failures, f"{failures}\n{table}"
+
+    plain_dir, log = _served(sglang_python, micro_target, tmp_path / "deepseek", samples, trust_remote_code=False)
+    assert "type=DeepseekV3ForCausalLM" in log, log[-3000:]
+    wrapped, plain = HiddenStatesDataset(wrapped_dir), HiddenStatesDataset(plain_dir)
+    assert sorted(plain.sample_ids) == sorted(wrapped.sample_ids)
+    for k, sample_id in enumerate(wrapped.sample_ids):
+        got, want = wrapped[k], plain[plain.sample_ids.index(sample_id)]
+        for name in ("input_ids", "aux_hidden", "last_hidden"):
+            assert torch.equal(got[name], want[name]), f"{sample_id}: {name} differs from DeepseekV3ForCausalLM's"
