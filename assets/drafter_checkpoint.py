@@ -16,7 +16,7 @@ import dagster as dg
 from assets._common import (
     GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
-from assets.hidden_states import current_plan
+from assets.hidden_states import current_contract
 from assets.metadata_legend import LEGEND_KEY, legend
 from assets.settings import given, recorded_settings
 from eagle3_dagster.config import Profile
@@ -45,16 +45,17 @@ def build(profile: Profile) -> dg.Definitions:
 
         tag_run(context, profile)
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
-        plan = prepare_training(given(profile, "drafter_checkpoint"), layout(profile), plan=current_plan(context.instance))
-        context.log.info(f"launching: {' '.join(plan.command)}")
+        launch = prepare_training(given(profile, "drafter_checkpoint"), layout(profile),
+                                  contract=current_contract(context.instance))
+        context.log.info(f"launching: {' '.join(launch.command)}")
         invocation = context.resources.gpu_host.run_pipes(
-            context=context, command=plan.command, env=plan.env, cwd=plan.cwd
+            context=context, command=launch.command, env=launch.env, cwd=launch.cwd
         )
         child_meta = {}
         for result in invocation.get_results():
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
-        report, export_ok, export_detail = finish_training(given(profile, "drafter_checkpoint"), layout(profile), plan)
+        report, export_ok, export_detail = finish_training(given(profile, "drafter_checkpoint"), layout(profile), launch)
         meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
                 **recorded_settings(context)}
         meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
@@ -97,7 +98,7 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
     from eagle3_dagster.provenance import git_sha, package_versions
     from eagle3_dagster.hidden.context import load_plan
 
-    ctx = load_plan(current_plan(context.instance))
+    ctx = load_plan(current_contract(context.instance))
     manifest = load_manifest(ctx.version_dir)
     shards = [{"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
               for key, e in sorted(manifest.items())]

@@ -98,15 +98,15 @@ def build(profile: Profile) -> dg.Definitions:
         from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight, free_space_location
 
         tag_run(context, profile, "hidden_states")
-        plan = current_plan(context.instance)
-        ctx = load_plan(plan)
+        contract = current_contract(context.instance)
+        ctx = load_plan(contract)
         require_plan_fits(context.instance, ctx.version, str(layout(profile).hidden_root))
         require_plan_current(context.instance, ctx.merged_train_sha256)
         keys = list(context.partition_keys)
         reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
         preflight = lambda host: reports.append(extraction_preflight(given(profile, "hidden_states"), host, free_space_location(layout(profile))))  # noqa: E731
         with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
-            report, checks = extract_stage(given(profile, "hidden_states"), plan, keys, gpu_host=host, host_report=reports[-1],
+            report, checks = extract_stage(given(profile, "hidden_states"), contract, keys, gpu_host=host, host_report=reports[-1],
                                            force=config.force, progress=progress_logger(context))
         report.metadata["gpu_host"] = host.name
         results = [
@@ -132,7 +132,7 @@ def build(profile: Profile) -> dg.Definitions:
 
         tag_run(context, profile)
         report = cleanup_stage(profile, layout(profile), dry_run=config.dry_run, log=context.log.info,
-                               plan=current_plan(context.instance))
+                               contract=current_contract(context.instance))
         context.log_event(
             dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
         )
@@ -167,7 +167,7 @@ def _check_numbers(name: str, detail: str, meta: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def current_plan(instance: dg.DagsterInstance) -> str:
+def current_contract(instance: dg.DagsterInstance) -> str:
     """The plan contract of extraction_plan's latest materialization (the stages read it, never recompute it)."""
     from eagle3_dagster.contracts import PLAN_CONTRACT_KEY
 

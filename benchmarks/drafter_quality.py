@@ -101,7 +101,7 @@ def train_variant(profile, layout, plan, log) -> dict:
     from eagle3_dagster.stages.train import prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
-    job = prepare_training(profile, layout, plan=plan)
+    job = prepare_training(profile, layout, contract=plan)
     cost_path = job.out_dir / "quality_bench_cost.json"
     if (job.out_dir / "metrics.json").exists() and cost_path.exists():
         log(f"    reusing {job.out_dir}")

@@ -45,7 +45,7 @@ def run_one(profile, layout, log) -> dict:
     keys = [s.key for s in ctx.shards]
     extract_stage(profile, plan, keys, progress=log)
     t_extract = time.monotonic() - t0
-    job = prepare_training(profile, layout, plan=plan)
+    job = prepare_training(profile, layout, contract=plan)
     # The plain worker (no Pipes session outside Dagster), with the asset's own torchrun settings.
     command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node,
                                      python=sys.executable)

@@ -36,37 +36,37 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
     `free_bytes` is measured at `free_space_location(layout)`."""
     ctx = hidden_context(profile, layout)
     contract = write_plan(ctx)
-    plan = plan_extraction(
+    extraction = plan_extraction(
         ctx.shards, ctx.fmt, layout.hidden_root, ctx.version,
         throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
         num_hosts=len(profile.gpu_host.hosts),
         staging_dir=layout.staging_dir,
     )
     report = StageReport(metadata={
-        "version": plan.version,
-        "version_dir": str(plan.version_dir),
-        "num_shards": plan.num_shards,
-        "num_samples": plan.num_samples,
-        "num_tokens": plan.num_tokens,
-        "total_bytes": plan.total_bytes,
-        "total_human": _human(plan.total_bytes),
-        "remaining_bytes": plan.remaining_bytes,
-        "num_hosts": plan.num_hosts,
-        "estimated_hours": round(plan.estimated_hours, 3),  # on num_hosts hosts
-        "hours_by_hosts": {str(n): round(h, 3) for n, h in plan.hours_by_hosts.items()},
-        "free_bytes": plan.free_bytes,
-        "free_human": _human(plan.free_bytes),
-        "free_at": plan.free_at,
-        "needed_bytes": plan.needed_bytes,
-        "fits": plan.fits,
-        "superseded_versions": [v.summary for v in plan.superseded],
-        "superseded_bytes": plan.superseded_bytes,
+        "version": extraction.version,
+        "version_dir": str(extraction.version_dir),
+        "num_shards": extraction.num_shards,
+        "num_samples": extraction.num_samples,
+        "num_tokens": extraction.num_tokens,
+        "total_bytes": extraction.total_bytes,
+        "total_human": _human(extraction.total_bytes),
+        "remaining_bytes": extraction.remaining_bytes,
+        "num_hosts": extraction.num_hosts,
+        "estimated_hours": round(extraction.estimated_hours, 3),  # on num_hosts hosts
+        "hours_by_hosts": {str(n): round(h, 3) for n, h in extraction.hours_by_hosts.items()},
+        "free_bytes": extraction.free_bytes,
+        "free_human": _human(extraction.free_bytes),
+        "free_at": extraction.free_at,
+        "needed_bytes": extraction.needed_bytes,
+        "fits": extraction.fits,
+        "superseded_versions": [v.summary for v in extraction.superseded],
+        "superseded_bytes": extraction.superseded_bytes,
         "aux_layers_canonical": list(ctx.target.aux_layers),
         "merged_train_sha256": ctx.merged_train_sha256,
         PLAN_CONTRACT_KEY: str(contract),
         "train_schedule": asdict(training_schedule(profile, ctx)),
     })
-    return report, plan.fits, plan.message
+    return report, extraction.fits, extraction.message
 
 
 def training_schedule(profile: Profile, ctx: HiddenContext) -> "TrainSchedule":
@@ -99,24 +99,24 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
     return report
 
 
-def extract_stage(profile: Profile, plan: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
+def extract_stage(profile: Profile, contract: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
                   host_report: dict | None = None, force: bool = False,
                   progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
-    """Extract the named shards of the plan contract at `plan` (extraction_plan's output) on `gpu_host`
+    """Extract the named shards of the plan contract at `contract` (extraction_plan's output) on `gpu_host`
     (`host_report`: its preflight, when the caller already ran it). `force` extracts shards complete in
     their manifest again, each replacing the old one whole (`extract.extract_shard`)."""
-    ctx = load_plan(plan)
+    ctx = load_plan(contract)
     by_key = {s.key: s for s in ctx.shards}
     unknown = [k for k in keys if k not in by_key]
     if unknown:
-        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the plan {plan} "
+        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the plan {contract} "
                        f"({len(ctx.shards)} shards); materialize extraction_plan for the current merged_train")
     specs = [by_key[k] for k in keys]
     extra: dict = {}
     if profile.hidden.backend == "hf":
-        results = _extract_hf(profile, plan, ctx, specs, gpu_host, progress, force)
+        results = _extract_hf(profile, contract, ctx, specs, gpu_host, progress, force)
     else:
-        results, log_path = _extract_sglang(profile, plan, ctx, specs, gpu_host, host_report, progress, force)
+        results, log_path = _extract_sglang(profile, contract, ctx, specs, gpu_host, host_report, progress, force)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(ctx, specs)
     report = StageReport(metadata={
@@ -153,7 +153,7 @@ def shard_checks(ctx: HiddenContext, specs: list[ShardSpec]) -> dict[str, tuple[
     }
 
 
-def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: list[ShardSpec],
+def _extract_hf(profile: Profile, contract: Path | str, ctx: HiddenContext, specs: list[ShardSpec],
                 host: "GpuHost | None", progress: Progress, force: bool = False) -> list[dict]:
     """In this process when the host is this process's own interpreter on this machine; otherwise the
     hf driver on the host (`python -m eagle3_dagster.hidden.hf_driver`), one process for the shards."""
@@ -166,7 +166,7 @@ def _extract_hf(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: l
         stage_threads()
         return extract_shards_hf(ctx, specs, batch_tokens=profile.hidden.batch_tokens, progress=progress,
                                  force=force)
-    argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan),
+    argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(contract),
             "--batch-tokens", str(profile.hidden.batch_tokens),
             *(a for s in specs for a in ("--shard", s.key)), *(["--force"] if force else [])]
     returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
@@ -190,7 +190,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     return returncode, list(out)
 
 
-def _extract_sglang(profile: Profile, plan: Path | str, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
+def _extract_sglang(profile: Profile, contract: Path | str, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
                     host_report: dict | None, progress: Progress, force: bool = False) -> list:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
     (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
@@ -221,7 +221,7 @@ def _extract_sglang(profile: Profile, plan: Path | str, ctx: HiddenContext, spec
     try:
         with sglang_server(host, spec, on_log=server_log) as server:
             for i, shard in enumerate(specs, 1):
-                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--plan", str(plan),
+                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--plan", str(contract),
                         "--shard", shard.key, "--base-url", server.base_url,
                         "--concurrency", str(profile.hidden.sglang_concurrency), *(["--force"] if force else [])]
                 returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
@@ -253,10 +253,10 @@ def _driver_result(lines) -> dict:
 
 
 def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = True,
-                  log: Callable[[str], None] = print, plan: Path | str | None = None) -> StageReport:
+                  log: Callable[[str], None] = print, contract: Path | str | None = None) -> StageReport:
     """Delete versions other than the planned one (from the plan contract; the CLI, with no instance to ask,
     plans afresh)."""
-    ctx = load_plan(plan) if plan is not None else hidden_context(profile, layout)
+    ctx = load_plan(contract) if contract is not None else hidden_context(profile, layout)
     result = cleanup_superseded(layout.hidden_root, ctx.version, dry_run=dry_run, log=log)
     return StageReport(metadata={
         "dry_run": result.dry_run,

@@ -32,7 +32,7 @@ PIPES_WORKER = "resources.pipes_child"
 
 
 @dataclass(frozen=True)
-class TrainPlan:
+class TrainLaunch:
     command: list[str]
     env: dict[str, str]
     cwd: str
@@ -40,13 +40,13 @@ class TrainPlan:
     out_dir: Path
 
 
-def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | str | None = None,
-                     python: str | None = None) -> TrainPlan:
-    """The torchrun job for the shards of extraction_plan's contract at `plan` (planned afresh when None)."""
+def prepare_training(profile: Profile, layout: ArtifactLayout, *, contract: Path | str | None = None,
+                     python: str | None = None) -> TrainLaunch:
+    """The torchrun job for the shards of extraction_plan's contract at `contract` (planned afresh when None)."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 
-    ctx = load_plan(plan) if plan is not None else hidden_context(profile, layout)
+    ctx = load_plan(contract) if contract is not None else hidden_context(profile, layout)
     done = load_manifest(ctx.version_dir)  # empty when the version folder does not exist
     missing = [s.key for s in ctx.shards if s.key not in done]
     if missing:
@@ -83,7 +83,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan: Path | s
     # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
     # the workers read shards from the store as the profile says
     env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
-    return TrainPlan(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
+    return TrainLaunch(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
 
 
 def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:
@@ -109,13 +109,13 @@ def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict],
             f"re-extracts a shard failing its checksum):\n  " + "\n  ".join(problems))
 
 
-def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -> tuple[StageReport, bool, str]:
+def finish_training(profile: Profile, layout: ArtifactLayout, launch: TrainLaunch) -> tuple[StageReport, bool, str]:
     """Read back what training wrote; an export that fails its check (a missing, misshaped or non-finite
     weight) is refused with an error, so no materialization ever names it."""
     from eagle3_dagster.drafter.export import check_export
 
-    metrics = storage.read_json(plan.out_dir / "metrics.json")
-    export_dir = plan.out_dir / "export"
+    metrics = storage.read_json(launch.out_dir / "metrics.json")
+    export_dir = launch.out_dir / "export"
     check = check_export(export_dir)
     if not check.ok:
         raise ValueError(f"drafter_checkpoint: the export in {export_dir} is refused: {check}")
@@ -124,19 +124,19 @@ def finish_training(profile: Profile, layout: ArtifactLayout, plan: TrainPlan) -
     if profile.train.export_location:
         from eagle3_dagster.drafter.publish import publish_export
 
-        dest = storage.location(profile.train.export_location, PROJECT_ROOT).join(plan.out_dir.name)
+        dest = storage.location(profile.train.export_location, PROJECT_ROOT).join(launch.out_dir.name)
         publish_export(export_dir, dest, log=lambda _line: None)
         published = {"export_location": str(dest)}
     from eagle3_dagster.train.outputs import summary_metadata
 
     report = StageReport(
         metadata={
-            "run_dir": plan.out_dir,
+            "run_dir": launch.out_dir,
             "export_dir": export_dir,
             **published,
             **summary_metadata(metrics),
         },
-        images={"curves": plan.out_dir / "curves.png"},
+        images={"curves": launch.out_dir / "curves.png"},
         series={"loss_by_step": (list(metrics["curves"]["loss"]), "training step"),
                 "acc_0_by_step": (list(metrics["curves"]["acc_0"]), "training step")},
     )

@@ -109,7 +109,7 @@ def sha256s(folder: Path) -> dict[str, str]:
 def two_host_extraction(tmp_path_factory) -> dict:
     import dagster as dg
 
-    from assets.hidden_states import current_plan
+    from assets.hidden_states import current_contract
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.host_lease import history, who_holds
@@ -151,7 +151,7 @@ def two_host_extraction(tmp_path_factory) -> dict:
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         with dg.DagsterInstance.from_config(str(home)) as instance:
             registered = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
-            plan = Path(current_plan(instance))
+            plan = Path(current_contract(instance))
         assert len(registered) >= SHARDS, registered
         keys = registered[:SHARDS]
 

@@ -291,7 +291,7 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     again, _ = extract_stage(profile, contract, keys)
     assert again.metadata["resumed_shards"] == len(keys)
     storage.location("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors").write_bytes(b"old")
-    cleaned = cleanup_stage(profile, layout, dry_run=False, plan=contract, log=lambda _line: None)
+    cleaned = cleanup_stage(profile, layout, dry_run=False, contract=contract, log=lambda _line: None)
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
     assert storage.location("s3://eagle3-test/stages").subfolders() == [meta["version"]]
 
@@ -330,7 +330,7 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     from eagle3_dagster.contracts import ArtifactLayout
     from eagle3_dagster.drafter.export import export_drafter
     from eagle3_dagster.drafter.publish import fetch_export
-    from eagle3_dagster.stages.train import TrainPlan, finish_training
+    from eagle3_dagster.stages.train import TrainLaunch, finish_training
 
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
                                                "train": {"export_location": "s3://eagle3-test/drafters"}})
@@ -339,7 +339,7 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     final = {"loss": 1.0, "sim_accept_length": 1.5, "acc_0": 0.5}
     (run / "metrics.json").write_bytes(orjson.dumps({"final": final, "steps": 3, "tokens_per_s": 10.0,
                                                      "curves": {"loss": [1.0], "acc_0": [0.5]}}))
-    plan = TrainPlan(command=[], env={}, cwd=str(tmp_path), job_path=run / "job.json", out_dir=run)
+    plan = TrainLaunch(command=[], env={}, cwd=str(tmp_path), job_path=run / "job.json", out_dir=run)
     report, ok, _ = finish_training(profile, ArtifactLayout.from_profile(profile), plan)
     assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
     back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")

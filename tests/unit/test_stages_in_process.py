@@ -176,7 +176,7 @@ def _export_for(profile, layout, out_dir: Path, *, poison: bool = False) -> Path
 
 def _finished_run(profile, layout, name: str, *, poison: bool = False):
     from eagle3_dagster.io import atomic_write_json
-    from eagle3_dagster.stages.train import TrainPlan
+    from eagle3_dagster.stages.train import TrainLaunch
     from eagle3_dagster.train.outputs import plot_curves
 
     out_dir = layout.drafter_dir / name
@@ -188,7 +188,7 @@ def _finished_run(profile, layout, name: str, *, poison: bool = False):
     atomic_write_json(out_dir / "metrics.json", {"steps": 2, "tokens_per_s": 1234.5678, "initial_eval": {"acc_0": 0.01},
                                                  "final": final, "final_eval": final_eval, "curves": curves})
     plot_curves(curves, out_dir / "curves.png", 3)
-    return TrainPlan(command=[], env={}, cwd=".", job_path=out_dir / "job.json", out_dir=out_dir)
+    return TrainLaunch(command=[], env={}, cwd=".", job_path=out_dir / "job.json", out_dir=out_dir)
 
 
 def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(tmp_path, micro_target):
