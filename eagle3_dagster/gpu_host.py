@@ -43,7 +43,7 @@ from types import ModuleType
 
 from eagle3_dagster import host_probe
 from eagle3_dagster.host_config import HostConfig
-from eagle3_dagster.sglang import patch as sglang_patch
+from eagle3_dagster.sglang import releases
 from eagle3_dagster.sglang.releases import other_sglang_release
 
 # Runs the command as its own process group (pid file = group id) and a watchdog beside it that
@@ -91,9 +91,10 @@ class PreflightError(RuntimeError):
 
 def program_argv(python: str, program: ModuleType, *args: object) -> list[str]:
     """`python -c <source of program> args...`: one of this package's standard-library programs (`host_probe`,
-    `sglang.health`) run by the host's interpreter. The source is sent rather than run with `-m`: the probe
-    must run where this project is not installed (that is one of the things it reports), and a host with
-    another copy of it installed still runs the worker's version."""
+    `sglang.health`, `sglang.location`) run by another interpreter (the host's, or the one `eagle3 patch` is
+    given). The source is sent rather than run with `-m`: the probe must run where this project is not
+    installed (that is one of the things it reports), and a host with another copy of it installed still
+    runs the worker's version."""
     return [python, "-c", Path(program.__file__).read_text(), *map(str, args)]
 
 
@@ -213,9 +214,9 @@ class GpuHost:
             raise PreflightError(f"{py} {why}")
         if report.get("sglang_version") and report.get("deepseek_v2_sha256"):
             try:
-                report["patch_state"] = sglang_patch.digest_state(report["sglang_version"],
-                                                                  report["deepseek_v2_sha256"])
-            except sglang_patch.PatchError as e:
+                release = releases.release(report["sglang_version"])
+                report["patch_state"] = release.file_state(report["deepseek_v2_sha256"])
+            except releases.UnsupportedRelease as e:
                 report["patch_state"] = f"unsupported: {e}"
         if require_patch:
             if report.get("patch_state") != "patched":

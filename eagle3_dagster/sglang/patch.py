@@ -6,10 +6,10 @@ their patch files come from `eagle3_dagster.sglang.releases` (generated from the
 wheels by `patches/sglang/make_patch.py`); the dump logic lives in
 `eagle3_dagster.sglang.dump_hook`.
 
-SGLang is never imported here: the target interpreter is asked where its SGLang
-is (`importlib.util.find_spec`, which does not import it) and which version it
-is. Every state is decided by sha256, so a file modified by anyone else is
-refused rather than half-patched, and revert restores the pristine bytes exactly.
+SGLang is never imported here: the target interpreter runs `sglang.location`,
+which says where its SGLang is and which version it is without importing it.
+Every state is decided by sha256, so a file modified by anyone else is refused
+rather than half-patched, and revert restores the pristine bytes exactly.
 """
 
 from __future__ import annotations
@@ -23,20 +23,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_dagster.gpu_host import program_argv
 from eagle3_dagster.io import atomic_write_bytes
-from eagle3_dagster.sglang import releases
+from eagle3_dagster.sglang import location, releases
 
 TARGET_RELPATH = "srt/models/deepseek_v2.py"
-
-
-# Run by the target interpreter: prints where its SGLang is, without importing it.
-LOCATE_SCRIPT = (
-    "import importlib.metadata as m, importlib.util as u, json, os\n"
-    "s = u.find_spec('sglang')\n"
-    "if s is None: raise SystemExit('ModuleNotFoundError: No module named sglang')\n"
-    "print(json.dumps({'version': m.version('sglang'),"
-    " 'root': os.path.dirname(s.origin)}))\n"
-)
 
 
 class PatchError(RuntimeError):
@@ -53,7 +44,7 @@ def release_for(version: str) -> releases.Release:
 def locate_sglang(python: str) -> tuple[str, Path]:
     """(version, path of deepseek_v2.py) of the SGLang that `python` would import."""
     try:
-        proc = subprocess.run([python, "-c", LOCATE_SCRIPT], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(program_argv(python, location), capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
         raise PatchError(f"interpreter {python} does not exist") from None
     if proc.returncode != 0:
@@ -65,17 +56,7 @@ def locate_sglang(python: str) -> tuple[str, Path]:
 
 def file_state(version: str, data: bytes) -> str:
     """'patched', 'unpatched' or 'modified-unknown' for the bytes of a supported release's file."""
-    return digest_state(version, hashlib.sha256(data).hexdigest())
-
-
-def digest_state(version: str, digest: str) -> str:
-    """`file_state` of the file whose sha256 is `digest` (what the host's preflight probe reports)."""
-    release = release_for(version)
-    if digest == release.pristine_sha256:
-        return "unpatched"
-    if digest == release.patched_sha256:
-        return "patched"
-    return "modified-unknown"
+    return release_for(version).file_state(hashlib.sha256(data).hexdigest())
 
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")

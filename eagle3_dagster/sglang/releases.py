@@ -48,6 +48,14 @@ class Release:
     def patch_file(self) -> Path:
         return PATCH_DIR / f"v{self.version}" / "hs-dump.patch"
 
+    def file_state(self, sha256: str) -> str:
+        """'patched', 'unpatched' or 'modified-unknown' for this release's deepseek_v2.py whose sha256 is `sha256`."""
+        if sha256 == self.pristine_sha256:
+            return "unpatched"
+        if sha256 == self.patched_sha256:
+            return "patched"
+        return "modified-unknown"
+
 
 class UnsupportedRelease(ValueError):
     """A release the table does not hold; the message names the supported ones."""

@@ -1,5 +1,5 @@
-"""The programs the GPU host's interpreter runs from this package's source: the preflight probe and the
-SGLang health checks.
+"""The programs another interpreter runs from this package's source: the preflight probe and the SGLang health
+checks (on the GPU host), and the SGLang locator (`eagle3 patch --python PATH`).
 
 Each runs here exactly as the host runs it (`gpu_host.program_argv`: `python -c <the file's source> ARGS`),
 under `python -S`, with no site-packages: an interpreter that has neither this project nor anything but the
@@ -22,7 +22,7 @@ import pytest
 
 from eagle3_dagster import host_probe
 from eagle3_dagster.gpu_host import program_argv
-from eagle3_dagster.sglang import health
+from eagle3_dagster.sglang import health, location, patch
 
 
 def _run(program, *args, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
@@ -57,6 +57,42 @@ def test_probe_reads_sglangs_version_the_sha256_of_its_deepseek_v2_and_the_gpus_
     assert report["sglang_version"] == "0.5.14" and report["sglang_error"] is None
     assert report["deepseek_v2_sha256"] == hashlib.sha256(b"# not the real one\n").hexdigest()
     assert report["gpu_count"] == 2 and report["gpu_error"] is None
+
+
+def _sglang_site(tmp_path: Path, version: str) -> Path:
+    """A site folder with an installed SGLang (its dist-info) whose package raises on import."""
+    site = tmp_path / "site"
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text("raise ImportError('sglang was imported')\n")
+    (site / f"sglang-{version}.dist-info").mkdir()
+    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    return site
+
+
+def test_locator_on_a_bare_interpreter_prints_sglangs_version_and_folder_without_importing_it(tmp_path):
+    site = _sglang_site(tmp_path, "0.5.14")
+    proc = _run(location, cwd=tmp_path, env={"PYTHONPATH": str(site)})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"version": "0.5.14", "root": str(site / "sglang")}
+
+
+def test_locator_exits_naming_the_missing_module_when_there_is_no_sglang(tmp_path):
+    proc = _run(location, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named sglang"
+
+
+def test_patch_finds_the_deepseek_v2_of_the_sglang_the_given_interpreter_has_through_the_locator(tmp_path):
+    site = _sglang_site(tmp_path, "0.5.14")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" -S "$@"\n')
+    python.chmod(0o755)
+    assert patch.locate_sglang(str(python)) == ("0.5.14", site / "sglang" / "srt" / "models" / "deepseek_v2.py")
+    (site / "sglang-0.5.14.dist-info" / "METADATA").unlink()
+    (site / "sglang-0.5.14.dist-info").rmdir()
+    (site / "sglang").rename(site / "other")
+    with pytest.raises(patch.PatchError, match="has no usable sglang: ModuleNotFoundError: No module named sglang$"):
+        patch.locate_sglang(str(python))
 
 
 def _free_port() -> int:
