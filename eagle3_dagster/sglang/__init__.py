@@ -1,6 +1,7 @@
 """SGLang production path for hidden-state extraction.
 
 - `patch`: apply/verify/revert the one-call insertion into SGLang's deepseek_v2.py.
+- `location`: where an interpreter's SGLang is, without importing it (sent to that interpreter as source).
 - `dump_hook`: what the patched SGLang calls; writes per-request chunk files.
 - `server`: the server's lifecycle on the GPU host (command line, start, health wait, log, stop).
 - `health`: the health checks the host's interpreter runs beside the server (sent as source).
