@@ -51,6 +51,20 @@ def micro_target(tmp_path_factory, micro_profile) -> Path:
 
 
 
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """A real sshd on a loopback port accepting a throwaway key for the current user (tests/sshd_server.py),
+    one per test module: (ssh target, ssh options)."""
+    from tests.sshd_server import start_sshd
+
+    try:
+        server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.fail(str(e))
+    yield server.target, server.options
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator:
     """A PostgreSQL server for the session (tests/postgres_server.py)."""

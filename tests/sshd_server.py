@@ -12,9 +12,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_config import HostConfig
 
 
 @dataclass
@@ -63,3 +67,14 @@ def start_sshd(d: Path) -> Sshd:
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"sshd did not accept connections: {proc.stderr.read1().decode()}")
+
+
+def local_and_ssh_hosts(tmp_path: Path, sshd: tuple[str, tuple[str, ...]]) -> dict[str, GpuHost]:
+    """This machine as two GPU hosts on this interpreter, both working in tmp_path/work: "local", and "ssh"
+    through the server of the `sshd` fixture (tests/conftest.py)."""
+    target, options = sshd
+    return {
+        "local": GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work"))),
+        "ssh": GpuHost(HostConfig(transport="ssh", python=sys.executable, workdir=str(tmp_path / "work"),
+                                  ssh_target=target, ssh_options=list(options))),
+    }

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_dagster.gpu_host import program_argv
