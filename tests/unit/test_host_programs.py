@@ -111,9 +111,11 @@ def test_port_check_exits_0_when_something_listens_and_1_when_nothing_does(tmp_p
 
 class _Server:
     """/health_generate answers 503 for the first `loading` requests, then 200; the name under /model_info
-    (0.5.18+) or, with `model_info=False`, only under /v1/models (older releases)."""
+    (0.5.18+) or, with `model_info=False`, only under /v1/models (older releases), which answers
+    `models_status`."""
 
-    def __init__(self, name: str, *, loading: int = 2, model_info: bool = True, healthy: bool = True) -> None:
+    def __init__(self, name: str, *, loading: int = 2, model_info: bool = True, healthy: bool = True,
+                 models_status: int = 200) -> None:
         state = {"health_calls": 0}
 
         class Handler(BaseHTTPRequestHandler):
@@ -134,7 +136,7 @@ class _Server:
                 if self.path == "/model_info":
                     return self._send(200, {"served_model_name": name} if model_info else {"model_path": "/m"})
                 if self.path == "/v1/models":
-                    return self._send(200, {"data": [{"id": name}]})
+                    return self._send(models_status, {"data": [{"id": name}]})
                 self._send(404, {})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -161,6 +163,13 @@ def test_health_wait_exits_2_naming_what_another_server_on_the_port_serves(tmp_p
         proc = _run(health, "wait", server.url, 30, "eagle3-abc", cwd=tmp_path)
     assert proc.returncode == 2
     assert "serves ['someone-else'], not 'eagle3-abc'" in proc.stdout
+
+
+def test_health_wait_exits_2_saying_there_is_no_model_list_when_v1_models_answers_an_error(tmp_path):
+    with _Server("eagle3-abc", loading=0, model_info=False, models_status=500) as server:
+        proc = _run(health, "wait", server.url, 30, "eagle3-abc", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert """serves ["<no model list: <HTTPError 500: 'Internal Server Error'>>"], not 'eagle3-abc'""" in proc.stdout
 
 
 def test_health_wait_exits_1_with_the_last_error_when_the_server_never_turns_healthy(tmp_path):

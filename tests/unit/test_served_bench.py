@@ -23,6 +23,7 @@ from eagle3_dagster.drafter.export import export_drafter
 from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import ServerError, ServerSpec
+from tests.loopback_http import LoopbackHTTPServer
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
 pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host
@@ -127,6 +128,31 @@ def test_client_refuses_a_server_answering_under_another_name(direct_server, rel
     url = direct_server(env={"STANDIN_RELEASE": release})
     with pytest.raises(ServedBenchmarkError, match=r"serves \['ours'\], not 'theirs'"):
         run_served_sets(url, PROMPTS, method="no_spec", spec=None, max_new_tokens=5, served_model_name="theirs")
+
+
+class _NoModelList(LoopbackHTTPServer):
+    """A server with no /model_info (404) whose /v1/models answers HTTP 500."""
+
+    def _handler(self):
+        from http.server import BaseHTTPRequestHandler
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(500 if self.path == "/v1/models" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        return Handler
+
+
+def test_client_refuses_a_server_whose_model_list_answers_an_error_naming_the_status():
+    with _NoModelList() as server:
+        url = server.url.removesuffix("/v1")
+        with pytest.raises(ServedBenchmarkError, match=rf"^SGLang server {url}: /v1/models answered HTTP 500$"):
+            run_served_sets(url, PROMPTS, method="no_spec", spec=None, max_new_tokens=5, served_model_name="ours")
 
 
 @pytest.mark.parametrize("release", ["0.5.14", "0.5.23"])  # name from /v1/models only; from /model_info too
