@@ -10,8 +10,9 @@ code location may run elsewhere:
   on the client's stdin: a spawned process's stdin is the watchdog's lifeline
   (EOF means the worker died), and a file also leaves a record beside the run.
 - the client (`python -m eagle3_dagster.bench.served`, on the GPU host): checks
-  the server's name, sends `/generate` requests with bounded concurrency and
-  prints one `EAGLE3_BENCH_ROW {json}` line per prompt set.
+  the server's name (`sglang.health.served_names`, the health wait's lookup),
+  sends `/generate` requests with bounded concurrency and prints one
+  `EAGLE3_BENCH_ROW {json}` line per prompt set.
 
 Acceptance is reported three ways side by side: the client's Σ completion_tokens
 / Σ spec_verify_ct (as SGLang's bench_serving and SpecForge compute it), the mean
@@ -27,11 +28,14 @@ import asyncio
 import json
 import sys
 import time
+import urllib.error
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
+
+from eagle3_dagster.sglang import health
 
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
@@ -52,17 +56,6 @@ def prompt_token_limit(serving_context: int, max_new_tokens: int, max_prompt_tok
                          f"target.serving_context ({serving_context})")
     limit = serving_context - max_new_tokens
     return limit if max_prompt_tokens is None else min(limit, max_prompt_tokens)
-
-
-def served_names(base_url: str) -> list[str]:
-    """The names the server answers under: /model_info `served_model_name` (0.5.18+), else /v1/models ids."""
-    info = httpx.get(f"{base_url}/model_info", timeout=30)
-    if info.status_code == 200 and "served_model_name" in info.json():
-        return [info.json()["served_model_name"]]
-    models = httpx.get(f"{base_url}/v1/models", timeout=30)
-    if models.status_code != 200:
-        raise ServedBenchmarkError(f"SGLang server {base_url}: /v1/models answered HTTP {models.status_code}")
-    return [m.get("id") for m in models.json().get("data", [])]
 
 
 def server_accept_length(base_url: str) -> float | None:
@@ -137,7 +130,10 @@ def run_served_sets(base_url: str, prompt_sets: PromptSets, *, method: str, spec
 
     base_url = base_url.rstrip("/")
     if served_model_name is not None:
-        names = served_names(base_url)
+        try:  # the lookup the health wait does beside the server
+            names = health.served_names(base_url)
+        except urllib.error.HTTPError as e:
+            raise ServedBenchmarkError(f"SGLang server {base_url}: /v1/models answered HTTP {e.code}") from None
         if served_model_name not in names:
             raise ServedBenchmarkError(f"SGLang server {base_url} serves {names}, not {served_model_name!r}: "
                                        "another server answers on this port")

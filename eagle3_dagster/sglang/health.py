@@ -8,6 +8,7 @@ SGLang loads), then check that the server answering is the one launched with `--
 `/model_info` has the field `served_model_name` from 0.5.18 on; `/v1/models` lists it as `data[].id` in
 every release 0.5.10-0.5.23. Exit 0: ours and healthy; 1: not healthy in time (the last error printed);
 2: another server answers on the port (its names printed).
+The benchmark client (`bench.served`) imports `served_names` for the same check.
 
 The file is sent as source rather than run with `-m`, so the host runs the worker's own version of it
 whatever copy of this project it has installed; it uses the standard library only, and nothing runs on import.
@@ -35,17 +36,17 @@ def _get(url: str):
 
 
 def served_names(url: str) -> list[str]:
+    """The names the server at `url` answers under: /model_info `served_model_name` (0.5.18+), else the /v1/models
+    ids (the benchmark client asks too, `bench.served`). A /model_info that fails or lacks the field is passed over;
+    a /v1/models that fails raises (urllib.error.HTTPError; ValueError or AttributeError when it is not a model list)."""
     try:
         info = _get(url + "/model_info")
         if isinstance(info, dict) and "served_model_name" in info:
             return [info["served_model_name"]]
     except (urllib.error.HTTPError, ValueError):
         pass
-    try:
-        models = _get(url + "/v1/models")
-        return [m.get("id") for m in models.get("data", [])]
-    except (urllib.error.HTTPError, ValueError, AttributeError) as e:
-        return [f"<no model list: {e!r}>"]
+    models = _get(url + "/v1/models")
+    return [m.get("id") for m in models.get("data", [])]
 
 
 def wait_healthy(url: str, timeout_s: float, name: str) -> int:
@@ -60,7 +61,10 @@ def wait_healthy(url: str, timeout_s: float, name: str) -> int:
         except Exception as e:
             healthy, last = False, repr(e)
         if healthy:
-            names = served_names(url)
+            try:
+                names = served_names(url)
+            except (urllib.error.HTTPError, ValueError, AttributeError) as e:
+                names = [f"<no model list: {e!r}>"]
             if name in names:
                 return 0
             print(f"the server answering at {url} serves {names}, not {name!r}, the name this run launched it with")
