@@ -7,7 +7,6 @@ as on a GPU host.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +19,6 @@ from tests.sglang_cpu import venv as sglang_venv
 @pytest.fixture(scope="session")
 def sglang_python() -> Path:
     python = sglang_venv.build(VERSION, log=lambda line: print(f"[sglang venv] {line}", file=sys.stderr))
-    eagle3 = Path(sys.executable).parent / "eagle3"
-    proc = subprocess.run([str(eagle3), "patch", "apply", "--python", str(python)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sglang_venv.dump_patch(python, "apply")
     return python
 

@@ -1,11 +1,14 @@
 """What the real-SGLang tests share: the release, a free port, the extraction server and shard, and the
 comparison with transformers.
 
-Tolerance: SGLang computes in its own kernels and dtype (bfloat16 for a float32 checkpoint), so its
+Tolerance: SGLang computes in its own kernels and dtype (float16 for a float32 checkpoint under `--dtype auto`,
+"the common practice" of its `sglang/srt/configs/model_config.py`; the tier's KV cache is float16), so its
 states cannot equal transformers' float32 ones bit for bit. The envelope is measured in each test:
-transformers in bfloat16 against transformers in float32, per tensor (each aux layer, the last state),
-as the median and the maximum over tokens of the per-token relative L2 error. SGLang against float32
-must stay within ENVELOPE_FACTOR times that envelope.
+transformers in SGLang's dtype, float16, against transformers in float32, per tensor (each aux layer, the
+last state), as the median and the maximum over tokens of the per-token relative L2 error. SGLang against
+float32 must stay within ENVELOPE_FACTOR times that envelope. The envelope was bfloat16's until its table
+showed a few tokens 20-37 % off in bfloat16 past the first MoE layer, which made its maximum a bound no
+error could reach (docs/testing.md); the table keeps bfloat16 beside it.
 """
 
 from __future__ import annotations
@@ -120,15 +123,15 @@ def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict
 def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tuple[str, list[str]]:
     """The stored shard against transformers' states of the text model in `hf_dir`.
 
-    Returns the table (per tensor: SGLang vs HF fp32 and HF bf16 vs HF fp32, median and max of the
-    per-token relative error) and the failures: a tensor outside ENVELOPE_FACTOR times the envelope,
+    Returns the table (markdown, per tensor: SGLang, HF bf16 and HF fp16 against HF fp32, median and max of the
+    per-token relative error) and the failures: a tensor outside ENVELOPE_FACTOR times the envelope (HF fp16),
     an aux state not nearest to the HF state of its own index (an off-by-one layer is far further),
     stored token ids that are not the sample's.
     """
     hidden = json.loads((hf_dir / "config.json").read_text())["hidden_size"]
     ds = HiddenStatesDataset(version_dir)
     names = [f"aux {i}" for i in AUX] + ["last"]
-    errs = {n: {"sglang": [], "bf16": []} for n in names}
+    errs = {n: {"sglang": [], "bf16": [], "fp16": []} for n in names}
     failures = []
     by_id = {s["id"]: s for s in samples}
     for k in range(len(ds)):
@@ -138,23 +141,25 @@ def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tup
             failures.append(f"{ds.sample_ids[k]}: stored token ids differ from the sample's")
         fp32 = hf_states(hf_dir, torch.float32, ids)
         bf16 = hf_states(hf_dir, torch.bfloat16, ids)
+        fp16 = hf_states(hf_dir, torch.float16, ids)
         got = list(stored["aux_hidden"].float().split(hidden, dim=-1)) + [stored["last_hidden"].float()]
-        want = [fp32[i] for i in AUX] + [fp32[-1]]
-        ref16 = [bf16[i] for i in AUX] + [bf16[-1]]
-        for n, g, w, b in zip(names, got, want, ref16):
-            errs[n]["sglang"].append(rel_err(g, w))
-            errs[n]["bf16"].append(rel_err(b, w))
+        for n, g, i in zip(names, got, [*AUX, -1]):
+            errs[n]["sglang"].append(rel_err(g, fp32[i]))
+            errs[n]["bf16"].append(rel_err(bf16[i], fp32[i]))
+            errs[n]["fp16"].append(rel_err(fp16[i], fp32[i]))
         for i, g in zip(AUX, got):  # nearest to its own index among every HF state
             dist = [rel_err(g, h).median().item() for h in fp32]
             if (nearest := min(range(len(dist)), key=dist.__getitem__)) != i:
                 failures.append(f"{ds.sample_ids[k]}: aux {i} is nearest to HF state {nearest}")
-    lines = []
+    lines = ["| tensor | SGLang vs HF fp32: median | max | HF bf16 vs HF fp32: median | max | HF fp16 vs HF fp32: "
+             "median | max | SGLang / fp16: median | max |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in names:
-        s, b = torch.cat(errs[n]["sglang"]), torch.cat(errs[n]["bf16"])
-        sm, sx, bm, bx = s.median().item(), s.max().item(), b.median().item(), b.max().item()
-        lines.append(f"{n:>6}: SGLang vs HF fp32 median {sm:.4%} max {sx:.4%} | HF bf16 vs HF fp32 median "
-                     f"{bm:.4%} max {bx:.4%}")
-        if not (sm <= ENVELOPE_FACTOR * bm and sx <= ENVELOPE_FACTOR * bx):
-            failures.append(f"{n}: outside {ENVELOPE_FACTOR} x the bf16 envelope")
-    table = f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens:\n" + "\n".join(lines)
+        (sm, sx), (bm, bx), (fm, fx) = ((t.median().item(), t.max().item())
+                                        for t in (torch.cat(errs[n][k]) for k in ("sglang", "bf16", "fp16")))
+        lines.append(f"| {n} | {sm:.3%} | {sx:.3%} | {bm:.3%} | {bx:.3%} | {fm:.3%} | {fx:.3%} | "
+                     f"{sm / fm:.2f} | {sx / fx:.2f} |")
+        if not (sm <= ENVELOPE_FACTOR * fm and sx <= ENVELOPE_FACTOR * fx):
+            failures.append(f"{n}: outside {ENVELOPE_FACTOR} x the fp16 envelope")
+    table = (f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens, per-token relative L2 "
+             "error:\n" + "\n".join(lines))
     return table, failures

@@ -6,7 +6,7 @@ A drafter of a 6-layer tiny target (the micro profile's, with aux layers [2, 3, 
 flags (`stages.bench.serving_spec`: `--speculative-algorithm EAGLE3`, the export, the micro profile's spec
 config, the release's serving options), the tier's CPU options with SGLang's CPU attention backend
 (`intel_amx`, the only one its EAGLE draft worker has on CPU) and `--dtype float32`: the simulator it is
-compared with runs the target and the drafter in float32, so that SGLang's default (bfloat16 for a float32
+compared with runs the target and the drafter in float32, so that SGLang's default (float16 for a float32
 checkpoint) does not move argmaxes that both sides should agree on.
 
 On the held-out prompts of the micro profile's benchmark (`bench.prompts.heldout_sharegpt`, rendered

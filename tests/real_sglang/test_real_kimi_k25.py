@@ -9,7 +9,7 @@ and `input_embeds` (`general_mm_embed_routine`), so the dump hook must key the r
 The project's driver prefills the samples (two longer than a prefill chunk, stitched).
 
 Checked two ways: every stored state equals transformers' `output_hidden_states` of the unwrapped
-text model within the bf16 envelope of tests/real_sglang/support.py, and the shard is bit for bit the
+text model within the fp16 envelope of tests/real_sglang/support.py, and the shard is bit for bit the
 one the same server stores for the same samples from the unwrapped target (`DeepseekV3ForCausalLM`,
 called with the ids), so the `input_ids=None` path changes nothing the hook captures.
 """

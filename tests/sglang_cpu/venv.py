@@ -20,7 +20,9 @@
 
 A stamp file, written last, names a digest of everything above, the base environment's packages included;
 a venv without it or with another digest is removed and rebuilt. A failed download or install raises:
-the tier never skips.
+the tier never skips. The production dump patch is not part of the build: the tier applies it to the venv
+with `eagle3 patch apply --python` (`dump_patch`), as on a GPU host. `benchmarks/sglang_prefill.py` keeps a
+second venv of the same release, built the same way under another name (`variant`), that stays pristine.
 
     python -m tests.sglang_cpu.venv 0.5.23    # build (or reuse) and print the interpreter
 """
@@ -96,8 +98,8 @@ def patch_file(version: str) -> Path:
     return HERE / f"torch-native-mla-{version}.patch"
 
 
-def venv_dir(version: str) -> Path:
-    return CACHE / version
+def venv_dir(version: str, variant: str = "") -> Path:
+    return CACHE / (f"{version}-{variant}" if variant else version)
 
 
 def _run(argv: list[str], what: str, log) -> None:
@@ -114,18 +116,20 @@ def _pip(python: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "-q", *args]
 
 
-def build(version: str, log=print) -> Path:
-    """The venv's interpreter, with SGLang `version` installed, patched for CPU and the shim on its path."""
+def build(version: str, log=print, variant: str = "") -> Path:
+    """The venv's interpreter, with SGLang `version` installed, patched for CPU and the shim on its path.
+
+    `variant` names a second venv of the same release, built the same way beside the first."""
     from tests.sglang_wheels import wheel_path
 
     if version not in PATCHES:
         raise ValueError(f"no CPU patch for SGLang {version} (have {sorted(PATCHES)})")
-    target = venv_dir(version)
+    target = venv_dir(version, variant)
     python = target / "bin" / "python"
     stamp = target / ".eagle3-stamp"
     digest = inputs_digest(version)
     CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{version}.lock", "w") as lock:
+    with open(CACHE / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists() and stamp.read_text() == digest and python.exists():
             return python
@@ -148,6 +152,17 @@ def build(version: str, log=print) -> Path:
         stamp.write_text(digest)
         log(f"SGLang {version} CPU venv built in {time.monotonic() - started:.0f} s at {target}")
     return python
+
+
+def dump_patch(python: Path, action: str) -> str:
+    """`eagle3 patch {apply,revert,verify} --python <python>`: the production dump patch, as on a GPU host.
+    Returns its output; raises when it fails (verify: when the release is not patched)."""
+    eagle3 = Path(sys.executable).parent / "eagle3"
+    proc = subprocess.run([str(eagle3), "patch", action, "--python", str(python)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"eagle3 patch {action} --python {python} exited {proc.returncode}: "
+                           f"{proc.stdout}{proc.stderr}")
+    return proc.stdout.strip()
 
 
 def site_packages(python: Path) -> Path:

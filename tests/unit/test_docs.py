@@ -273,7 +273,9 @@ for target, args in runs:
                 code = f"raised {type(e).__name__}: {e}"
     finally:
         sys.argv = saved
-    results.append({"target": target, "args": args, "code": code, "output": buf.getvalue()[-3000:]})
+    out = buf.getvalue()  # argparse's "usage:" line opens it, an error closes it: keep both ends of a long help
+    results.append({"target": target, "args": args, "code": code,
+                    "output": out if len(out) <= 3000 else out[:1000] + "\n[...]\n" + out[-2000:]})
 with open(out_path, "w") as f:
     json.dump(results, f)
 """
