@@ -42,7 +42,7 @@ def _served(python, model_dir, tmp, samples, *, trust_remote_code: bool):
 
 
 @pytest.mark.timeout(3600)  # the first test of the session builds the venv (minutes)
-def test_kimi_k25_class_stores_the_text_models_states_bit_for_bit_and_within_the_bf16_envelope(
+def test_kimi_k25_class_stores_the_text_models_states_bit_for_bit_and_within_the_fp16_envelope(
         sglang_python, micro_target, tmp_path):
     kimi = wrap_as_kimi_k25(micro_target, tmp_path / "kimi_k25")
     samples = extraction_samples(json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS,
