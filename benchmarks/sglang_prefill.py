@@ -14,13 +14,16 @@ CPU needs (a KV pool for a whole round, a static memory fraction, --sleep-on-idl
 the same environment (`SGLANG_HS_DUMP_DIR` included: the pristine release has no code that reads it, and its
 dump folder is checked to stay empty).
 
-Each round sends the same `--requests` prompts of `--tokens` random ids to both, one side after the other in
-the order A B, B A, A B, ... (A = pristine):
+Each round sends the same `--requests` prompts of `--tokens` random ids to each side, one side after the other
+(A = pristine, B = patched):
 - pristine: the extraction driver's own prefill request (`/generate`, `max_new_tokens: 0`) for every prompt,
   all in flight at once;
 - patched: what extraction runs, `extract_shard_sglang` with the same concurrency: the dump hook writes chunk
   files into a temp folder inside the server's forward, the driver stitches them by position, checks them and
-  commits a bfloat16 shard (fsync, sha256, manifest) into a temp folder.
+  commits a bfloat16 shard (fsync, sha256, manifest) into a temp folder;
+- and, to say where the patched side's time goes, "patched, requests only": the pristine side's requests sent to
+  the patched server (the hook dumping; its chunk files removed after the side, untimed).
+Order: A C B, B C A, ... (C = requests only).
 A side's prefill tokens/s is the round's tokens over its wall seconds. Printed: per side the median (min-max)
 over rounds, the ratio of the medians patched / pristine (goal: at least 0.90), the ratio per round and of each
 side's fastest round (where other work shares the machine, the least disturbed one), and every round, with the CPU
@@ -67,6 +70,8 @@ from tests.sglang_cpu import venv as sglang_venv  # noqa: E402
 
 VERSION = "0.5.23"
 PRISTINE = "pristine"
+REQUESTS = "patched, requests only"  # the patched server dumping, the driver's requests without its stitching
+SERVER = {PRISTINE: PRISTINE, "patched": "patched", REQUESTS: "patched"}
 
 
 def build_target(out: Path, profile: str) -> Path:
@@ -183,10 +188,13 @@ def main() -> None:
             PRISTINE: lambda rnd, merged, records: prefill_all(running[PRISTINE].base_url, records),
             "patched": lambda rnd, merged, records: _extract(running["patched"].base_url, dump_dirs["patched"], merged,
                                                              tmp / "patched" / f"hs-{rnd:04d}", aux, hidden),
+            REQUESTS: lambda rnd, merged, records: prefill_all(running["patched"].base_url, records),
         }
         for side in sides:  # warm-up: the first forwards allocate and load what later ones reuse
             merged = tmp / f"warmup-{side}.jsonl"
             sides[side](-1, merged, round_samples(merged, 10_000, args.requests, args.tokens, vocab))
+            if side == REQUESTS:
+                _remove_chunks(dump_dirs["patched"])
 
         figures: dict[str, dict[str, list[float]]] = {s: {"tok_s": [], "server_cpu_s": [], "driver_cpu_s": [],
                                                           "idle_server_cpu_s": []}
@@ -195,9 +203,9 @@ def main() -> None:
         for rnd in range(args.rounds):
             merged = tmp / f"round-{rnd:04d}.jsonl"
             records = round_samples(merged, rnd, args.requests, args.tokens, vocab)
-            order = [PRISTINE, "patched"] if rnd % 2 == 0 else ["patched", PRISTINE]
+            order = [PRISTINE, REQUESTS, "patched"] if rnd % 2 == 0 else ["patched", REQUESTS, PRISTINE]
             for side in order:
-                pid, other = (running[s].process.proc.pid for s in (side, *(set(sides) - {side})))
+                pid, other = (running[s].process.proc.pid for s in (SERVER[side], *(set(running) - {SERVER[side]})))
                 cpu0, idle0, self0 = tree_cpu_seconds(pid), tree_cpu_seconds(other), self_cpu_seconds()
                 t0 = time.perf_counter()
                 sides[side](rnd, merged, records)
@@ -206,6 +214,8 @@ def main() -> None:
                 figures[side]["server_cpu_s"].append(tree_cpu_seconds(pid) - cpu0)
                 figures[side]["driver_cpu_s"].append(self_cpu_seconds() - self0)
                 figures[side]["idle_server_cpu_s"].append(tree_cpu_seconds(other) - idle0)
+                if side == REQUESTS:  # the driver would have read and removed them
+                    _remove_chunks(dump_dirs["patched"])
             print(f"round {rnd} ({' then '.join(order)}): " + ", ".join(
                 f"{s} {figures[s]['tok_s'][-1]:,.0f} tok/s" for s in sides), file=sys.stderr)
         assert not list(dump_dirs[PRISTINE].glob("*")), "the pristine server dumped: it is not the unpatched release"
@@ -222,16 +232,21 @@ def main() -> None:
     per_round = [b / a for a, b in zip(p, d)]
     print(f"SGLang {args.version}, target {model_dir if args.model_dir else args.profile + ' tiny target'} "
           f"(hidden {hidden}, {layers} layers, aux {aux}), torch threads per server: SGLang's choice")
-    print(f"{args.rounds} rounds (A B, B A, ...) of {args.requests} prefills x {args.tokens} tokens = {tokens} tokens")
+    print(f"{args.rounds} rounds (A C B, B C A, ...) of {args.requests} prefills x {args.tokens} tokens = {tokens} tokens")
     for side in sides:
         f = figures[side]
-        print(f"{side:>8}: {median_range(f['tok_s'])} tok/s; server CPU s/round {median_range(f['server_cpu_s'], '{:.2f}')}"
+        print(f"{side}: {median_range(f['tok_s'])} tok/s; server CPU s/round {median_range(f['server_cpu_s'], '{:.2f}')}"
               f", driver CPU s/round {median_range(f['driver_cpu_s'], '{:.2f}')}"
               f", the other (idle) server's CPU s meanwhile {median_range(f['idle_server_cpu_s'], '{:.2f}')}")
     print(f"ratio of medians patched / pristine = {ratio:.3f} (goal >= 0.90); per round "
           f"{median_range(per_round, '{:.3f}')}; of each side's fastest round {max(d) / max(p):.3f} (on a shared "
           f"machine the least disturbed)")
     print("rounds (tok/s): " + "; ".join(f"{a:,.0f} / {b:,.0f}" for a, b in zip(p, d)) + " (pristine / patched)")
+    r = figures[REQUESTS]["tok_s"]
+    print(f"where the patched side's time goes: requests to the dumping server / pristine "
+          f"{statistics.median(r) / statistics.median(p):.3f} (the server's hook and writer), patched / requests only "
+          f"{statistics.median(d) / statistics.median(r):.3f} (the driver: waiting for, reading and stitching the chunk "
+          f"files, committing the shard)")
     overhead = statistics.median(probe) / (tokens / statistics.median(p))
     print(f"a round of {args.requests} 1-token prefills on the pristine server: {median_range(probe, '{:.3f}')} s, "
           f"{overhead:.0%} of a pristine round's median")
@@ -240,6 +255,15 @@ def main() -> None:
         args.json.write_text(json.dumps({"version": args.version, "hidden": hidden, "layers": layers,
                                          "requests": args.requests, "tokens": args.tokens, "figures": figures,
                                          "ratio_of_medians": ratio, "one_token_round_s": probe, "loadavg": os.getloadavg()}, indent=1))
+
+
+def _remove_chunks(dump_dir: Path) -> None:
+    deadline = time.monotonic() + 60  # the writer thread may still be writing the last ones
+    while time.monotonic() < deadline and len(list(dump_dir.glob("*.safetensors"))) < 1:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    for f in dump_dir.glob("*.safetensors"):
+        f.unlink()
 
 
 def _extract(base_url: str, dump_dir: Path, merged: Path, version_dir: Path, aux: list[int], hidden: int) -> None:
