@@ -105,8 +105,10 @@ class Extracted:
     result: ShardResult
 
 
-def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path) -> Extracted:
-    """One shard of `samples` through the project's driver (all in flight at once), committed under tmp/version."""
+def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path,
+                    concurrency: int | None = None) -> Extracted:
+    """One shard of `samples` through the project's driver, committed under tmp/version: `concurrency` requests
+    in flight (default: all of them at once)."""
     hidden = load_target_config(model_dir)["hidden_size"]
     merged = tmp / "merged_train.jsonl"
     merged.write_bytes(b"".join(orjson.dumps(s) + b"\n" for s in samples))
@@ -114,7 +116,7 @@ def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict
     fmt = ShardFormat(hidden_size=hidden, dtype="float32", aux_layers=AUX,
                       target_identity=target_identity(model_dir), code_version=SGLANG_BACKEND_CODE_VERSION)
     version_dir = tmp / "version"
-    result = extract_shard_sglang(DriverSettings(base_url, dump_dir, concurrency=len(samples)), merged, spec,
+    result = extract_shard_sglang(DriverSettings(base_url, dump_dir, concurrency=concurrency or len(samples)), merged, spec,
                                   version_dir, aux_layers=list(AUX), hidden_size=hidden, dtype="float32",
                                   target_identity=fmt.target_identity)
     return Extracted(version_dir, spec, fmt, result)

@@ -32,10 +32,14 @@ SHARED_PREFIX = 20
 
 
 def _served(python, model_dir, tmp, samples, *, trust_remote_code: bool):
-    """The committed shard's version folder and SGLang's log; one server at a time, never two at once."""
+    """The committed shard's version folder and SGLang's log; one server at a time, never two at once.
+
+    One request at a time: with several in flight, which chunks share a batch depends on timing, and SGLang's
+    float16 forward is not bitwise the same across batch make-ups (the two classes then differ in the last bits
+    under load, not in what they compute)."""
     tmp.mkdir()
     with extraction_server(python, model_dir, tmp, trust_remote_code=trust_remote_code) as (running, dump_dir, log):
-        out = extract_samples(running.base_url, dump_dir, tmp, samples, model_dir)
+        out = extract_samples(running.base_url, dump_dir, tmp, samples, model_dir, concurrency=1)
         served = log.read_text()
     assert out.result.num_samples == len(samples) and out.result.num_tokens == sum(LENGTHS)
     return out.version_dir, served
