@@ -36,6 +36,9 @@ from eagle3_dagster.target import load_target_config, target_identity
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 VERSION = "0.5.23"
+# The newest release of the other DeepSeek aux-id rule (`always_plus_one`, <= 0.5.12; the "loop" dump patch style):
+# the extraction test runs on it too (tests/sglang_cpu/README.md)
+OLD_VERSION = "0.5.12"
 AUX = (1, 2, 3)  # the micro profile's canonical aux layers (HF output_hidden_states indices)
 ENVELOPE_FACTOR = 3.0
 CHUNK = 64  # the extraction tests' prefill chunk: longer samples are split, and the driver stitches them
@@ -68,13 +71,15 @@ def _model(model_dir: str, dtype: torch.dtype):
 
 
 @contextmanager
-def extraction_server(python: Path, model_dir: Path, tmp: Path, *, trust_remote_code: bool = False) -> Iterator:
-    """The patched release server in extraction mode, started by the project's launcher (the release's
-    extraction options from releases.json, the tier's CPU options, `--chunked-prefill-size CHUNK`);
+def extraction_server(python: Path, model_dir: Path, tmp: Path, *, trust_remote_code: bool = False,
+                      version: str = VERSION) -> Iterator:
+    """The patched release server (`version`, the one `python` has installed) in extraction mode, started by
+    the project's launcher (the release's extraction options from releases.json, the tier's CPU options,
+    `--chunked-prefill-size CHUNK`);
     yields (the running server, its dump folder, its log file)."""
     host = GpuHost(HostConfig(transport="local", python=str(python), workdir=str(tmp / "host")))
     spec = ServerSpec(model_path=str(model_dir), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
-                      sglang_version=VERSION, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
+                      sglang_version=version, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
                       env=server_env(python), health_timeout_s=1200, trust_remote_code=trust_remote_code)
     log = LogTail(tmp / "sglang.log")
     try:

@@ -24,7 +24,7 @@ the tier never skips. The production dump patch is not part of the build: the ti
 with `eagle3 patch apply --python` (`dump_patch`), as on a GPU host. `benchmarks/sglang_prefill.py` keeps a
 second venv of the same release, built the same way under another name (`variant`), that stays pristine.
 
-    python -m tests.sglang_cpu.venv 0.5.23    # build (or reuse) and print the interpreter
+    python -m tests.sglang_cpu.venv 0.5.23 0.5.12    # build (or reuse) and print the interpreters
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ CACHE = ROOT / ".cache" / "sglang-venv"
 CONSTRAINTS = ROOT / "constraints.txt"
 # The installed file each of our patches changes, with its pristine and patched sha256.
 PATCHES = {
+    "0.5.12": (
+        "sglang/srt/models/deepseek_common/attention_backend_handler.py",
+        "17f701c2e45c533e3b60dd0fb837c465c8b5011f0530cd8a2e1a916a42cd9275",
+        "94fd327a53f022f439cdd3bffb358e1da3fca959df3c13e547868a461648c35a",
+    ),
     "0.5.23": (
         "sglang/srt/models/deepseek_common/attention_backend_handler.py",
         "5c9786089d61e1ab70b11007e01f2c5c3cebd091034dcbff7a3411e61b4dc05a",

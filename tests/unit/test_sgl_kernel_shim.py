@@ -11,6 +11,8 @@ tests/real_sglang/test_real_kernels.py.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -298,3 +300,12 @@ def test_extend_attention_with_new_kv_of_other_heads_than_the_cache_skips_the_pr
         torch.ops.sgl_kernel.extend_attention_cpu(q[:3], k_new[:3], v_new[:3], out[:3], *args[:5],
                                                   torch.tensor([1]), torch.tensor([5]), torch.tensor([3]),
                                                   torch.tensor([0]), 3, 0.3, 0.0, False, 0, None, None, None, True)
+
+
+def test_kvcacheio_names_are_placeholders_that_name_themselves_when_called():
+    # SGLang <= 0.5.12 imports HiCache's host-transfer ops at module level on CPU (memory_pool_host.py); in a
+    # process of its own: importing the shim as `sgl_kernel` registers its torch ops
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from sgl_kernel.kvcacheio import transfer_kv_per_layer as op\n"
+            "try:\n    op()\nexcept NotImplementedError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(SHIM.parents[1])], capture_output=True, text=True, check=True)
+    assert "sgl_kernel.kvcacheio.transfer_kv_per_layer was called" in out.stdout
