@@ -55,10 +55,11 @@ READS: dict[str, tuple[str, ...]] = {
                         "train.max_steps", "train.nnodes", "train.nproc_per_node", "train.seed", "train.warmup_ratio"),
     "hidden_states": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype", "data.max_seq_len",
                       "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.tp_size"),
-    "drafter_checkpoint": ("train", "drafter", "target.serving_context", "target.dtype"),
+    # the export's aux ids and EAGLE 3.1 options are written for the SGLang release that will serve it
+    "drafter_checkpoint": ("train", "drafter", "target.serving_context", "target.dtype", "gpu_host.sglang_version"),
     # the held-out prompts are the data split's; the served drafter runs on the captured layers
     "benchmark_report": ("bench", "data.heldout_fraction", "data.max_seq_len", "hidden.aux_layers",
-                         "target.serving_context"),
+                         "target.serving_context", "gpu_host.sglang_version"),
 }
 # The settings a stage is also given that do not change what it writes, and why.
 _TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code")  # where the target's files are, and

@@ -98,6 +98,9 @@ def test_an_edit_invalidates_every_asset_built_from_what_it_changes_and_only_tho
     assert invalidated(hidden={"throughput_tokens_per_s": 1.0}) == {"extraction_plan"}
     assert invalidated(train={"lr": 0.01}) == {"drafter_checkpoint", "benchmark_report"}
     assert invalidated(hidden={"backfill_cron": "*/5 * * * *", "max_runtime_s": 600}) == set()
+    # the release the export is written for is the drafter's content; where and how long it runs is not
+    assert invalidated(gpu_host={"sglang_version": "0.5.12"}) == {"drafter_checkpoint", "benchmark_report"}
+    assert invalidated(gpu_host={"lease_wait_s": 5.0}, generation={"concurrency": 2}) == set()
 
 
 def test_a_stage_using_a_setting_its_asset_does_not_hash_fails_at_once_naming_it(monkeypatch, tmp_path) -> None:
