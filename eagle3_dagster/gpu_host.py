@@ -62,6 +62,17 @@ exit $rc"""
 
 NONCE_VAR = "EAGLE3_LAUNCH_NONCE"
 
+# A local group starts with the default handling of the signals that stop it. Ignored signals are inherited
+# through fork and exec, and a Dagster worker may ignore SIGTERM: Dagster maps SIGTERM to SIGINT's handler
+# (`setup_interrupt_handlers`, around every in-process execution), which is SIG_IGN in a process started in
+# the background of a non-interactive shell. Bash cannot undo it (a signal ignored on entry stays ignored),
+# and subprocess restores only SIGPIPE and SIGXFSZ, hence this exec trampoline. (An ssh host's shell starts
+# from sshd's defaults.)
+_DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):\n"
+                    "    signal.signal(s, signal.SIG_DFL)\n"
+                    "os.execvp(sys.argv[1], sys.argv[1:])")
+
 # Written by the group leader before it execs the command: "pgid starttime nonce" (the nonce is in its
 # environment already, so in every process of the group). The start time is read with builtins after the
 # comm field, which may hold spaces: field 22 of /proc/pid/stat is the 20th after it.
@@ -159,7 +170,10 @@ class GpuHost:
                  + WATCHDOG.format(inner=shlex.quote(inner), owned=_owned(pidfile), nonce_env=f"{NONCE_VAR}={nonce}")
         # The worker keeps the write end of stdin and never writes: when it dies (even by SIGKILL) the
         # watchdog on the host reads EOF and stops the process group, so no GPU job outlives its run.
-        proc = subprocess.Popen(self.wrap(script), stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
+        argv = self.wrap(script)
+        if self.spec.transport == "local":
+            argv = [sys.executable, "-c", _DEFAULT_SIGNALS, *argv]
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
                                 text=True, bufsize=1, start_new_session=True)
         return HostProcess(self, proc, pidfile)
 

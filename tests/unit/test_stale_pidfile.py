@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,3 +70,22 @@ def test_a_group_this_project_started_is_still_stopped_through_its_pid_file(host
     second.proc.wait(timeout=30)
     second.stop(grace_s=1)
     first.stop(grace_s=1)
+
+
+def test_a_worker_ignoring_sigterm_still_stops_its_host_process_at_the_first_signal(host):
+    """Ignored signals are inherited through fork and exec, and a Dagster worker may ignore SIGTERM: Dagster
+    maps SIGTERM to SIGINT's handler (`setup_interrupt_handlers`, called around every in-process execution),
+    which is SIG_IGN in a process started in the background of a non-interactive shell. A group launched
+    from there ignored the TERM of `stop()`, which then waited out its whole grace and killed it."""
+    program = "import time\nprint('up', flush=True)\ntime.sleep(300)"
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        proc = host.spawn([sys.executable, "-c", program], None, "ignores-term")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert proc.proc.stdout.readline().strip() == "up"
+    started = time.monotonic()
+    proc.stop(grace_s=15)
+    took = time.monotonic() - started
+    assert proc.proc.returncode == 128 + signal.SIGTERM, f"ended with {proc.proc.returncode}, not by TERM"
+    assert took < 10, f"stop() took {took:.1f} s: the group ignored TERM until the grace ran out"
