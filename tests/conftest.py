@@ -10,6 +10,7 @@ Dagster on a real PostgreSQL instance, for the full tier's tests that read it.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The suite runs as from a terminal, whatever started it (tests/unit/test_suite_signals.py): a command
+# started in the background of a non-interactive shell inherits SIGINT ignored, and so would every process
+# the tests start (`dagster dev` stops at SIGINT), and Dagster's in-process executions would map SIGTERM
+# to that ignore as well (`setup_interrupt_handlers`).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
