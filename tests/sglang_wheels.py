@@ -17,32 +17,20 @@ from __future__ import annotations
 
 import ast
 import stat
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import List, Optional
 
-CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang-wheels"
+from tests.release_wheels import wheel
+
 MODEL_FILE = "sglang/srt/models/deepseek_v2.py"
 
 
 def wheel_path(version: str) -> Path:
     """The cached wheel of `sglang==version`, downloading it if needed."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    hits = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if hits:
-        return hits[0]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"sglang=={version}", "-d", str(CACHE)],
-        capture_output=True,
-        text=True,
-    )
-    hits = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if proc.returncode != 0 or not hits:
-        raise RuntimeError(f"could not download sglang=={version}: {proc.stderr.strip()[-2000:]}")
-    return hits[0]
+    return wheel("sglang", version)
 
 
 def read_model_file(version: str) -> bytes:
