@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -28,17 +27,12 @@ from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.hidden.shards import HiddenStatesDataset, load_manifest
 from eagle3_dagster.sglang import patch
 from tests import sglang_wheels
+from tests.sshd_server import free_port
 
 pytestmark = pytest.mark.slow  # a patched SGLang site and stand-in servers on the host
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "0.5.12"  # a loop-style release; the micro target's aux layers [1, 2, 3] are expressible there
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +48,7 @@ def setup(tmp_path_factory, micro_target):
     (bin_dir / "nvidia-smi").chmod(0o755)
     profile = load_profile("micro", overrides={
         "run_root": str(tmp / "run"),
-        "hidden": {"backend": "sglang", "root": str(tmp / "hidden"), "tp_size": 1, "sglang_port": _free_port(),
+        "hidden": {"backend": "sglang", "root": str(tmp / "hidden"), "tp_size": 1, "sglang_port": free_port(),
                    "samples_per_shard": 4, "sglang_concurrency": 2},
         "gpu_host": {"hosts": [{"transport": "local", "python": str(python), "workdir": str(tmp / "work")}]},
     })

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
 from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
 from eagle3_dagster.target import load_target_config, target_identity
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
+from tests.sshd_server import free_port
 
 VERSION = "0.5.23"
 # The newest release of the other DeepSeek aux-id rule (`always_plus_one`, <= 0.5.12; the "loop" dump patch style):
@@ -42,12 +42,6 @@ OLD_VERSION = "0.5.12"
 AUX = (1, 2, 3)  # the micro profile's canonical aux layers (HF output_hidden_states indices)
 ENVELOPE_FACTOR = 3.0
 CHUNK = 64  # the extraction tests' prefill chunk: longer samples are split, and the driver stitches them
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

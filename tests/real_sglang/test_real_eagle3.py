@@ -39,7 +39,8 @@ import torch
 from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import LogTail, sglang_server
-from tests.real_sglang.support import VERSION, free_port
+from tests.real_sglang.support import VERSION
+from tests.sshd_server import free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)

@@ -23,7 +23,8 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.hidden.shards import load_manifest
 from eagle3_dagster.stages.target import build_target
-from tests.real_sglang.support import compare_with_hf, free_port
+from tests.real_sglang.support import compare_with_hf
+from tests.sshd_server import free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)

@@ -23,6 +23,7 @@ import pytest
 from eagle3_dagster import host_probe
 from eagle3_dagster.gpu_host import program_argv
 from eagle3_dagster.sglang import health, location, patch
+from tests.sshd_server import free_port
 
 
 def _run(program, *args, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
@@ -95,18 +96,12 @@ def test_patch_finds_the_deepseek_v2_of_the_sglang_the_given_interpreter_has_thr
         patch.locate_sglang(str(python))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_port_check_exits_0_when_something_listens_and_1_when_nothing_does(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         assert _run(health, "port", s.getsockname()[1], cwd=tmp_path).returncode == 0
-    assert _run(health, "port", _free_port(), cwd=tmp_path).returncode == 1
+    assert _run(health, "port", free_port(), cwd=tmp_path).returncode == 1
 
 
 class _Server:

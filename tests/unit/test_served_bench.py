@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import ServerError, ServerSpec
 from tests.loopback_http import LoopbackHTTPServer
+from tests.sshd_server import free_port
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
 
 pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host
@@ -35,12 +35,6 @@ PROMPTS = {
     "mtbench": [(f"m{i}", list(range(3, 10 + i))) for i in range(6)],
     "gsm8k": [(f"g{i}", list(range(20, 25 + i))) for i in range(4)],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _expected(ids, max_new, accept):
@@ -55,7 +49,7 @@ def direct_server():
     procs = []
 
     def start(*args: str, env: dict | None = None) -> str:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", "/models/t", "--port", str(port),
                                  "--served-model-name", "ours", *args], stdout=subprocess.PIPE, text=True,
                                 env={"PATH": "/usr/bin:/bin", "STANDIN_LOAD_S": "0", **(env or {})})
@@ -157,7 +151,7 @@ def test_client_refuses_a_server_whose_model_list_answers_an_error_naming_the_st
 
 @pytest.mark.parametrize("release", ["0.5.14", "0.5.23"])  # name from /v1/models only; from /model_info too
 def test_benchmark_client_runs_on_the_gpu_host_beside_the_server(tmp_path, release):
-    host, port, logs = _host(tmp_path), _free_port(), []
+    host, port, logs = _host(tmp_path), free_port(), []
     rows = run_on_host(host, _server(port, *SPEC_ARGS, STANDIN_RELEASE=release, STANDIN_LOAD_S="1"), PROMPTS,
                        method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=2, log=logs.append)
     assert [(r["set"], r["method"], r["spec"]) for r in rows] == [("mtbench", "eagle3", "3,1,4"),
@@ -184,7 +178,7 @@ def test_a_foreign_server_on_the_port_is_refused_before_launching(tmp_path, dire
 
 
 def test_a_healthy_server_answering_under_another_name_is_not_taken_as_ours(tmp_path):
-    port = _free_port()
+    port = free_port()
     with pytest.raises(ServerError, match=r"not ours.*\['impostor'\]"):
         run_on_host(_host(tmp_path), _server(port, STANDIN_NAME="impostor"), PROMPTS, method="no_spec", spec=None,
                     max_new_tokens=5)
@@ -193,7 +187,7 @@ def test_a_healthy_server_answering_under_another_name_is_not_taken_as_ours(tmp_
 
 @pytest.mark.parametrize("failure", ["exit", "hangup"])
 def test_server_dying_mid_run_names_server_and_prompt_and_is_stopped(tmp_path, failure):
-    port, logs = _free_port(), []
+    port, logs = free_port(), []
     with pytest.raises(ServedBenchmarkError) as err:
         run_on_host(_host(tmp_path), _server(port, *SPEC_ARGS, STANDIN_FAIL_AFTER="3", STANDIN_FAILURE=failure),
                     PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=8, concurrency=1, log=logs.append)
@@ -209,7 +203,7 @@ def test_prompts_are_capped_at_the_serving_context(tmp_path):
     assert prompt_token_limit(2048, 256, max_prompt_tokens=1000) == 1000
     with pytest.raises(ValueError, match=r"bench.max_new_tokens \(2048\).*target.serving_context \(2048\)"):
         prompt_token_limit(2048, 2048)
-    port, logs = _free_port(), []
+    port, logs = free_port(), []
     too_long = {"mtbench": [("ok", [1] * 8), ("long", [1] * 20)]}
     with pytest.raises(ValueError, match=r"prompt mtbench/long: 20 tokens \+ max_new_tokens 8 exceed .* 24"):
         run_on_host(_host(tmp_path), _server(port, context=24), too_long, method="no_spec", spec=None,
@@ -291,7 +285,7 @@ def test_served_benchmark_refuses_a_host_release_the_export_or_profile_does_not_
     from eagle3_dagster.gpu_host import PreflightError
     from eagle3_dagster.stages.bench import benchmark_stage
 
-    port = _free_port()
+    port = free_port()
     profile = _bench_profile(tmp_path, port, **({"sglang_version": "0.5.12"} if case == "profile" else {}))
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096,
                             sglang_versions=["0.5.12"] if case == "export" else None)
@@ -323,7 +317,7 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     questions = [f"What is {i} plus {i}?" for i in range(4)] + ["Explain this. " + "word " * 2000]
     prompts = tmp_path / "gsm8k.jsonl"
     prompts.write_bytes(b"".join(orjson.dumps({"question": q, "answer": "x"}) + b"\n" for q in questions))
-    port = _free_port()
+    port = free_port()
     profile = load_profile("micro", overrides={
         "run_root": str(tmp_path / "run"),
         "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
