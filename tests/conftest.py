@@ -93,3 +93,14 @@ def micro_run(tmp_path_factory, postgres):
     if run.proc.returncode != 0:
         pytest.fail(f"the shared micro pipeline failed:\n{run.output()}")
     return run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """`scripts/test.sh` runs the tiers on pytest-xdist workers with `--dist loadgroup`, where a group runs
+    on one worker. Each module is its own group, so that its module-scoped fixtures (a `dagster dev`, sshd,
+    a served target) start once; modules sharing a session fixture too costly to build twice name one group
+    (`xdist_group("micro_run")`: the micro pipeline on PostgreSQL)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -20,7 +20,8 @@ import pytest
 
 from tests.micro_run import ROOT, MicroRun, private_copy
 
-pytestmark = pytest.mark.slow  # the demo pipeline end to end in a subprocess
+pytestmark = [pytest.mark.slow,  # the demo pipeline end to end in a subprocess
+              pytest.mark.xdist_group("micro_run")]  # one worker builds the session's micro run (tests/conftest.py)
 
 ASSETS = [
     "target_model",

@@ -27,7 +27,8 @@ import yaml
 from tests.micro_run import MicroRun
 from tests.sshd_server import free_port
 
-pytestmark = pytest.mark.slow  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
+pytestmark = [pytest.mark.slow,  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
+              pytest.mark.xdist_group("micro_run")]  # one worker builds the session's micro run (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
