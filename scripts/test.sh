@@ -20,7 +20,7 @@ fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
-# tier (tests/real_sglang) included. On EAGLE3_TEST_WORKERS worker processes (pytest-xdist; default 3 on
-# this 2-core machine: the tier waits on servers, daemons and subprocesses more than it computes), a
-# module per worker at a time (`--dist loadgroup`, the groups in tests/conftest.py).
-exec .venv/bin/python -m pytest -ra -m "" -n "${EAGLE3_TEST_WORKERS:-3}" --dist loadgroup "$@"
+# tier (tests/real_sglang) included. On EAGLE3_TEST_WORKERS worker processes (pytest-xdist, default 2:
+# the tier waits on servers, daemons and subprocesses about as much as it computes), a module per worker
+# at a time (`--dist loadgroup`, the groups in tests/conftest.py).
+exec .venv/bin/python -m pytest -ra -m "" -n "${EAGLE3_TEST_WORKERS:-2}" --dist loadgroup "$@"
