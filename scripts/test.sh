@@ -22,5 +22,6 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
 # tier (tests/real_sglang) included. On EAGLE3_TEST_WORKERS worker processes (pytest-xdist, default 2:
 # the tier waits on servers, daemons and subprocesses about as much as it computes), a module per worker
-# at a time (`--dist loadgroup`, the groups in tests/conftest.py).
-exec .venv/bin/python -m pytest -ra -m "" -n "${EAGLE3_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# at a time (`--dist loadgroup`, the groups in tests/conftest.py), in collection order, the heaviest first
+# (xdist would otherwise start with the modules of most tests and leave the long e2e ones for last).
+exec .venv/bin/python -m pytest -ra -m "" -n "${EAGLE3_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -6,9 +6,15 @@ Tolerance: SGLang computes in its own kernels and dtype (float16 for a float32 c
 states cannot equal transformers' float32 ones bit for bit. The envelope is measured in each test:
 transformers in SGLang's dtype, float16, against transformers in float32, per tensor (each aux layer, the
 last state), as the median and the maximum over tokens of the per-token relative L2 error. SGLang against
-float32 must stay within ENVELOPE_FACTOR times that envelope. The envelope was bfloat16's until its table
-showed a few tokens 20-37 % off in bfloat16 past the first MoE layer, which made its maximum a bound no
-error could reach (docs/testing.md); the table keeps bfloat16 beside it.
+float32 must stay within ENVELOPE_FACTOR times that envelope's median, and at most OFF_SHARE of the tokens
+may be "off" (a relative error over OFF, some 20 times float16's median). The envelope was bfloat16's until
+its table showed a few tokens 20-37 % off in bfloat16 past the first MoE layer, which made its maximum a bound
+no error could reach (docs/testing.md); the table keeps bfloat16 beside it. The envelope's maximum is no bound
+either: a token whose router scores nearly tie takes other experts in another dtype or kernel, and is 10-30 %
+off from there on. Which tokens do depends on the target's weights, and the micro target's pre-training takes
+the free cores (its sums round with the thread count): on targets built under load, transformers' own
+float16 and SGLang each had a token or two off, not the same ones. A wrong layer, a misplaced chunk or a
+sample's states shifted by a token put far more than OFF_SHARE off.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ VERSION = "0.5.23"
 OLD_VERSION = "0.5.12"
 AUX = (1, 2, 3)  # the micro profile's canonical aux layers (HF output_hidden_states indices)
 ENVELOPE_FACTOR = 3.0
+OFF = 0.01  # a token this far off (relative L2 error against HF fp32) took other experts, or is wrong
+OFF_SHARE = 0.02  # the share of tokens that may be off: a token or two of each test's few hundred
 CHUNK = 64  # the extraction tests' prefill chunk: longer samples are split, and the driver stitches them
 
 
@@ -125,7 +133,8 @@ def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tup
     """The stored shard against transformers' states of the text model in `hf_dir`.
 
     Returns the table (markdown, per tensor: SGLang, HF bf16 and HF fp16 against HF fp32, median and max of the
-    per-token relative error) and the failures: a tensor outside ENVELOPE_FACTOR times the envelope (HF fp16),
+    per-token relative error, and the tokens off) and the failures: a tensor whose median is over ENVELOPE_FACTOR
+    times the envelope's (HF fp16) or with over OFF_SHARE of its tokens off,
     an aux state not nearest to the HF state of its own index (an off-by-one layer is far further),
     stored token ids that are not the sample's.
     """
@@ -152,15 +161,20 @@ def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tup
             dist = [rel_err(g, h).median().item() for h in fp32]
             if (nearest := min(range(len(dist)), key=dist.__getitem__)) != i:
                 failures.append(f"{ds.sample_ids[k]}: aux {i} is nearest to HF state {nearest}")
-    lines = ["| tensor | SGLang vs HF fp32: median | max | HF bf16 vs HF fp32: median | max | HF fp16 vs HF fp32: "
-             "median | max | SGLang / fp16: median | max |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| tensor | SGLang vs HF fp32: median | max | off | HF bf16 vs HF fp32: median | max | off | "
+             "HF fp16 vs HF fp32: median | max | off | SGLang / fp16: median |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in names:
-        (sm, sx), (bm, bx), (fm, fx) = ((t.median().item(), t.max().item())
-                                        for t in (torch.cat(errs[n][k]) for k in ("sglang", "bf16", "fp16")))
-        lines.append(f"| {n} | {sm:.3%} | {sx:.3%} | {bm:.3%} | {bx:.3%} | {fm:.3%} | {fx:.3%} | "
-                     f"{sm / fm:.2f} | {sx / fx:.2f} |")
-        if not (sm <= ENVELOPE_FACTOR * fm and sx <= ENVELOPE_FACTOR * fx):
-            failures.append(f"{n}: outside {ENVELOPE_FACTOR} x the fp16 envelope")
+        (sm, sx, so), (bm, bx, bo), (fm, fx, fo) = (
+            (t.median().item(), t.max().item(), int((t > OFF).sum()))
+            for t in (torch.cat(errs[n][k]) for k in ("sglang", "bf16", "fp16")))
+        tokens = sum(len(e) for e in errs[n]["sglang"])
+        lines.append(f"| {n} | {sm:.3%} | {sx:.3%} | {so} | {bm:.3%} | {bx:.3%} | {bo} | {fm:.3%} | {fx:.3%} | {fo} | "
+                     f"{sm / fm:.2f} |")
+        if sm > ENVELOPE_FACTOR * fm:
+            failures.append(f"{n}: median {sm:.3%}, over {ENVELOPE_FACTOR} x the fp16 envelope's {fm:.3%}")
+        if so > OFF_SHARE * tokens:
+            failures.append(f"{n}: {so} of {tokens} tokens over {OFF:.0%} off, more than {OFF_SHARE:.0%}")
     table = (f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens, per-token relative L2 "
-             "error:\n" + "\n".join(lines))
+             f"error (off: tokens over {OFF:.0%}):\n" + "\n".join(lines))
     return table, failures
