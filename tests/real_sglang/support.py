@@ -13,8 +13,9 @@ no error could reach (docs/testing.md); the table keeps bfloat16 beside it. The 
 either: a token whose router scores nearly tie takes other experts in another dtype or kernel, and is 10-30 %
 off from there on. Which tokens do depends on the target's weights, and the micro target's pre-training takes
 the free cores (its sums round with the thread count): on targets built under load, transformers' own
-float16 and SGLang each had a token or two off, not the same ones. A wrong layer, a misplaced chunk or a
-sample's states shifted by a token put far more than OFF_SHARE off.
+float16 and SGLang each had a token or two flip, not the same ones, and the later tokens attending to a flipped
+one move too (7 of 303 over OFF by the last state). A wrong layer, a misplaced chunk or a sample's states
+shifted by a token put far more than OFF_SHARE off.
 """
 
 from __future__ import annotations
