@@ -19,9 +19,17 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+WORKERS=${EAGLE3_TEST_WORKERS:-2}
+# The cores shared out over the workers: each worker, and every torch process it starts (stage runs,
+# drivers, torchrun ranks, SGLang's server), gets cores // workers threads. Two threads per process on two
+# busy cores spin at every OpenMP barrier: 5x the CPU seconds per step (eagle3_dagster/threads.py,
+# benchmarks/threads_under_load.py). The stages leave a user's OMP_NUM_THREADS as it is.
+THREADS=$(( $(nproc) / (WORKERS > 0 ? WORKERS : 1) ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
+export MKL_NUM_THREADS=${MKL_NUM_THREADS:-$OMP_NUM_THREADS}
 # -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
 # tier (tests/real_sglang) included. On EAGLE3_TEST_WORKERS worker processes (pytest-xdist, default 2:
 # the tier waits on servers, daemons and subprocesses about as much as it computes), a module per worker
 # at a time (`--dist loadgroup`, the groups in tests/conftest.py), in collection order, the heaviest first
 # (xdist would otherwise start with the modules of most tests and leave the long e2e ones for last).
-exec .venv/bin/python -m pytest -ra -m "" -n "${EAGLE3_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+exec .venv/bin/python -m pytest -ra -m "" -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
