@@ -9,6 +9,7 @@ Dagster on a real PostgreSQL instance, for the full tier's tests that read it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 from collections.abc import Iterator
@@ -38,25 +39,31 @@ def micro_profile():
 def micro_target(tmp_path_factory, micro_profile) -> Path:
     """Directory of the micro tiny target (tokenizer, chat template, safetensors weights, build_report.json).
 
-    Treat it as read-only: it is shared by every test in the session.
+    Treat it as read-only: it is shared by every test in the session, on every xdist worker (the first
+    worker to want it builds it, under a lock; the others wait and read it: a build is ~20 s of CPU).
     """
     import torch
 
     from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target
 
-    out = tmp_path_factory.mktemp("micro_target") / "target"
-    # The target stage's thread count, the free cores: beside other work torch's default of a thread per
-    # core is several times slower (docs/benchmarks.md). The count is in build_report.json; the session's
-    # own is restored after.
-    threads = torch.get_num_threads()
-    stage_threads(load_aware=True)
-    try:
-        build_tiny_target(micro_profile.target.tiny, out)
-    finally:
-        torch.set_num_threads(threads)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: basetemp/popen-gwN
+    out = shared / "micro_target" / "target"
+    out.parent.mkdir(exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():  # build_tiny_target renames a whole build into place
+            # The target stage's thread count, the free cores: beside other work torch's default of a thread
+            # per core is several times slower (docs/benchmarks.md); scripts/test.sh's OMP_NUM_THREADS wins.
+            # The count is in build_report.json; the session's own is restored after.
+            threads = torch.get_num_threads()
+            stage_threads(load_aware=True)
+            try:
+                build_tiny_target(micro_profile.target.tiny, out)
+            finally:
+                torch.set_num_threads(threads)
     return out
-
 
 
 @pytest.fixture(scope="module")

@@ -74,9 +74,12 @@ def write_instance_yaml(home: Path, monitoring: dict[str, Any] = FAST_MONITORING
     return path
 
 
-def write_profile(dest: Path, name: str = "micro") -> Path:
-    """The named profile with every output under `dest`, so a test never touches the checkout's .eagle3/."""
+def write_profile(dest: Path, name: str = "micro", overrides: dict[str, dict[str, Any]] | None = None) -> Path:
+    """The named profile with every output under `dest`, so a test never touches the checkout's .eagle3/,
+    and the settings in `overrides` (section -> {setting: value}) changed."""
     config = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    for section, settings in (overrides or {}).items():
+        config.setdefault(section, {}).update(settings)
     config["run_root"] = str(dest / "run")
     config.setdefault("hidden", {})["root"] = str(dest / "run" / "hidden_states")
     path = dest / f"{name}.yaml"
@@ -240,7 +243,10 @@ def micro_deployment(tmp_path_factory) -> Iterator[DagsterDeployment]:
     root = tmp_path_factory.mktemp("micro_deployment")
     home = root / "dagster_home"
     write_instance_yaml(home)
-    profile = write_profile(root, "micro")
+    # Shards of 8 samples: the records the micro target leaves (20 here; the count differs by machine) make
+    # 2-3 shards, not 5, so the UI test's backfill of 2 covers most of them and few shard runs follow it one
+    # at a time (each is a run process, a driver start and the asset checks: ~15 s of CPU apiece).
+    profile = write_profile(root, "micro", {"hidden": {"samples_per_shard": 8}})
     with dagster_dev(REPO / "workspace.yaml", home, "eagle3_dagster", env={"EAGLE3_PROFILE": str(profile)}) as dep:
         yield dep
 

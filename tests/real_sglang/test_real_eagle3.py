@@ -18,12 +18,12 @@ with the target's chat template, SGLang stopping at the eos the stage gives the 
   SGLang's `spec_accept_length` against the simulator's acceptance length.
 
 Tolerance: none. Per prompt, SGLang's verify steps must equal the simulator's exactly (so the acceptance lengths
-are equal too, the outputs being equal). Both sides run float32 on the same inputs, and the drafts' top-2 logit
-margins measured on this drafter were 0.13 and up, four orders of magnitude above float32 differences between two
-implementations; a real difference is not small either: the export served one layer off (issue 20) moved 3 of 7
-prompts by a verify step. Accepted drafts are printed, not compared: SGLang counts the drafts it accepted past
-`max_new_tokens` (`spec_num_correct_drafts`) and then truncates, while the simulator drafts no further than the
-tokens still wanted.
+are equal too, the outputs being equal). Both sides run float32 on the same inputs, and the top-2 logit margin of
+every draft the simulator makes on the 12 prompts was 0.029 or more at TRAIN_STEPS = 100 (0.005 at 300), three
+orders of magnitude above float32 differences between two implementations; a real difference is not small either:
+the export served one layer off (issue 20) moved 3 of 7 prompts by a verify step. Accepted drafts are printed, not
+compared: SGLang counts the drafts it accepted past `max_new_tokens` (`spec_num_correct_drafts`) and then
+truncates, while the simulator drafts no further than the tokens still wanted.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 NUM_TRAIN_PROMPTS = 48
-TRAIN_STEPS = 300
+# 100: the simulator's acceptance on the held-out prompts is what 300 steps give (244 drafts accepted in 85 verify
+# steps, accept length 3.95) at a third of the CPU (~45 s on one thread), and its smallest draft margin is wider.
+TRAIN_STEPS = 100
 NUM_PROMPTS = 12  # held-out prompts served and simulated
 MAX_NEW_TOKENS = 48
 # SGLang's CPU attention backend for speculative decoding is `intel_amx` (`srt/layers/attention/intel_amx_backend.py`,
