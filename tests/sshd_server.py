@@ -33,10 +33,21 @@ class Sshd:
         self.proc.wait(timeout=10)
 
 
+# SGLang derives ports from its server's: 0.5.12 serves gRPC on port + 10000 unless SGLANG_GRPC_PORT is set
+# (`ServerArgs._handle_deprecated_args`) and exits when that passes 65535, while this kernel hands out ports up
+# to 60999 (/proc/sys/net/ipv4/ip_local_port_range). The real tier failed so once (gRPC port 69113).
+HIGHEST_FREE_PORT = 65535 - 10000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, at most HIGHEST_FREE_PORT, for any server a test starts."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port <= HIGHEST_FREE_PORT:
+            return port
+    raise RuntimeError(f"no free loopback port at or below {HIGHEST_FREE_PORT} in 1000 tries")
 
 
 def start_sshd(d: Path) -> Sshd:

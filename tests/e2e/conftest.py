@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import httpx
 import pytest
 import yaml
 from dagster_graphql import DagsterGraphQLClient
+
+from tests.sshd_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
@@ -43,12 +44,6 @@ query Run($runId: ID!) {
   }
 }
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_file(path: Path, timeout_s: float, what: str) -> dict:

@@ -262,12 +262,9 @@ def test_multi_node_command_joins_a_c10d_rendezvous_and_needs_an_endpoint(tmp_pa
 
 @pytest.mark.slow  # torchrun with a c10d rendezvous
 def test_single_node_run_through_the_c10d_rendezvous_backend_trains(workspace):
-    import socket
+    from tests.sshd_server import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = _torchrun(workspace, _job(workspace, "run_rdzv", max_steps=4), rdzv_endpoint=f"127.0.0.1:{port}")
+    proc = _torchrun(workspace, _job(workspace, "run_rdzv", max_steps=4), rdzv_endpoint=f"127.0.0.1:{free_port()}")
     assert proc.returncode == 0, _why(proc)
     metrics = json.loads((workspace / "run_rdzv" / "metrics.json").read_text())
     assert metrics["steps"] == 4
