@@ -5,7 +5,8 @@ there, because whether the host can import this project is one of the things it 
 standard library only, and nothing runs on import. Fields: the interpreter and its Python version; the SGLang
 release that `import sglang` gives (`sglang.__version__`, else the installed metadata) and the sha256 of its
 `srt/models/deepseek_v2.py` (the preflight turns that into the patch state) or why it does not import; the
-number of GPUs (`nvidia-smi -L`, else torch); the nearest existing folder of OUTPUT_DIR and its free bytes.
+number of GPUs (`nvidia-smi -L`, else torch where the host has a GPU device node at all); the nearest existing
+folder of OUTPUT_DIR and its free bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import os
 import shutil
 import subprocess
 import sys
+
+# A host without any of these has no GPU a torch build could see (NVIDIA's driver, AMD's ROCm, WSL's GPU bridge).
+# Without nvidia-smi the probe asks torch only on a host with one: importing torch is ~2 s of CPU, paid by every
+# GPU step's preflight on a CPU host (the demo, the tests).
+GPU_DEVICE_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 
 
 def probe(output_dir: str) -> dict:
@@ -38,12 +44,16 @@ def probe(output_dir: str) -> dict:
         smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
         out["gpu_count"] = sum(1 for line in smi.stdout.splitlines() if line.startswith("GPU "))
     except Exception as e:
-        try:
-            import torch
+        devices = [p for p in GPU_DEVICE_PATHS if os.path.exists(p)]
+        if not devices:
+            out["gpu_error"] = f"no nvidia-smi ({e}) and no GPU device (none of {', '.join(GPU_DEVICE_PATHS)})"
+        else:
+            try:
+                import torch
 
-            out["gpu_count"] = torch.cuda.device_count()
-        except Exception as e2:
-            out["gpu_error"] = f"no nvidia-smi ({e}) and no torch ({e2})"
+                out["gpu_count"] = torch.cuda.device_count()
+            except Exception as e2:
+                out["gpu_error"] = f"no nvidia-smi ({e}) and no torch ({e2})"
     path = os.path.abspath(output_dir)
     while not os.path.exists(path):
         path = os.path.dirname(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,14 +33,52 @@ def _run(program, *args, env: dict | None = None, cwd: Path) -> subprocess.Compl
                           env={**os.environ, "PYTHONPATH": "", **(env or {})})
 
 
+def _probe_on_devices(devices: list[Path], *args, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """The probe as the host runs it, on a host whose GPU device nodes are `devices` (instead of /dev's)."""
+    source = Path(host_probe.__file__).read_text()
+    pinned = f"GPU_DEVICE_PATHS = {tuple(map(str, devices))!r}"
+    assert source.count("GPU_DEVICE_PATHS = (") == 1
+    source = re.sub(r"^GPU_DEVICE_PATHS = \(.*\)$", lambda _: pinned, source, count=1, flags=re.M)
+    return subprocess.run([sys.executable, "-S", "-c", source, *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": "", **env})
+
+
+def _torch_site(tmp_path: Path, gpus: int) -> tuple[Path, Path]:
+    """A site folder whose `torch` sees `gpus` GPUs and records that it was imported (in the returned file)."""
+    site, imported = tmp_path / "torch_site", tmp_path / "torch_imported"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(
+        f"open({str(imported)!r}, 'w').close()\n"
+        f"class cuda:\n    @staticmethod\n    def device_count():\n        return {gpus}\n")
+    return site, imported
+
+
 def test_probe_on_a_bare_interpreter_reports_no_project_no_sglang_and_the_nearest_folders_free_space(tmp_path):
-    proc = _run(host_probe, tmp_path / "not" / "yet", cwd=tmp_path, env={"PATH": str(tmp_path / "empty")})
+    device = tmp_path / "nvidiactl"
+    device.touch()  # a GPU host without nvidia-smi: the probe asks torch, which this interpreter lacks
+    proc = _probe_on_devices([device], tmp_path / "not" / "yet", cwd=tmp_path, env={"PATH": str(tmp_path / "empty")})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["python"] == sys.executable and report["eagle3_dagster"] is False
     assert report["sglang_version"] is None and report["sglang_error"].startswith("ModuleNotFoundError")
     assert report["gpu_count"] == 0 and "no nvidia-smi" in report["gpu_error"] and "no torch" in report["gpu_error"]
     assert report["disk_path"] == str(tmp_path) and report["free_bytes"] > 0
+
+
+def test_probe_without_nvidia_smi_asks_torch_only_where_the_host_has_a_gpu_device(tmp_path):
+    site, imported = _torch_site(tmp_path, gpus=3)
+    env = {"PATH": str(tmp_path / "empty"), "PYTHONPATH": str(site)}
+    proc = _probe_on_devices([tmp_path / "nvidiactl", tmp_path / "kfd"], tmp_path, cwd=tmp_path, env=env)
+    report = json.loads(proc.stdout)
+    assert report["gpu_count"] == 0 and not imported.exists()  # a CPU host: ~2 s of torch import saved per step
+    assert "no nvidia-smi" in report["gpu_error"] and "no GPU device" in report["gpu_error"]
+    assert str(tmp_path / "kfd") in report["gpu_error"]
+
+    (tmp_path / "kfd").touch()
+    report = json.loads(_probe_on_devices([tmp_path / "nvidiactl", tmp_path / "kfd"], tmp_path, cwd=tmp_path,
+                                          env=env).stdout)
+    assert report["gpu_count"] == 3 and report["gpu_error"] is None and imported.exists()
+
 
 
 def test_probe_reads_sglangs_version_the_sha256_of_its_deepseek_v2_and_the_gpus_nvidia_smi_lists(tmp_path):
