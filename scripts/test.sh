@@ -17,6 +17,13 @@ if [ ${#need[@]} -gt 0 ]; then
     sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   fi
 fi
+# The release wheels the tests read (SGLang's and SpecForge's, tests/release_wheels.py) are fetched from PyPI
+# meanwhile, on the core that setup.sh's pip leaves idle (~30 s); each download holds the lock a test takes to
+# read that wheel, and whatever this misses or fails to fetch, the test that needs it fetches itself.
+mkdir -p .cache
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+"$PYTHON" -m tests.release_wheels > .cache/release_wheels.log 2>&1 &
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 WORKERS=${EAGLE3_TEST_WORKERS:-2}

@@ -4,6 +4,10 @@ The suite's xdist workers share the cache, so each download and each unpacking h
 package's folder, and an unpacked release is renamed into place only once it is whole (pip copies the
 wheel into the folder: unlocked, another process could open a half-copied file). A failed download is an
 error, never a skip.
+
+`python -m tests.release_wheels` fetches every release the tier reads (`tier_releases`) into the cache;
+scripts/test.sh runs it in the background while setup.sh installs the environment, on the core pip leaves idle.
+It needs only the standard library and pip, so any Python 3.11 runs it before the venv exists.
 """
 
 from __future__ import annotations
@@ -62,3 +66,31 @@ def unpacked(package: str, version: str) -> Path:
                 z.extractall(partial)
             partial.rename(out)
     return out
+
+
+# The SGLang releases the tests read that releases.json does not support (the patch tests check they are refused).
+UNSUPPORTED_SGLANG = ("0.5.6.post2", "0.5.9")
+
+
+def tier_releases() -> list[tuple[str, str]]:
+    """(package, version) of every release the tier reads: SGLang's supported and refused ones, SpecForge's."""
+    sys.path.insert(0, str(ROOT))
+    from eagle3_dagster.sglang import releases
+    from tests.specforge_release import VERSION as SPECFORGE
+
+    return [*(("sglang", v) for v in [*releases.supported(), *UNSUPPORTED_SGLANG]), ("specforge", SPECFORGE)]
+
+
+def main() -> int:
+    failed = []
+    for package, version in tier_releases():
+        try:
+            print(unpacked(package, version) if package == "specforge" else wheel(package, version), flush=True)
+        except RuntimeError as e:  # the test that reads it downloads it again, and fails naming why
+            failed.append(f"{package}=={version}: {e}")
+    print("\n".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ import sglang_wheels  # noqa: E402
 import importlib.util  # noqa: E402
 
 from eagle3_dagster.sglang import patch, releases  # noqa: E402
+from tests.release_wheels import UNSUPPORTED_SGLANG  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every supported SGLang release's wheel: generated, patched, reverted
 
@@ -130,7 +131,7 @@ def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_
         "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
     ]
     make_patch = _make_patch_module()
-    for version in ["0.5.6.post2", "0.5.9"]:  # no kimi_k25.py / no set_eagle3_layers_to_capture on K2.5
+    for version in UNSUPPORTED_SGLANG:  # no kimi_k25.py / no set_eagle3_layers_to_capture on K2.5
         row, _ = make_patch.analyze(version)
         assert row["serves_kimi_k25_eagle3"] is False
         with pytest.raises(SystemExit, match="cannot serve Kimi-K2.5 with EAGLE-3"):
