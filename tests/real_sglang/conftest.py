@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real_sglang.support import VERSION
+from tests.real_sglang.support import VERSION, extraction_server
 from tests.sglang_cpu import venv as sglang_venv
 
 
@@ -35,3 +35,14 @@ def sglang_pythons() -> Callable[[str], Path]:
 def sglang_python(sglang_pythons) -> Path:
     return sglang_pythons(VERSION)
 
+
+
+@pytest.fixture(scope="session")
+def plain_server(sglang_python, micro_target, tmp_path_factory):
+    """VERSION's patched server in extraction mode on the micro target as DeepseekV3ForCausalLM, shared by
+    test_real_extraction and test_real_kimi_k25, which run in its xdist group (`PLAIN_SERVER_GROUP`): a start is
+    ~40 s of CPU; idle, it uses none. Yields (the running server, its dump folder, its log file); each test
+    extracts into a folder of its own."""
+    tmp = tmp_path_factory.mktemp(f"plain_server_{VERSION}")
+    with extraction_server(sglang_python, micro_target, tmp) as served:
+        yield served

@@ -51,6 +51,9 @@ ENVELOPE_FACTOR = 3.0
 OFF = 0.01  # a token this far off (relative L2 error against HF fp32) took other experts, or is wrong
 OFF_SHARE = 0.05  # a flipped token moves the later tokens that attend to it: 7 of 303 were off in one run
 CHUNK = 64  # the extraction tests' prefill chunk: longer samples are split, and the driver stitches them
+# The xdist group of the modules that extract from VERSION's plain server (the session's `plain_server`), so that
+# they run on the worker that starts it.
+PLAIN_SERVER_GROUP = "real_sglang_plain_server"
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Hidden-state extraction on SGLang's own server (0.5.23 and 0.5.12, CPU), checked against transformers.
 
-One patched release server per release (0.5.23, collector-style dump patch; 0.5.12, the newest release of the
-other aux-id rule, loop-style dump patch), started by the project's launcher
+One patched release server per release (0.5.23, collector-style dump patch, the session's `plain_server` that
+test_real_kimi_k25 extracts from too; 0.5.12, the newest release of the other aux-id rule, loop-style dump
+patch), started by the project's launcher
 (`sglang.server.sglang_server`: the release's extraction options from releases.json, the CPU options, and
 `--chunked-prefill-size 64`), serving the micro tiny target. The project's driver prefills six samples
 in one batch (concurrency 6; two share a 40-token prefix, three are longer than a prefill chunk, so
@@ -21,9 +22,10 @@ import pytest
 
 from eagle3_dagster.hidden.plan import shard_bytes
 from eagle3_dagster.hidden.shards import load_manifest
-from tests.real_sglang.support import CHUNK, OLD_VERSION, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
+from tests.real_sglang.support import CHUNK, OLD_VERSION, PLAIN_SERVER_GROUP, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [pytest.mark.slow, pytest.mark.sglang,  # SGLang's own release server on CPU, in a venv built from PyPI
+              pytest.mark.xdist_group(PLAIN_SERVER_GROUP)]  # (tests/sglang_cpu); VERSION's server is the session's
 
 LENGTHS = [150, 97, 64, 40, 23, 130]
 SHARED_PREFIX = 40  # samples 0 and 1 begin with the same 40 tokens
@@ -33,6 +35,10 @@ SHARED_PREFIX = 40  # samples 0 and 1 begin with the same 40 tokens
 def server(request, sglang_pythons, micro_target, tmp_path_factory):
     version = request.param
     tmp = tmp_path_factory.mktemp(f"real_sglang_{version}")
+    if version == VERSION:  # the session's, which test_real_kimi_k25 extracts from too
+        running, dump_dir, _log = request.getfixturevalue("plain_server")
+        yield running, dump_dir, tmp, version
+        return
     with extraction_server(sglang_pythons(version), micro_target, tmp, version=version) as (running, dump_dir, _log):
         yield running, dump_dir, tmp, version
 
