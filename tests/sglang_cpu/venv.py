@@ -64,8 +64,12 @@ PATCHES = {
 # On CPU SGLang sizes its KV pool from free host memory (about 15 GB of this 24 GB machine for the tiny
 # target), so the tier caps it; its tests prefill a few hundred tokens at a time. SGLang's scheduler
 # watchdog kills the server when one forward takes over 300 s, which a loaded 2-core CI machine reached.
+# `--sleep-on-idle`: an idle scheduler otherwise polls its sockets without pause, a whole core for as long as the
+# server is up ("each GPU would otherwise pin one thread at 100% CPU usage", sglang/srt/managers/
+# scheduler_components/idle_sleeper.py), which on this 2-core machine is half of it, taken from the test that is
+# comparing the server's output and from the other worker; with it, the scheduler waits on its sockets.
 SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-               "--max-running-requests", "16", "--watchdog-timeout", "3600")
+               "--max-running-requests", "16", "--watchdog-timeout", "3600", "--sleep-on-idle")
 # The model modules SGLang's server must import for the tier: the DeepSeek-V3 target, Kimi-K2.5's class
 # around it, and the EAGLE-3 drafter. SGLang imports every module of `sglang.srt.models` at start-up to
 # build its registry unless SGLANG_DISABLED_MODEL_ARCHS names it (`sglang/srt/models/registry.py`).
