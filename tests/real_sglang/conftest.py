@@ -41,8 +41,8 @@ def sglang_python(sglang_pythons) -> Path:
 def plain_server(sglang_python, micro_target, tmp_path_factory):
     """VERSION's patched server in extraction mode on the micro target as DeepseekV3ForCausalLM, shared by
     test_real_extraction and test_real_kimi_k25, which run in its xdist group (`PLAIN_SERVER_GROUP`): a start is
-    ~40 s of CPU; idle, it uses none. Yields (the running server, its dump folder, its log file); each test
-    extracts into a folder of its own."""
+    ~40 s of CPU; idle, it uses none (`--sleep-on-idle`, tests/sglang_cpu/venv.py). Yields (the running server,
+    its dump folder, its log file); each test extracts into a folder of its own."""
     tmp = tmp_path_factory.mktemp(f"plain_server_{VERSION}")
     with extraction_server(sglang_python, micro_target, tmp) as served:
         yield served
