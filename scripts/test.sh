@@ -17,13 +17,13 @@ if [ ${#need[@]} -gt 0 ]; then
     sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   fi
 fi
-# The release wheels the tests read (SGLang's and SpecForge's, tests/release_wheels.py) are fetched from PyPI
-# meanwhile, on the core that setup.sh's pip leaves idle (~30 s); each download holds the lock a test takes to
-# read that wheel, and whatever this misses or fails to fetch, the test that needs it fetches itself.
-mkdir -p .cache
 # Bytecode is written where a module is first imported (into .venv and the gitignored __pycache__): set-up
 # then compiles nothing ahead (scripts/setup.sh), and no process compiles a module another already did.
 unset PYTHONDONTWRITEBYTECODE
+# The release wheels the tests read (SGLang's and SpecForge's, tests/release_wheels.py) are fetched from PyPI
+# while setup.sh runs, on the core its pip leaves idle (~30 s); each download holds the lock a test takes to
+# read that wheel, and whatever this misses or fails to fetch, the test that needs it fetches itself.
+mkdir -p .cache
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 "$PYTHON" -m tests.release_wheels > .cache/release_wheels.log 2>&1 &

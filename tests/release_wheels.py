@@ -74,7 +74,6 @@ UNSUPPORTED_SGLANG = ("0.5.6.post2", "0.5.9")
 
 def tier_releases() -> list[tuple[str, str]]:
     """(package, version) of every release the tier reads: SGLang's supported and refused ones, SpecForge's."""
-    sys.path.insert(0, str(ROOT))
     from eagle3_dagster.sglang import releases
     from tests.specforge_release import VERSION as SPECFORGE
 
