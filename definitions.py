@@ -11,7 +11,7 @@ import dagster as dg
 
 from assets import automation, drafter_checkpoint, hidden_states, merged_train, raw_responses, settings, shard_status
 from assets import target_model
-from assets._common import OWNERS, accepted
+from assets._common import EXECUTOR, OWNERS, accepted
 from assets import tokenized_dataset
 from eagle3_dagster import storage
 from eagle3_dagster.config import Profile, load_profile
@@ -33,6 +33,7 @@ def build_definitions(profile: Profile) -> dg.Definitions:
     return dg.Definitions(
         assets=assets,
         asset_checks=[check],
+        executor=EXECUTOR,
         jobs=[*jobs.values(), *parts.jobs],
         sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
                  settings.build_sensor(specs), status_sensor],

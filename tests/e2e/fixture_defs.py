@@ -1,7 +1,8 @@
 """A test-only code location: two fake GPU assets in pool `gpu_host`.
 
 Each asset launches a child through the project's GPU-host resource
-(`GpuHostResource.run_pipes`, local transport), exactly as the real GPU assets do; the child records its pid and that of its launcher, then
+(`GpuHostResource.run_pipes`, local transport), exactly as the real GPU assets do, under the project's
+executor (`assets._common.EXECUTOR`); the child records its pid and that of its launcher, then
 sleeps. The pool test runs both assets at once and checks the pool serialises
 them; the crash test SIGKILLs the run's worker processes mid-sleep and checks
 that the child dies with them and the pool slot comes back.
@@ -42,6 +43,7 @@ if __name__ == "__main__":
 
 import dagster as dg  # noqa: E402  (the child above must not pay for importing dagster)
 
+from assets._common import EXECUTOR  # noqa: E402
 from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402
 
 
@@ -76,6 +78,7 @@ defs = dg.Definitions(
         dg.define_asset_job("gpu_a_job", selection=["gpu_a"]),
         dg.define_asset_job("gpu_b_job", selection=["gpu_b"]),
     ],
+    executor=EXECUTOR,
     # The project's resource, local transport, this interpreter; pid files go to the test's scratch folder.
     resources={"gpu_host": GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=dg.EnvVar("E2E_SCRATCH"))])},
 )

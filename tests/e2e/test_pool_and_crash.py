@@ -104,9 +104,11 @@ def killed_run(fixture_deployment, tmp_path_factory) -> dict:
     waiting_block = pool_block(dep, waiting)  # None fails the test below, after the victim's child is gone
     waiting_before = dep.run(waiting)["status"]  # after the daemon's tick that held it back
 
-    # The whole Dagster side of the run dies at once, as in an OOM kill: run worker, then step worker.
+    # The whole Dagster side of the run dies at once, as in an OOM kill: the run worker (`dagster api
+    # execute_run`), then the step's process where the executor runs steps in processes of their own.
     for pid in (worker["step_ppid"], worker["step_pid"]):
-        os.kill(pid, signal.SIGKILL)
+        if pid == worker["step_pid"] or b"execute_run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
     survivors = lambda: group_members(child_pgid) if own_group else [child["pid"]] * alive(child["pid"])  # noqa: E731
     deadline = time.monotonic() + DEAD_WITHIN_S
     while survivors() and time.monotonic() < deadline:
