@@ -77,7 +77,7 @@ def main() -> None:
                       AWS_DEFAULT_REGION="us-east-1")
     from eagle3_dagster import storage
     from eagle3_dagster.hidden.extract import publish_shard
-    from eagle3_dagster.hidden.shards import HiddenStatesDataset
+    from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 
     try:
         storage.filesystem("s3://bench")[0].mkdir("bench")

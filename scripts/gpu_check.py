@@ -194,7 +194,7 @@ def check_extraction(device: str, work: Path, target: Path, merged: Path, num_la
     import torch
 
     from eagle3_dagster.hidden.extract_hf import extract_all_hf
-    from eagle3_dagster.hidden.shards import HiddenStatesDataset
+    from eagle3_dagster.hidden.dataset import HiddenStatesDataset
     from eagle3_dagster.layers import default_aux_layers
 
     aux = list(default_aux_layers(num_layers))

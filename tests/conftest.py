@@ -102,12 +102,23 @@ def micro_run(tmp_path_factory, postgres):
     return run
 
 
+FULL_TIER_MARKERS = ("slow", "e2e", "sglang")  # the markers pyproject.toml's fast-tier selection leaves out
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """`scripts/test.sh` runs the tiers on pytest-xdist workers with `--dist loadgroup`, where a group runs
     on one worker. Each module is its own group, so that its module-scoped fixtures (a `dagster dev`, sshd,
     a served target) start once; modules sharing a session fixture too costly to build twice name one group
-    (`xdist_group("micro_run")`: the micro pipeline on PostgreSQL)."""
+    (`xdist_group("micro_run")`: the micro pipeline on PostgreSQL).
+
+    Workers take groups in the order of `items`: the groups holding a full-tier test (slow, e2e, sglang: servers,
+    torchrun, pipelines) go first, then the fast tier's, each in collection order. The short groups then fill
+    the end on whichever worker is free, where one long group last (test_train.py, ~40 s) left the other
+    worker idle."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    group = {id(item): item.get_closest_marker("xdist_group").args[0] for item in items}
+    heavy = {group[id(item)] for item in items if any(item.get_closest_marker(m) for m in FULL_TIER_MARKERS)}
+    items.sort(key=lambda item: group[id(item)] not in heavy)  # stable: collection order within each part

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_save
 
-from eagle3_dagster.hidden.shards import HiddenStatesDataset
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json
 
 SPECFORGE_FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size

@@ -2,7 +2,7 @@
 
 `open_tensors` is the one way a shard's rows are read: a file on this machine is memory-mapped through
 `safetensors.safe_open`, and one on an object store is read by HTTP range requests (`RangedSafetensors`);
-both answer `metadata()` and `rows()`, so a reader (`shards.HiddenStatesDataset`) has one read path.
+both answer `metadata()` and `rows()`, so a reader (`dataset.HiddenStatesDataset`) has one read path.
 
 An object store has no mmap, and a shard
 is many samples, so downloading it per sample would move the whole shard for each one. This reader does

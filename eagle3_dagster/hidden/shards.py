@@ -11,7 +11,7 @@ A shard is one safetensors file holding many samples row-concatenated:
 With `dtype: float8_e4m3fn` the two states are stored in fp8 with one float32 scale
 per token row of each state (`aux_scale [T, 3]`, one per aux layer, and
 `last_scale [T]`, amax / 448), first in the file; a reader gets bfloat16 back
-(`dequantize`). That is about half the bytes of bf16, and the layout below
+(`dataset.dequantize`). That is about half the bytes of bf16, and the layout below
 predicts them exactly like any other dtype.
 
 Header metadata (str -> str) records the target identity, aux layers and their
@@ -23,7 +23,7 @@ run to run) and needs every tensor in memory at once. Here the header is sorted
 JSON (same inputs -> same bytes, which `plan` relies on to predict sizes
 exactly) and rows are `pwrite`n at their final offsets as batches finish, so a
 shard of any size is written with one batch of memory. Files are read with the
-safetensors library itself (`HiddenStatesDataset`), which validates the format.
+safetensors library itself (`dataset.HiddenStatesDataset`), which validates the format.
 
 Commit protocol: a shard is written to `.{key}.safetensors.{pid}.tmp`, fsynced,
 renamed, and only then its manifest `{key}.manifest.json` is written (atomic).
@@ -34,7 +34,7 @@ A version folder is a `storage.Location`: a local folder or a prefix on an objec
 store. The writer always writes a local folder (the version's staging folder, which
 for a local version is the version folder itself); `extract.publish_shard` publishes
 a committed shard. Everything that reads (manifests, completeness, checksums,
-`HiddenStatesDataset`) takes any location and never asks which kind it is.
+`dataset.HiddenStatesDataset`) takes any location and never asks which kind it is.
 """
 
 from __future__ import annotations
@@ -45,25 +45,30 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
-import torch
 
 from eagle3_dagster import storage
-from eagle3_dagster.hidden.ranged import open_tensors
 from eagle3_dagster.io import atomic_write_json, json_bytes, parse_json, sha256_file
 from eagle3_dagster.layers import CANONICAL_NUMBERING
+
+if TYPE_CHECKING:
+    import torch
 
 SHARD_FORMAT = "eagle3-hidden-states"
 SHARD_FORMAT_VERSION = 1
 MANIFEST_SUFFIX = ".manifest.json"
 
-# name -> (torch dtype, safetensors dtype tag, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
-    "float32": (torch.float32, "F32", 4),
-    "bfloat16": (torch.bfloat16, "BF16", 2),
-    "float16": (torch.float16, "F16", 2),
-    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3", 1),
+# name (torch's too) -> (safetensors dtype tag, bytes per element). torch is imported only where tensors are
+# handled (the writer's methods, `quantize_rows`; the reader is `dataset.HiddenStatesDataset`): a process that
+# only reads manifests, sizes and checksums (the hidden_states step around its driver, the plan) does not pay
+# torch's import (~2 s of CPU).
+DTYPES: dict[str, tuple[str, int]] = {
+    "float32": ("F32", 4),
+    "bfloat16": ("BF16", 2),
+    "float16": ("F16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
 }
 SCALED_DTYPES = {"float8_e4m3fn"}  # stored with per-row scales
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -71,17 +76,13 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def quantize_rows(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 values and float32 scales [T, groups] (one per row of each of the `groups` equal column blocks)."""
+    import torch
+
     t = x.detach().to("cpu", torch.float32)
     blocks = t.view(t.shape[0], groups, -1)
     scale = (blocks.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(t.shape), scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    groups = 1 if scale.dim() == 1 else scale.shape[-1]
-    blocks = q.to(torch.float32).view(q.shape[0], groups, -1) * scale.view(q.shape[0], groups, 1)
-    return blocks.view(q.shape).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,13 @@ class ShardFormat:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][2]
+        return DTYPES[self.dtype][1]
 
     @property
     def scaled(self) -> bool:
@@ -141,7 +144,7 @@ def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_t
 
 def tensor_layout(fmt: ShardFormat, num_tokens: int, num_samples: int) -> list[tuple[str, str, list[int], int]]:
     """(name, safetensors dtype, shape, nbytes) in file order; float tensors first keeps them 8-byte aligned."""
-    h, tag, size = fmt.hidden_size, DTYPES[fmt.dtype][1], fmt.itemsize
+    h, tag, size = fmt.hidden_size, DTYPES[fmt.dtype][0], fmt.itemsize
     scales = [("aux_scale", "F32", [num_tokens, 3], num_tokens * 12), ("last_scale", "F32", [num_tokens], num_tokens * 4)]
     return [
         *(scales if fmt.scaled else []),
@@ -253,6 +256,8 @@ class ShardWriter:
         self.entry: dict | None = None
 
     def _put(self, name: str, row: int, t: torch.Tensor) -> None:
+        import torch
+
         width = t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
         buf = t.contiguous().view(torch.uint8).numpy()
         os.pwrite(self._fd, memoryview(buf).cast("B"), self._data_start + self._starts[name] + row * width)
@@ -262,6 +267,8 @@ class ShardWriter:
         last_hidden: torch.Tensor,
     ) -> None:
         """Rows of one sample: aux_hidden [T, 3H] and last_hidden [T, H] (cast to the shard dtype), ids and mask [T]."""
+        import torch
+
         i = self._index.get(sample_id)
         if i is None:
             raise KeyError(f"{self.key}: sample {sample_id!r} does not belong to this shard")
@@ -293,6 +300,8 @@ class ShardWriter:
         missing = [self.sample_ids[i] for i in range(len(self.sample_ids)) if i not in self._written]
         if missing:
             raise ValueError(f"{self.key}: {len(missing)} samples never written, e.g. {missing[:3]}")
+        import torch
+
         self._put("offsets", 0, torch.tensor(self._row0, dtype=torch.int64))
         os.fsync(self._fd)
         os.close(self._fd)
@@ -394,92 +403,3 @@ def verify_shard(path: storage.Location, manifest_entry: dict) -> None:
             f"shard {manifest_entry['shard']} ({path}): sha256 {digest} does not match the manifest's "
             f"{manifest_entry['sha256']}; the file is corrupted, delete it and its manifest to re-extract"
         )
-
-
-class HiddenStatesDataset(torch.utils.data.Dataset):
-    """Per-sample random access over a version's shards, through `ranged.open_tensors`: memory-mapped by
-    safetensors when the version is on this machine, range requests on an object store (each shard's header
-    once per process, then one concurrent fetch of a sample's rows).
-
-    Only complete shards (those with a manifest entry) are visible. Samples are
-    ordered by shard key then merged_train order. File handles open lazily per
-    process, so the dataset can be handed to DataLoader workers.
-    """
-
-    def __init__(self, version_dir: storage.Location | Path | str, shard_keys: Sequence[str] | None = None) -> None:
-        self.version_dir = storage.location(version_dir)
-        manifest = load_manifest(self.version_dir)
-        keys = sorted(manifest) if shard_keys is None else list(shard_keys)
-        missing = [k for k in keys if k not in manifest]
-        if missing:
-            raise FileNotFoundError(f"{self.version_dir}: no complete shard (manifest entry) for {missing[:5]}")
-        if not keys:
-            raise FileNotFoundError(f"{self.version_dir}: no complete shards")
-        self._files = [shard_path(self.version_dir, k) for k in keys]
-        self._sizes = [int(manifest[k]["bytes"]) for k in keys]
-        self._rows: list[tuple[int, int, int, str]] = []
-        for f, key in enumerate(keys):
-            for s in manifest[key]["samples"]:
-                self._rows.append((f, s["rows"][0], s["rows"][1], s["id"]))
-        self._handles: dict[int, object] = {}
-        self._pid = os.getpid()
-        self.metadata = self._read_metadata(keys)
-
-    def _read_metadata(self, keys: list[str]) -> dict:
-        common = ("format", "format_version", "target_identity", "aux_layers", "aux_layer_numbering", "dtype",
-                  "hidden_size", "last_hidden_post_norm")
-        first: dict[str, str] | None = None
-        for f_index, path in enumerate(self._files):
-            meta = self._handle(f_index).metadata()
-            if meta.get("format") != SHARD_FORMAT:
-                raise ValueError(f"{path}: not an {SHARD_FORMAT} shard (header format={meta.get('format')!r})")
-            if first is None:
-                first = meta
-            elif any(meta.get(k) != first.get(k) for k in common):
-                diff = [k for k in common if meta.get(k) != first.get(k)]
-                raise ValueError(f"{path}: header differs from {self._files[0].name} in {diff}")
-        assert first is not None
-        return {
-            "format_version": int(first["format_version"]),
-            "target_identity": first["target_identity"],
-            "aux_layers": orjson.loads(first["aux_layers"]),
-            "aux_layer_numbering": first["aux_layer_numbering"],
-            "dtype": first["dtype"],
-            "hidden_size": int(first["hidden_size"]),
-            "last_hidden_post_norm": first["last_hidden_post_norm"] == "true",
-            "code_version": first["code_version"],
-        }
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def lengths(self) -> list[int]:
-        return [end - start for _, start, end, _ in self._rows]
-
-    @property
-    def sample_ids(self) -> list[str]:
-        return [sid for *_, sid in self._rows]
-
-    def _handle(self, f: int):
-        if self._pid != os.getpid():  # forked into a worker: never share the parent's handles
-            self._handles, self._pid = {}, os.getpid()
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = open_tensors(self._files[f], self._sizes[f])
-        return h
-
-    def __getitem__(self, i: int) -> dict:
-        f, start, end, sid = self._rows[i]
-        scaled = self.metadata["dtype"] in SCALED_DTYPES
-        names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden", *(["aux_scale", "last_scale"] if scaled else [])]
-        got = dict(zip(names, self._handle(f).rows([(n, start, end) for n in names]), strict=True))
-        aux, last = got["aux_hidden"], got["last_hidden"]
-        if scaled:
-            aux, last = dequantize(aux, got["aux_scale"]), dequantize(last, got["last_scale"])
-        return {"input_ids": got["input_ids"].long(), "loss_mask": got["loss_mask"].long(), "aux_hidden": aux,
-                "last_hidden": last, "sample_id": sid}
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_handles"] = {}
-        return state

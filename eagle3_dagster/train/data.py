@@ -2,7 +2,7 @@
 
 Owns the order in which samples are trained on. The dataset is anything with
 `__len__`, `__getitem__(i) -> {input_ids, loss_mask, aux_hidden, last_hidden,
-sample_id}` and `lengths()` (`eagle3_dagster.hidden.shards.HiddenStatesDataset`
+sample_id}` and `lengths()` (`eagle3_dagster.hidden.dataset.HiddenStatesDataset`
 memory-maps its shards, so a batch reads only its own rows).
 
 A batch is a few samples of similar length, right-padded to the longest, with

@@ -48,7 +48,7 @@ def _init_distributed(backend: str) -> tuple[int, int, torch.device]:
 
 
 def _load_dataset(job: TrainJobConfig):
-    from eagle3_dagster.hidden.shards import HiddenStatesDataset
+    from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 
     return HiddenStatesDataset(job.hidden_version_dir)  # a local folder or an object-store URL
 

@@ -24,7 +24,8 @@ import torch
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
-from eagle3_dagster.hidden.shards import HiddenStatesDataset, load_manifest
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import load_manifest
 from eagle3_dagster.sglang import patch
 from tests import sglang_wheels
 from tests.sshd_server import free_port

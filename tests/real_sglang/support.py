@@ -35,7 +35,8 @@ from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.hidden.extract import ShardResult
 from eagle3_dagster.hidden.sharding import ShardSpec, plan_shards
-from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import ShardFormat
 from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang
 from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server
 from eagle3_dagster.target import load_target_config, target_identity

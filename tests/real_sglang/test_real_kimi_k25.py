@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from eagle3_dagster.hidden.shards import HiddenStatesDataset
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.tiny.kimi_k25 import wrap_as_kimi_k25
 from tests.real_sglang.support import CHUNK, PLAIN_SERVER_GROUP, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
 

@@ -13,7 +13,8 @@ from eagle3_dagster.hidden.export_formats import (
     pre_norm_equivalent,
     specforge_path,
 )
-from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, ShardWriter
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 
 H = 8
 EPS = 1e-6

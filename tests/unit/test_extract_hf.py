@@ -10,7 +10,8 @@ import torch
 from eagle3_dagster.hidden.extract_hf import extract_all_hf, extract_shard_hf, length_buckets, load_target_hf
 from eagle3_dagster.hidden.plan import actual_bytes, plan_extraction
 from eagle3_dagster.hidden.sharding import SampleRecord, plan_shards
-from eagle3_dagster.hidden.shards import HiddenStatesDataset, ShardFormat, load_manifest, verify_shard
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
 from eagle3_dagster.io import write_jsonl
 from tests.child_process import kill_when_it_says
 

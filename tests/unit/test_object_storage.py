@@ -17,8 +17,8 @@ from eagle3_dagster import storage
 from eagle3_dagster.hidden.extract import publish_shard, verified_complete
 from eagle3_dagster.hidden.plan import cleanup_superseded, find_versions, plan_extraction
 from eagle3_dagster.hidden.sharding import plan_shards
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import (
-    HiddenStatesDataset,
     ShardCorruptError,
     ShardFormat,
     ShardWriter,

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from eagle3_dagster.hidden.sharding import plan_shards
-from eagle3_dagster.hidden.shards import HiddenStatesDataset, load_manifest
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import load_manifest
 from eagle3_dagster.sglang.driver import DriverSettings, DumpError, extract_shard_sglang
 from eagle3_dagster.sglang.dump_hook import HiddenStateDumper
 from test_dump_hook import TinyLoopModel, extend_batch

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3_dagster.hidden.sharding import hidden_version, plan_shards, read_shard_records
+from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import (
-    HiddenStatesDataset,
     ShardCorruptError,
     ShardFormat,
     ShardWriter,
@@ -269,7 +269,8 @@ def test_engine_shard_writer_does_not_keep_file_descriptors_after_close(tmp_path
 
 
 def test_fp8_shards_store_scaled_rows_in_about_half_the_bytes_of_bf16_exactly_as_predicted(tmp_path):
-    from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter, HiddenStatesDataset, shard_file_size
+    from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+    from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter, shard_file_size
 
     g = torch.Generator().manual_seed(0)
     ids, lens = ["a", "b", "c"], [5, 9, 3]
