@@ -40,6 +40,7 @@ export MKL_NUM_THREADS=${MKL_NUM_THREADS:-$OMP_NUM_THREADS}
 # -m "" lifts the fast-tier selection in pyproject.toml: every test runs, slow, e2e and the real-SGLang
 # tier (tests/real_sglang) included. On EAGLE3_TEST_WORKERS worker processes (pytest-xdist, default 2:
 # the tier waits on servers, daemons and subprocesses about as much as it computes), a module per worker
-# at a time (`--dist loadgroup`, the groups in tests/conftest.py), in collection order, the heaviest first
-# (xdist would otherwise start with the modules of most tests and leave the long e2e ones for last).
+# at a time (`--dist loadgroup`, the groups in tests/conftest.py), in the order tests/conftest.py gives them:
+# those holding full-tier tests first, then the fast tier's short ones (xdist would otherwise start with the
+# modules of most tests and leave the long e2e ones for last).
 exec .venv/bin/python -m pytest -ra -m "" -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
