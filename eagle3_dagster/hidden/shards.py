@@ -62,8 +62,8 @@ MANIFEST_SUFFIX = ".manifest.json"
 
 # name (torch's too) -> (safetensors dtype tag, bytes per element). torch is imported only where tensors are
 # handled (the writer's methods, `quantize_rows`; the reader is `dataset.HiddenStatesDataset`): a process that
-# only reads manifests, sizes and checksums (the hidden_states step around its driver, the plan) does not pay
-# torch's import (~2 s of CPU).
+# only reads manifests, sizes and checksums (a hidden_states step around a driver on another host) does not
+# pay torch's import (~2 s of CPU).
 DTYPES: dict[str, tuple[str, int]] = {
     "float32": ("F32", 4),
     "bfloat16": ("BF16", 2),
