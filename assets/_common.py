@@ -24,6 +24,7 @@ from eagle3_dagster.stages import StageReport
 # Who answers for these assets (Dagster shows owners in the catalog and on each asset page): put your team here.
 OWNERS = ["team:eagle3"]
 PROFILE_TAG = "eagle3/profile"
+MAX_RUNTIME_TAG = "dagster/max_runtime"
 # Every run executes its steps one after another in the run worker itself. Each job's steps form a chain (data:
 # raw_responses -> tokenized_dataset; corpus; train -> report; a shard is one step), so Dagster's default, a
 # spawned process per step, runs nothing in parallel and costs each step a Python start, Dagster's import and
@@ -31,7 +32,6 @@ PROFILE_TAG = "eagle3/profile"
 # on the two-host test). A GPU step's child is stopped with the process that launched it either way
 # (`eagle3_dagster.gpu_host`: its watchdog reads EOF when that process dies; tests/e2e/test_pool_and_crash.py).
 EXECUTOR = dg.in_process_executor
-MAX_RUNTIME_TAG = "dagster/max_runtime"
 
 
 def run_tags(profile: Profile, asset: str | None = None) -> dict[str, str]:

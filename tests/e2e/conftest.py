@@ -34,8 +34,8 @@ TERMINAL = {"SUCCESS", "FAILURE", "CANCELED"}
 # Speed only: the crash test needs a dead run's pool slot back in seconds, not minutes.
 FAST_MONITORING = {"poll_interval_seconds": 2, "free_slots_after_run_end_seconds": 3}
 # Speed only: the daemon takes queued runs every second instead of every 5 (Dagster's default, which the project's
-# instance keeps): each queued run waited ~5 s before its run worker started, and the tests queue ~30 one after
-# another (each shard run waits for the one before it on the gpu_host pool).
+# instance keeps): each queued run waited ~5 s before its run worker started, and the e2e tests queue their runs
+# one after another (each shard run waits for the one before it on the gpu_host pool).
 DEQUEUE_INTERVAL_S = 1
 DAEMONS = {"SCHEDULER", "SENSOR", "QUEUED_RUN_COORDINATOR"}
 
