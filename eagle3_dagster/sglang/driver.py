@@ -106,7 +106,7 @@ def find_sample_chunks(dump_dir: Path, sample: SampleRecord, wait_s: float) -> l
                 return chunks
         if time.monotonic() >= deadline:
             raise DumpError(
-                f"sample {sample.id!r}: no complete dump in {dump_dir} after {wait_s:.0f}s "
+                f"sample {sample.id!r}: no complete dump in {dump_dir} after {wait_s:g}s "
                 f"(found chunks at positions {[s for s, _ in chunks]}); is the server patched and "
                 "SGLANG_HS_DUMP_DIR pointing here?"
             )
