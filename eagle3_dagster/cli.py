@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
             return _preflight(profile, layout)
         if args.command == "plan":
             from eagle3_dagster.stages.hidden import plan_stage
-            from eagle3_dagster.train.data import TrainSchedule
+            from eagle3_dagster.train.schedule import TrainSchedule
 
             report, fits, message = plan_stage(profile, layout, free_bytes=None)
             _print_metadata(report.metadata)

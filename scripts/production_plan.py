@@ -22,7 +22,7 @@ from eagle3_dagster.config import load_profile  # noqa: E402
 from eagle3_dagster.hidden.plan import TIB, plan_extraction  # noqa: E402
 from eagle3_dagster.hidden.sharding import ShardSpec, shard_key  # noqa: E402
 from eagle3_dagster.hidden.shards import ShardFormat  # noqa: E402
-from eagle3_dagster.train.data import train_schedule  # noqa: E402
+from eagle3_dagster.train.schedule import train_schedule  # noqa: E402
 
 
 def equal_shards(num_tokens: int, num_samples: int, per_shard: int) -> list[ShardSpec]:

@@ -23,7 +23,7 @@ from eagle3_dagster.stages import Progress, StageReport, no_progress
 
 if TYPE_CHECKING:
     from eagle3_dagster.gpu_host import GpuHost
-    from eagle3_dagster.train.data import TrainSchedule
+    from eagle3_dagster.train.schedule import TrainSchedule
 
 def free_space_location(layout: ArtifactLayout) -> Path:
     """Where extraction needs free disk: the folder shards are written in (hidden.root, or the staging folder
@@ -71,7 +71,7 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
 
 def training_schedule(profile: Profile, ctx: HiddenContext) -> "TrainSchedule":
     """What `train` makes of these shards: optimizer steps, tokens per step (`eagle3 plan` prints it)."""
-    from eagle3_dagster.train.data import train_schedule
+    from eagle3_dagster.train.schedule import train_schedule
 
     ids = [sid for s in ctx.shards for sid in s.sample_ids]
     lengths = [n for s in ctx.shards for n in s.lengths]

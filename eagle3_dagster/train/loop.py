@@ -27,7 +27,8 @@ from eagle3_dagster.drafter.loss import acceptance_length, build_teacher, draft_
 from eagle3_dagster.drafter.model import Eagle3Drafter
 from eagle3_dagster.drafter.ttt import RECOMPUTE_MLP_FROM_TOKENS, ttt_unroll
 from eagle3_dagster.train.checkpoint import Checkpointer
-from eagle3_dagster.train.data import Batch, BucketedSampler, HiddenSamples, collate, eval_batches
+from eagle3_dagster.train.data import Batch, HiddenSamples, collate
+from eagle3_dagster.train.schedule import BucketedSampler, eval_batches
 
 
 class NonFiniteTrainingError(FloatingPointError):

@@ -30,7 +30,8 @@ from eagle3_dagster.io import atomic_write_json
 from eagle3_dagster.progress import ProgressMeter
 from eagle3_dagster.train import TrainJobConfig
 from eagle3_dagster.train.checkpoint import Checkpointer
-from eagle3_dagster.train.data import BucketedSampler, split_heldout, train_schedule
+from eagle3_dagster.train.data import split_heldout
+from eagle3_dagster.train.schedule import BucketedSampler, train_schedule
 from eagle3_dagster.train.loop import LoopConfig, Trainer, TTTObjective
 from eagle3_dagster.train.outputs import summary_metadata, write_outputs
 

@@ -6,6 +6,7 @@ import ast
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,11 +114,21 @@ def test_no_import_cycle_in_the_engine() -> None:
     assert cycles == []
 
 
-def test_the_hidden_states_step_and_the_shard_format_import_no_torch() -> None:
-    """What a hidden_states step imports around a driver on another host (manifests, sizes, checksums) and the
-    definitions the run worker loads keep torch out: its import is ~2 s of CPU in every such run."""
-    probe = "import sys, definitions, eagle3_dagster.stages.hidden, eagle3_dagster.hidden.shards; " \
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+def test_the_hidden_states_steps_and_the_shard_format_import_no_torch() -> None:
+    """What a hidden_states step imports around a driver on another host (manifests, sizes, checksums), the
+    training schedule extraction_plan reports, and the definitions the run worker loads keep torch out: its
+    import is ~2 s of CPU in every such run."""
+    probe = textwrap.dedent("""
+        import sys, types
+        import definitions, eagle3_dagster.hidden.shards
+        from eagle3_dagster.config import load_profile
+        from eagle3_dagster.hidden.sharding import ShardSpec
+        from eagle3_dagster.stages.hidden import training_schedule
+        shard = ShardSpec("shard-00000", 0, 0, 40, 4000, 0, tuple(f"s{i}" for i in range(40)), (100,) * 40)
+        schedule = training_schedule(load_profile("micro"), types.SimpleNamespace(shards=[shard]))
+        assert schedule.num_train_samples + schedule.num_heldout_samples == 40 and schedule.total_steps > 0
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))
+    """)
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "EAGLE3_PROFILE": "micro"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -266,7 +266,7 @@ def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path
 def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp_path, micro_target):
     from eagle3_dagster.hidden.context import hidden_context
     from eagle3_dagster.stages.hidden import plan_stage
-    from eagle3_dagster.train.data import TrainSchedule, is_heldout_sample, plan_epoch
+    from eagle3_dagster.train.schedule import TrainSchedule, is_heldout_sample, plan_epoch
 
     profile, layout = _merged_corpus(tmp_path, micro_target, train={"batch_tokens": 128, "epochs": 3,
                                                                      "eval_fraction": 0.1})

@@ -18,8 +18,9 @@ from eagle3_dagster.drafter.export import check_export
 from eagle3_dagster.hidden.sharding import shard_key
 from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
-from eagle3_dagster.train.data import (
-    BucketedSampler, collate, eval_batches, is_heldout_sample, plan_epoch, split_heldout, train_schedule,
+from eagle3_dagster.train.data import collate, split_heldout
+from eagle3_dagster.train.schedule import (
+    BucketedSampler, eval_batches, is_heldout_sample, plan_epoch, train_schedule,
 )
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 32, 4, 64

@@ -14,7 +14,7 @@ from eagle3_dagster.drafter.export import check_export, export_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.hidden.shards import ShardCorruptError, shard_path
 from eagle3_dagster.train.checkpoint import Checkpointer
-from eagle3_dagster.train.data import BucketedSampler
+from eagle3_dagster.train.schedule import BucketedSampler
 from eagle3_dagster.train.loop import LoopConfig, NonFiniteTrainingError, Trainer, TTTObjective
 from test_export import _drafter, target_dir  # noqa: F401  (fixture)
 from test_shards import SAMPLES, _write
