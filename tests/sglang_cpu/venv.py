@@ -32,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import resource
 import shutil
@@ -76,7 +77,31 @@ SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-
 MODEL_MODULES = ("deepseek_v2", "kimi_k25", "llama", "llama_eagle3")
 
 # Bump when build() installs something differently; the digest covers the files it installs from.
-RECIPE = 2
+RECIPE = 3
+
+# SGLang's own pins that the venv does not meet on purpose. Every other package of its metadata that the venv
+# can import must be at SGLang's pin (`unmet_release_pins`): one left unpinned in requirements-<version>.txt
+# is taken from the project's environment or at pip's newest (kernels 0.19.1 with transformers 5.25 broke
+# 0.5.12's import on 2026-12-03).
+PIN_DEVIATIONS = {"torch": "the project's CPU build (constraints.txt) stands in for SGLang's CUDA one"}
+
+# Run by the venv's interpreter: [name, version, SGLang's specifier, where] of each unmet pin.
+_UNMET_PINS = """
+import importlib.metadata as md, json
+from packaging.requirements import Requirement
+unmet = []
+for line in md.distribution("sglang").requires or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # an extra's, or another platform's
+    try:
+        dist = md.distribution(req.name)  # the first on sys.path: what an import finds
+    except md.PackageNotFoundError:
+        continue  # CUDA-only, or nothing the server imports on CPU
+    if not req.specifier.contains(dist.version, prereleases=True):
+        unmet.append([req.name, dist.version, str(req.specifier), str(dist.locate_file(""))])
+print(json.dumps(unmet))
+"""
 
 
 def base_site_packages() -> Path:
@@ -161,9 +186,22 @@ def build(version: str, log=print, variant: str = "") -> Path:
         _run(_pip(python, "install", *constrained, "--no-deps", str(wheel_path(version))),
              f"sglang {version} wheel", log)
         apply_cpu_patch(version, python)
+        if unmet := unmet_release_pins(python):
+            raise RuntimeError(f"SGLang {version} CPU venv: packages it can import are not at SGLang's own pins; pin "
+                               f"them in {requirements(version)}: " + "; ".join(unmet))
         stamp.write_text(digest)
         log(f"SGLang {version} CPU venv built in {time.monotonic() - started:.0f} s at {target}")
     return python
+
+
+def unmet_release_pins(python: Path) -> list[str]:
+    """Each package SGLang's metadata pins that the venv imports at another version (`PIN_DEVIATIONS` aside),
+    with where it comes from."""
+    from packaging.utils import canonicalize_name
+
+    out = subprocess.run([str(python), "-c", _UNMET_PINS], capture_output=True, text=True, check=True).stdout
+    return [f"{name} {version} from {where} (SGLang pins {spec})" for name, version, spec, where in json.loads(out)
+            if canonicalize_name(name) not in PIN_DEVIATIONS]
 
 
 def dump_patch(python: Path, action: str) -> str:
