@@ -67,11 +67,12 @@ _TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code")  # wh
 _HOSTS = ("gpu_host",)  # which machines run it, and the SGLang release they must have
 RUNS_WITH: dict[str, tuple[str, ...]] = {
     "target_model": (),
-    # what regeneration costs and how it is paced: money limits, concurrency, retries, tolerated failures
+    # what regeneration costs and how it is paced: money limits, concurrency, retries, tolerated failures; the
+    # share of a source file's lines that may be unusable before anything is sent (a refusal, not content)
     "raw_responses": (*_TARGET_FILES, "generation.api_key_env", "generation.concurrency", "generation.max_retries",
                       "generation.timeout_s", "generation.budget_usd", "generation.price_usd_per_completion_token",
                       "generation.price_usd_per_prompt_token", "generation.max_failure_fraction",
-                      "generation.resend_interrupted"),
+                      "generation.resend_interrupted", "data.bad_fraction_threshold"),
     "tokenized_dataset": _TARGET_FILES,
     "merged_train": (),
     "vocab_mapping": _TARGET_FILES,

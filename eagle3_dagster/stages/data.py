@@ -26,8 +26,11 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
                   on_reject: Callable | None = None) -> Iterator[Conversation]:
     """The dataset's conversations (training split only), cut to the turns that fit the context.
 
-    A turn is kept when its prompt plus `generation.max_new_tokens` fits `data.max_seq_len`: a longer
-    one would be generated and then truncated away by merged_train. Conversations with no such turn
+    A turn to regenerate is kept when its prompt plus `generation.max_new_tokens` fits `data.max_seq_len`: a
+    longer one would be generated and then truncated away by merged_train. A turn used as it is (nothing is
+    generated) is kept when its prompt leaves room for at least one answer token: merged_train truncates the
+    answer to `data.max_seq_len` and recomputes its loss mask, as for pre-tokenized records, and a generation
+    budget that is never spent would only drop long prompts with their finished answers. Conversations with no such turn
     are skipped and counted, and so are the later turns cut from the ones kept. Lines of a jsonl file
     that cannot be used go to `on_reject` (`prompts.Rejected`). `stats` receives the reader's and the
     filter's counts when done.
@@ -42,7 +45,8 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
 
         load = LoadStats()
         source = load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=on_reject)
-    budget = profile.data.max_seq_len - profile.generation.max_new_tokens
+    answer_room = profile.generation.max_new_tokens if ds.regenerate else 1
+    budget = profile.data.max_seq_len - answer_room
     kept = too_long = turns_cut = template_failed = 0
     for conv in source:
         if ds.max_conversations is not None and kept >= ds.max_conversations:
