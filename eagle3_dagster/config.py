@@ -347,9 +347,10 @@ class HiddenConfig(_Strict):
     sglang_concurrency: int = _bounded(
         8, ge=1, le=4096, why=WHY_CONCURRENCY, description="prefill requests in flight during extraction")
     sglang_server_args: list[str] = Field(
-        default_factory=list, description="extra options for the extraction server after the release's own "
-        "(e.g. --mem-fraction-static 0.85; a CPU host: --device cpu --attention-backend torch_native); options "
-        "that would store other states or skip rows (radix/hierarchical cache, mixed chunks, ...) are refused")
+        default_factory=list, description="extra options for the SGLang server on the GPU host, after the "
+        "release's own, for extraction and the served benchmark alike (e.g. --mem-fraction-static 0.85; a CPU "
+        "host: --device cpu --attention-backend torch_native); options that would store other states or skip "
+        "rows (radix/hierarchical cache, mixed chunks, ...) are refused")
     backfill_batch: int = _bounded(
         4, ge=1, le=1000, why="runs one automation tick puts on the queue: more would swamp the run queue",
         description="shard partitions the hidden_states automation requests per tick")

@@ -124,8 +124,11 @@ def serving_spec(profile: Profile, target_path: Path, export: Path, installed: s
         extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
                  "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                  "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
+    # the host's own options (its device, memory fraction, attention backend) after the drafter's, as extraction
+    # passes them: without them a host that needs them (a CPU host: --device cpu) cannot serve the benchmark
     return ServerSpec(model_path=str(target_path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
-                      context_length=profile.target.serving_context, extra_args=extra, sglang_version=installed,
+                      context_length=profile.target.serving_context,
+                      extra_args=(*extra, *profile.hidden.sglang_server_args), sglang_version=installed,
                       trust_remote_code=profile.target.trust_remote_code)
 
 

@@ -161,3 +161,19 @@ def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one
         serving_spec(profile, target_dir, export, "0.5.23", SpecConfig(3))
     assert "--speculative-algorithm" in serving_spec(profile, target_dir, export, "0.5.12", SpecConfig(3)).extra_args
     assert serving_spec(profile, target_dir, export, "0.5.23", None).extra_args == ()  # no drafter, nothing to read
+
+
+def test_the_served_benchmark_runs_with_the_hosts_server_options(tmp_path, target_dir):
+    """hidden.sglang_server_args are the GPU host's options (its device, memory fraction): the served benchmark
+    launched SGLang without them, so a host that needs them (a CPU host: --device cpu) could extract but not serve
+    the benchmark; the production rehearsal (tests/real_sglang/test_production_rehearsal.py) met it."""
+    from eagle3_dagster.bench.specdec import SpecConfig
+    from eagle3_dagster.config import load_profile
+    from eagle3_dagster.stages.bench import serving_spec
+
+    host_args = ["--device", "cpu", "--mem-fraction-static", "0.5"]
+    profile = load_profile("micro", overrides={"hidden": {"sglang_server_args": host_args}})
+    export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
+    assert serving_spec(profile, target_dir, export, "0.5.12", None).extra_args == tuple(host_args)
+    with_drafter = serving_spec(profile, target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    assert with_drafter[:2] == ("--speculative-algorithm", "EAGLE3") and with_drafter[-4:] == tuple(host_args)
