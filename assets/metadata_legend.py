@@ -61,6 +61,8 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "cost_usd": "USD spent by this run",
         "recorded_cost_usd": "USD spent on this dataset by every run so far",
         "num_paid_unusable": "answers paid for (HTTP 200) that could not be used",
+        "num_replies_usage_malformed": "paid answers whose usage.cost or token counts were not amounts (negative, "
+                                       "NaN, infinite, not a number): each booked at its cost bound",
         "stopped_by_budget": "whether generation.budget_usd stopped the run",
         "repaired_bytes": "bytes of a torn last line cut from the log before appending",
         "wall_s": "seconds the run took",

@@ -15,7 +15,11 @@ settlement may free room) and stops the run only when nothing is in flight.
 
 What a request is booked at: `usage.cost` when the provider reported it; else its
 reported token counts at the configured prices; else (no usage at all, or a paid
-reply whose body was unusable) the reserved bound. A request the provider refused
+reply whose body was unusable) the reserved bound. A reply whose usage is malformed
+(a cost or token count that is not a finite number >= 0: negative, NaN, infinite,
+a string) is booked at the bound too: the provider's word on what it billed is
+foreign input, and a negative or NaN amount booked as spent would free room under
+the cap (and NaN is written to the log as null, read back as $0 by the next run). A request the provider refused
 (HTTP 429/5xx, a connection that never opened) is booked at zero. A try that may
 have reached the provider and lost its answer (a timeout: a non-streaming
 provider bills what it finishes, whether the client still waits or not) stays
@@ -26,12 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import orjson
 
 log = logging.getLogger(__name__)
 
 _EPS_USD = 1e-9  # float residue of summed prices: ten $0.01 bounds fit a $0.10 cap
+
+
+def usd_amount(value: object) -> float | None:
+    """`value` as a USD amount when it is one (a JSON number, finite and >= 0), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def token_count(value: object) -> int | None:
+    """`value` as a token count when it is one (a JSON integer >= 0, or a float with an integer value), else None."""
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def prompt_token_bound(messages: list[dict]) -> int:
@@ -80,16 +99,23 @@ class Budget:
                     return None
                 await self._changed.wait()  # a request in flight may settle below its bound
 
-    def booked(self, reserved: float, *, cost: float | None, usage: dict | None, paid: bool) -> float:
-        """What a finished request cost: reported cost, else reported tokens at the prices, else the bound."""
+    def booked(self, reserved: float, *, cost: float | None, usage: dict | None, paid: bool,
+               malformed: bool = False) -> float:
+        """What a finished request cost: reported cost, else reported tokens at the prices, else the bound.
+        `malformed` (the reply's usage had a value that is not an amount or a count): the bound; so is a
+        cost or a token count here that is not one (the client drops them; this is the last line)."""
         if not paid:
             return 0.0
+        if malformed:
+            return reserved
         if cost is not None:
-            return float(cost)
+            amount = usd_amount(cost)
+            return reserved if amount is None else amount
         usage = usage or {}
-        if isinstance(usage.get("completion_tokens"), int) and self.price_completion:
-            return usage["completion_tokens"] * self.price_completion + \
-                int(usage.get("prompt_tokens") or 0) * self.price_prompt
+        completion = token_count(usage.get("completion_tokens"))
+        prompt = token_count(usage.get("prompt_tokens") or 0)
+        if completion is not None and prompt is not None and self.price_completion:
+            return completion * self.price_completion + prompt * self.price_prompt
         return reserved
 
     async def settle(self, reserved: float, spent: float) -> None:

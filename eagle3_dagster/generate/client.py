@@ -13,6 +13,12 @@ raised with `paid=True` (and the cost the body reported, if any) for the
 regenerator to book as spent. Every failed attempt is counted by kind on the
 result or on the final `ChatRequestError`.
 
+`usage` is the provider's word on what it billed, and is checked where it is
+parsed (`parse_usage`): a cost that is not a finite number >= 0 (negative, NaN,
+infinite, a string, a boolean) or a token count that is not an integer >= 0 is
+left out of the result and named in `usage_problems` (the field, and the value
+when it is a number), for the regenerator to book the reply at its bound and count it.
+
 A try that may have reached the provider and lost its answer (a read or write
 timeout, a connection dropped after the request went out) is `maybe_paid`: a
 non-streaming provider bills a request when it finishes it, whether or not the
@@ -35,11 +41,13 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from eagle3_dagster.generate.budget import token_count, usd_amount
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +67,8 @@ class ChatResult:
     content: str
     tool_calls: list[dict]  # OpenAI shape: {"id", "type": "function", "function": {"name", "arguments": str}}
     finish_reason: str | None
-    usage: dict  # prompt_tokens, completion_tokens, reasoning_tokens (when reported)
-    cost: float | None  # USD as the backend reported it (`usage.cost`); None when it did not
+    usage: dict  # prompt_tokens, completion_tokens, reasoning_tokens (when reported as counts)
+    cost: float | None  # USD as the backend reported it (`usage.cost`); None when it did not, or not as an amount
     provider: str | None
     model: str | None
     attempt_failures: dict[str, int] = field(default_factory=dict)
@@ -68,6 +76,8 @@ class ChatResult:
     # The completion's token ids exactly as generated, when the backend knows them (the in-process one):
     # re-tokenizing the decoded text can merge or split differently from what the model produced.
     completion_ids: list[int] | None = None
+    # What of the reported usage could not be booked (`parse_usage`): each names its field and value.
+    usage_problems: tuple[str, ...] = ()
 
 
 def clean_api_key(raw: str | None, source: str = "the API key") -> str | None:
@@ -98,7 +108,8 @@ class ChatRequestError(Exception):
 
     def __init__(self, kind: str, message: str, attempt_failures: dict[str, int] | None = None,
                  retry_after_s: float | None = None, *, paid: bool = False, cost: float | None = None,
-                 usage: dict | None = None, maybe_paid: bool = False, num_maybe_paid: int = 0) -> None:
+                 usage: dict | None = None, maybe_paid: bool = False, num_maybe_paid: int = 0,
+                 usage_problems: tuple[str, ...] = ()) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.attempt_failures = dict(attempt_failures or {})
@@ -108,6 +119,7 @@ class ChatRequestError(Exception):
         self.usage = dict(usage or {})
         self.maybe_paid = maybe_paid  # this try may have reached the provider, which bills it unanswered
         self.num_maybe_paid = num_maybe_paid  # tries of the request like that, this one included
+        self.usage_problems = tuple(usage_problems)  # what of that answer's usage could not be booked
 
 
 class ChatBackend(Protocol):
@@ -155,16 +167,53 @@ def parse_chat_response(body: Any) -> ChatResult:
     usage_in = body.get("usage") or {}
     if not isinstance(usage_in, dict):
         raise ChatRequestError("malformed", "usage is not an object")
-    usage = {k: usage_in[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens") if k in usage_in}
-    details = usage_in.get("completion_tokens_details") or {}
-    if isinstance(details, dict) and details.get("reasoning_tokens") is not None:
-        usage["reasoning_tokens"] = details["reasoning_tokens"]
-    cost = usage_in.get("cost")
+    usage, cost, problems = parse_usage(usage_in)
     return ChatResult(
         reasoning=reasoning, content=content, tool_calls=tool_calls,
-        finish_reason=choice.get("finish_reason"), usage=usage, cost=float(cost) if cost is not None else None,
-        provider=body.get("provider"), model=body.get("model"),
+        finish_reason=choice.get("finish_reason"), usage=usage, cost=cost,
+        provider=body.get("provider"), model=body.get("model"), usage_problems=problems,
     )
+
+
+def parse_usage(usage_in: dict) -> tuple[dict, float | None, tuple[str, ...]]:
+    """(token counts, cost in USD, problems) of a reply's `usage`: only values that can be booked are kept;
+    each one that cannot (present, not null, and not a count or an amount) is named in `problems`."""
+    usage: dict = {}
+    problems: list[str] = []
+    details = usage_in.get("completion_tokens_details")
+    fields = [(k, k, usage_in.get(k)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")]
+    if isinstance(details, dict):
+        fields.append(("reasoning_tokens", "completion_tokens_details.reasoning_tokens",
+                       details.get("reasoning_tokens")))
+    for key, name, value in fields:
+        if value is None:
+            continue
+        if (count := token_count(value)) is None:
+            problems.append(f"{_shown(name, value)} is not a token count (an integer >= 0)")
+        else:
+            usage[key] = count
+    cost = usage_in.get("cost")
+    amount = usd_amount(cost)
+    if cost is not None and amount is None:
+        problems.append(f"{_shown('cost', cost)} is not a USD amount (a finite number >= 0)")
+    return usage, amount, tuple(problems)
+
+
+def _shown(name: str, value: Any) -> str:
+    """A usage field and its value for a log line: a number as it came, anything else by its type only (a string
+    or an object may hold anything, the API key included, and a cut-off copy would escape the scrubbing)."""
+    if isinstance(value, (int, float)):
+        return f"usage.{name}={value!r}"
+    kind = {str: "string", dict: "object", list: "array"}.get(type(value), type(value).__name__)
+    return f"usage.{name} (a JSON {kind}, not shown)"
+
+
+def _without_credentials(url: str) -> str:
+    """`url` without what may be a credential: the user:password@ before the host, the query, the fragment."""
+    scheme, _, rest = url.partition("://")
+    rest = rest.rpartition("@")[2]  # also when the password holds an unescaped '/'
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    return f"{scheme}://{rest[:cut]}" + ("?***" if cut < len(rest) else "")
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:
@@ -208,8 +257,9 @@ class OpenAIChatBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
-    def __repr__(self) -> str:
-        return f"OpenAIChatBackend(base_url={self.base_url!r}, model={self.model!r}, api_key={'***' if self._api_key else None})"
+    def __repr__(self) -> str:  # the profile refuses credentials in base_url; a URL built in code may hold some
+        return (f"OpenAIChatBackend(base_url={_without_credentials(self.base_url)!r}, model={self.model!r}, "
+                f"api_key={'***' if self._api_key else None})")
 
     def _scrub(self, text: str) -> str:
         for form in self._secret_forms:
@@ -247,15 +297,19 @@ class OpenAIChatBackend:
             raise ChatRequestError("unusable_reply", f"HTTP {status} body is not JSON (truncated?): "
                                    f"{self._scrub(response.text[:80])!r}", paid=True) from None
         try:
-            return parse_chat_response(body)
+            result = parse_chat_response(body)
         except ChatRequestError as e:
             detail = self._scrub(str(e).split(": ", 1)[-1])
             if e.kind != "malformed":
                 raise ChatRequestError(e.kind, detail) from None
-            usage = body.get("usage") if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
-            cost = usage.get("cost") if isinstance(usage.get("cost"), (int, float)) else None
+            usage_in = body.get("usage") if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
+            usage, cost, problems = parse_usage(usage_in)
             raise ChatRequestError("unusable_reply", f"HTTP {status} answer unusable: {detail}", paid=True,
-                                   cost=cost, usage=usage) from None
+                                   cost=cost, usage=usage,
+                                   usage_problems=tuple(self._scrub(p) for p in problems)) from None
+        if result.usage_problems:  # they quote the reply's values, which may echo the key
+            result = replace(result, usage_problems=tuple(self._scrub(p) for p in result.usage_problems))
+        return result
 
     async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
                        temperature: float, reasoning: bool, before_resend: ResendHook | None = None) -> ChatResult:
@@ -287,7 +341,8 @@ class OpenAIChatBackend:
                         raise
         except ChatRequestError as e:
             raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures), paid=e.paid, cost=e.cost,
-                                   usage=e.usage, maybe_paid=e.maybe_paid, num_maybe_paid=num_maybe_paid) from None
+                                   usage=e.usage, maybe_paid=e.maybe_paid, num_maybe_paid=num_maybe_paid,
+                                   usage_problems=e.usage_problems) from None
         return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures), "num_maybe_paid": num_maybe_paid})
 
     async def aclose(self) -> None:

@@ -15,6 +15,8 @@ died while it was in flight, or it timed out after reaching the provider) is
 and left incomplete, unless `resend_interrupted` says a repeat is acceptable
 (the free in-process backend always re-sends). A paid but unusable reply is
 booked as spent (a `failed` line with its cost) before anything is sent again.
+A reply whose reported usage is malformed (`client.parse_usage`) is booked at its
+bound and counted in `num_replies_usage_malformed`.
 Within a run, a try that timed out stays booked at its bound and its retry
 reserves anew (`before_resend`), so a provider slower than the timeout cannot
 bill past the cap.
@@ -107,6 +109,9 @@ class RegenerationStats:
     cost_usd: float = 0.0  # spent in this run
     recorded_cost_usd: float = 0.0  # spent on this partition by all runs so far
     num_paid_unusable: int = 0  # HTTP 200 answers that were paid for but could not be used
+    # paid replies whose usage.cost or a token count was not a number >= 0 (negative, NaN, infinite, a string):
+    # each booked at its bound, the most the request could have cost, and named in a warning
+    num_replies_usage_malformed: int = 0
     stopped_by_budget: bool = False
     repaired_bytes: int = 0
     wall_s: float = 0.0
@@ -228,8 +233,10 @@ class _Run:
             last_maybe_paid = e.maybe_paid and self.backend.paid  # the last try: booked at its bound
             held = e.num_maybe_paid > 0 and self.backend.paid  # any try: a rerun does not send it again
             paid = e.paid and self.backend.paid
+            malformed = paid and not last_maybe_paid and self._malformed_usage(rid, conv_id, turn, e.usage_problems,
+                                                                               tried.bound)
             spent = tried.bound if last_maybe_paid else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage,
-                                                                             paid=paid)
+                                                                             paid=paid, malformed=malformed)
             # a paid failure is on record before any re-send
             store.mark_failed(rid, e.kind, cost_usd=spent, maybe_paid=held)
             if tried.open:
@@ -247,7 +254,9 @@ class _Run:
             if tried.open:  # cancelled: the try stays `sent` in the log, booked at its bound
                 await self.budget.settle(tried.bound, tried.bound)
             raise
-        spent = self.budget.booked(tried.bound, cost=result.cost, usage=result.usage, paid=self.backend.paid)
+        malformed = self.backend.paid and self._malformed_usage(rid, conv_id, turn, result.usage_problems, tried.bound)
+        spent = self.budget.booked(tried.bound, cost=result.cost, usage=result.usage, paid=self.backend.paid,
+                                   malformed=malformed)
         self.attempt_failures.update(result.attempt_failures)
         record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings, spent)
         store.add_turn(record)
@@ -259,6 +268,15 @@ class _Run:
         st.completion_tokens += int(result.usage.get("completion_tokens", 0))
         st.reasoning_tokens += int(result.usage.get("reasoning_tokens", 0))
         return record
+
+    def _malformed_usage(self, rid: str, conv_id: str, turn: int, problems: tuple[str, ...], bound: float) -> bool:
+        """A paid reply whose usage could not be booked as reported: counted, named, booked at its bound."""
+        if not problems:
+            return False
+        self.stats.num_replies_usage_malformed += 1
+        log.warning("%s/%s turn %d (request %s): the provider's %s; the reply is booked at its bound $%.6f (the "
+                    "most it could cost)", self.dataset, conv_id, turn, rid, "; ".join(problems), bound)
+        return True
 
     def _book(self, spent: float) -> None:
         self.stats.cost_usd += spent
@@ -282,6 +300,7 @@ def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[
                      "tool_calls": result.tool_calls, "finish_reason": result.finish_reason,
                      **({"completion_ids": result.completion_ids} if result.completion_ids is not None else {})},
         "usage": result.usage, "cost_usd": cost_usd, "cost_reported": result.cost is not None,
+        **({"usage_problems": list(result.usage_problems)} if result.usage_problems else {}),
         "provider": result.provider, "model": result.model,
         "settings": settings.identity(), "attempt_failures": result.attempt_failures,
         **({"producer": settings.producer} if settings.producer else {}),

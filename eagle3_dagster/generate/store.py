@@ -50,6 +50,7 @@ from typing import Any
 
 import orjson
 
+from eagle3_dagster.generate.budget import usd_amount
 from eagle3_dagster.io import naming_full_disk
 
 log = logging.getLogger(__name__)
@@ -146,14 +147,27 @@ class ResponseStore:
             self._book_sent(rid, float(record.get("bound_usd") or 0.0))
         elif kind == "turn" and isinstance(rid, str):
             self._turn_offsets[rid] = (offset, length)
-            self._settle(rid, float(record.get("cost_usd") or 0.0))
+            self._settle(rid, self._cost_on_record(record, rid, lineno))
             self.turns_by_producer[producer_key(record.get("producer"))] += 1
         elif kind == "failed" and isinstance(rid, str):
-            self._settle(rid, float(record.get("cost_usd") or 0.0), maybe_paid=bool(record.get("maybe_paid")))
+            self._settle(rid, self._cost_on_record(record, rid, lineno), maybe_paid=bool(record.get("maybe_paid")))
         elif kind == "conversation":
             self._complete.add((str(record.get("conversation_id")), producer_key(record.get("producer"))))
         else:
             raise StoreCorruptError(f"{self.path}:{lineno}: record without a known type/request_id")
+
+    def _cost_on_record(self, record: dict, rid: str, lineno: int) -> float:
+        """A settling line's `cost_usd` (absent: 0). One that is not an amount (null, negative, a string: what
+        logs written before the regenerator checked a provider's `usage.cost` may hold; orjson writes NaN and
+        infinity as null) counts the try at its bound, as if it had never been answered."""
+        if "cost_usd" not in record:
+            return 0.0
+        amount = usd_amount(record["cost_usd"])
+        if amount is None:
+            amount = self._unsettled.get(rid, 0.0)
+            log.warning("%s:%d: request %s has cost_usd %r on record, not an amount; counted at its bound $%.6f",
+                        self.path, lineno, rid, record["cost_usd"], amount)
+        return amount
 
     def has_turn(self, request_id: str) -> bool:
         return request_id in self._turn_offsets
