@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -60,6 +61,61 @@ def cron_problem(cron: str) -> str | None:
                 if value is None or not lo <= value <= hi:
                     return f"{name}: {b!r} is not in {lo}-{hi}"
     return None
+
+
+# A profile is published (run metadata, the launchpad, reprs, logs), so no value of it may carry a secret. A URL
+# carries one as user:password@ before the host, or as a query parameter named like a key; the names below are
+# the ones providers and stores use (OpenAI-style `api_key`, `key`, `token`, `access_token`, `auth`, presigned
+# S3/GCS `X-Amz-Signature` / `X-Goog-Credential`, `sig`, `password`, `secret`, `session`).
+_SECRET_PARAM = re.compile(r"key|token|secret|passw(?:or)?d|pwd|auth|credential|signature|^sig$|session", re.I)
+# user:password@host also when the password holds an unescaped '/' (AWS secret keys often do), which URL
+# parsers then read as the start of the path
+_USER_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^@/?#]*:[^@]*@", re.I)
+
+
+def url_credentials(value: str) -> str | None:
+    """What in `value`, when it is a URL, is a credential ('user:password@', a `?api_key=`-style parameter), said
+    without the secret; None for a URL without one or a value that is not a URL."""
+    scheme, sep, _ = value.partition("://")
+    if not sep:
+        return None
+    parts = urllib.parse.urlsplit(value)
+    # an hf:// URL's '@' is a revision (hf://org/repo@main), an ssh:// URL's a user name, neither a secret
+    if ("@" in parts.netloc and scheme.lower() not in ("hf", "ssh")) or _USER_PASSWORD.match(value):
+        return "a user name or password before the host (user:password@; an '@' in a path is written %40)"
+    names = [name for text in (parts.query, parts.fragment)
+             for name, _ in urllib.parse.parse_qsl(text, keep_blank_values=True)]
+    if secret := [n for n in names if _SECRET_PARAM.search(n)]:
+        return f"a query parameter named {secret[0]!r}"
+    return None
+
+
+def _profile_strings(value, path: str):
+    """(dotted path, string) of every string in a profile value: fields, list items, mapping values."""
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            yield from _profile_strings(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _profile_strings(item, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _profile_strings(item, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path, value
+
+
+def _a_folder(value: str) -> str:
+    """`value` unless it names no folder (empty) or the file system's root, where a stage would create and (when
+    superseded, hidden.root) delete its folders among the system's own."""
+    if not value.strip():
+        raise ValueError("is empty; name the folder this profile writes to")
+    scheme, sep, rest = value.partition("://")
+    local = rest if sep and scheme in ("file", "local") else None if sep else value  # None: an object store
+    if local is not None and os.path.normpath(PROJECT_ROOT / local) == os.sep:
+        raise ValueError(f"{value!r} is the file system's root; name a folder of this profile's own "
+                         "(its stages create folders in it, and remove superseded ones)")
+    return value
 
 
 class _Strict(BaseModel):
@@ -373,6 +429,7 @@ class HiddenConfig(_Strict):
     @classmethod
     def _local_staging(cls, value: str | None) -> str | None:
         if value is not None:
+            _a_folder(value)
             try:
                 location(value).local_path()
             except ValueError:
@@ -383,6 +440,7 @@ class HiddenConfig(_Strict):
     @field_validator("root")
     @classmethod
     def _root_location(cls, value: str) -> str:
+        _a_folder(value)
         location(value)  # a URL carrying credentials is refused
         return value
 
@@ -465,6 +523,7 @@ class TrainConfig(_Strict):
     @classmethod
     def _export_location(cls, value: str | None) -> str | None:
         if value is not None:
+            _a_folder(value)
             location(value)  # a URL carrying credentials is refused
         return value
 
@@ -560,6 +619,7 @@ class Profile(_Strict):
     @field_validator("run_root")
     @classmethod
     def _local_run_root(cls, value: str) -> str:
+        _a_folder(value)  # '' would be the checkout itself (a relative run_root is under it)
         try:  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
             location(value).local_path()
         except ValueError:
@@ -584,6 +644,12 @@ class Profile(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Profile":
+        for path, text in _profile_strings(self, ""):  # every URL field, and any URL in a list or mapping
+            if why := url_credentials(text):
+                raise ValueError(f"{path}: the URL carries a credential, {why}; the value is not shown. A profile "
+                                 "is published (run metadata, logs): credentials come from the environment "
+                                 "(generation.api_key_env names the chat API key's variable; a store's are "
+                                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)")
         names = [d.name for d in self.datasets]
         seen: dict[str, int] = {}
         for i, name in enumerate(names):  # case-insensitively: A1 and a1 are one file on macOS and Windows
@@ -594,19 +660,28 @@ class Profile(_Strict):
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
-        if self.hidden.aux_layers:
-            # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
-            from eagle3_dagster.sglang.releases import draft_aux_ids
-
-            version = self.gpu_host.sglang_version
-            try:
-                draft_aux_ids(list(self.hidden.aux_layers), "deepseek", [version] if version else None)
-            except ValueError as e:
-                raise ValueError(f"hidden.aux_layers: {e}" + (" (gpu_host.sglang_version)" if version else "")) \
-                    from None
-        from eagle3_dagster.sglang.releases import EAGLE31_OPTIONS, release
+        from eagle3_dagster.sglang.releases import EAGLE31_OPTIONS, draft_aux_ids, release, supported
 
         options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
+        if self.hidden.aux_layers:
+            # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
+            # With EAGLE 3.1 options and no release named, the export writes ids for every release that reads the
+            # options (drafter.export.export_config): the same rule here, before training, not after it.
+            version = self.gpu_host.sglang_version
+            versions = [version] if version else \
+                [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)] if options else None
+            try:
+                draft_aux_ids(list(self.hidden.aux_layers), "deepseek", versions)
+            except ValueError as e:
+                why = " (gpu_host.sglang_version)" if version else \
+                    (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
+                     f"right on every SGLang release that reads it, {versions[0]} to {versions[-1]}; or name the "
+                     "release served in gpu_host.sglang_version)" if options else "")
+                raise ValueError(f"hidden.aux_layers: {e}{why}") from None
+        lk_options = sorted({"lk_kl_scale", "lk_kl_decay"} & self.train.model_fields_set)
+        if lk_options and self.train.loss != "lk_lambda":  # accepted and ignored would be a silent no-op
+            raise ValueError(f"train.{', train.'.join(lk_options)}: set, but only train.loss: lk_lambda uses it and "
+                             f"train.loss is {self.train.loss!r}; remove it, or set train.loss: lk_lambda")
         if options and self.gpu_host.sglang_version:  # refused before training, not at export after it
 
             served = release(self.gpu_host.sglang_version)
