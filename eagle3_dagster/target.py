@@ -146,12 +146,15 @@ def target_summary(model_dir: Path) -> dict:
 
 
 def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
-    """The target's tokenizer. Code shipped with a checkpoint runs only when the profile's
-    `target.trust_remote_code` says so; a model that needs it gets an error naming that switch."""
+    """The target's tokenizer, from the model directory alone. Code shipped with a checkpoint runs only when the
+    profile's `target.trust_remote_code` says so; a model that needs it gets an error naming that switch.
+    Nothing is fetched (`local_files_only`): a tokenizer config whose `auto_map` names a hub repository
+    (`org/repo--module.Class`) would otherwise download and run that repository's code."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                             local_files_only=True)
     except ImportError as e:  # shipped code importing a package this interpreter lacks (Kimi-K2.5: tiktoken)
         missing = getattr(e, "name", None) or str(e).split("environment: ", 1)[-1].split(". Run", 1)[0]
         raise ValueError(
@@ -166,6 +169,30 @@ def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
             f"{model_dir}: this model's tokenizer is Python code shipped with the checkpoint, which runs only when "
             f"the profile sets target.trust_remote_code: true (read that code first: it runs with your rights)"
         ) from None
+    except OSError:
+        if not (foreign := _hub_code_references(Path(model_dir))):
+            raise
+        raise ValueError(
+            f"{model_dir}: {foreign[0]} names code in a hub repository, which is never fetched (only the model "
+            f"directory's own files are loaded): copy that code into the directory and name it without the "
+            f"'repository--' prefix"
+        ) from None
+
+
+def _hub_code_references(model_dir: Path) -> list[str]:
+    """The `auto_map` entries of a model directory's configs that name another repository's code
+    (transformers' `org/repo--module.Class`), as 'file auto_map.Key: org/repo'."""
+    found = []
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            auto_map = json.loads((model_dir / name).read_text()).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        for key, refs in auto_map.items() if isinstance(auto_map, dict) else ():
+            for ref in refs if isinstance(refs, list) else [refs]:
+                if isinstance(ref, str) and "--" in ref:
+                    found.append(f"{name} auto_map.{key}: {ref.split('--', 1)[0]}")
+    return found
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,15 @@ class LocalChatBackend:
         self.seed = seed
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # the target's directory alone: nothing is fetched (an auto_map naming a hub repository would be)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         if not self.tokenizer.chat_template:
             raise ValueError(f"{self.model_dir}: tokenizer has no chat template")
         if self.tokenizer.pad_token_id is None:
             raise ValueError(f"{self.model_dir}: tokenizer has no pad token, needed to batch prompts")
         self.tokenizer.padding_side = "left"  # generation continues from the last column
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype),
+                                                          local_files_only=True).to(device).eval()
         self._stop_ids = stop_token_ids(self.tokenizer)
         self._queue: queue.Queue = queue.Queue()  # one per worker, so a closing worker's sentinel is its own
         self._worker: threading.Thread | None = None
