@@ -214,24 +214,32 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
 
     from eagle3_dagster.hidden.export_formats import (
         SPECFORGE_DTYPE,
+        ExportFolderError,
         export_specforge,
         export_speculators,
         load_final_norm_weight,
         specforge_target_dir,
     )
     from eagle3_dagster.hidden.context import hidden_context
+    from eagle3_dagster.hidden.shards import ShardCorruptError
 
     ctx = hidden_context(profile, layout)
     if not ctx.version_dir.exists():
         raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
     if dtype is not None and fmt != "specforge":
         raise UserError("--dtype applies to --format specforge only")
-    with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
-        if fmt == "specforge":
-            export_specforge(ctx.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
-        else:
-            export_speculators(ctx.version_dir, out, final_norm_weight=load_final_norm_weight(ctx.target.path))
-        bar.update(1)
+    try:
+        with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
+            if fmt == "specforge":
+                export_specforge(ctx.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
+            else:
+                export_speculators(ctx.version_dir, out, final_norm_weight=load_final_norm_weight(ctx.target.path))
+            bar.update(1)
+    except ShardCorruptError as e:  # a failed check: the shards training would refuse are not exported either
+        print(f"eagle3 export-shards: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED_CHECK
+    except ExportFolderError as e:  # --out holds someone else's files
+        raise UserError(_one_line(e)) from None
     print(f"exported {ctx.version_dir} to {out} ({fmt})")
     if fmt == "specforge":
         from eagle3_dagster.drafter.target_head import SUFFIXES, _find, _weight_map
@@ -248,10 +256,18 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
     """The benchmark stage on a drafter directory; the served backend needs a GPU host (`eagle3 preflight`)."""
     import time
 
+    from eagle3_dagster.drafter.imported import check_drafter_dir
+    from eagle3_dagster.io import ForeignInputError
     from eagle3_dagster.stages.bench import benchmark_stage
 
     if not (drafter / "config.json").exists():
         raise UserError(f"{drafter}: not a drafter directory (no config.json)")
+    try:  # the folder may come from anywhere: its values and files are checked before anything reads them
+        check_drafter_dir(drafter)
+    except ForeignInputError as e:  # names the file and the field
+        raise UserError(_one_line(e)) from None
+    except FileNotFoundError:  # no weights at all: the loader names that, after the target it is for
+        pass
     host = None
     if profile.bench.mode == "served":
         from eagle3_dagster.gpu_host import GpuHost
@@ -262,13 +278,19 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
         report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous
                                  else None, run_id=time.strftime("%Y%m%d-%H%M%S"), gpu_host=host, progress=print,
                                  out_dir=out)
+    except ForeignInputError as e:
+        raise UserError(_one_line(e)) from None
     except (KeyError, ValueError) as e:  # a directory that is not an EAGLE-3 drafter for this target
-        raise UserError(f"{drafter}: {e}") from None
+        raise UserError(f"{drafter}: {_one_line(e)}") from None
     _print_metadata({k: v for k, v in report.metadata.items() if k != "drafter_notes"})
     for note in report.metadata.get("drafter_notes", []):
         print(f"note: {note}")
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 def _print_metadata(meta: dict) -> None:

@@ -1,8 +1,10 @@
-"""File primitives every stage shares: atomic writes and streaming JSONL.
+"""File primitives every stage shares: atomic writes, streaming JSONL, and file names read from foreign files.
 
 Nothing half-written is ever read as complete: every artifact is written under
 a temporary name in the same folder and renamed into place (rename is atomic on
-POSIX within one file system).
+POSIX within one file system). A file name that another program or person wrote
+(a safetensors index's `weight_map`, a published `export_manifest.json`) is
+joined to its folder only through `confined_path`, and read only as a `regular_file`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 import orjson
@@ -188,3 +191,47 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+class ForeignInputError(ValueError):
+    """A value read from a file this project did not write (a drafter trained elsewhere, a published manifest)
+    that it refuses; the message names the file and the field or entry."""
+
+
+def confined_path(root: str | os.PathLike, name: object, *, where: str, flat: bool = False) -> Path:
+    """`root / name` for a `name` read from a foreign file (`where`: that file and entry, for the error).
+
+    The name must be a relative POSIX path without a `..` component (a bare file name when `flat`), and
+    `root / name`, symlinks followed, must stay inside `root` (also followed): `../x`, `/etc/x`, `a/../../x`
+    and a link out of the folder are each a `ForeignInputError` naming `where`."""
+    pure = PurePosixPath(name) if isinstance(name, str) and "\0" not in name else None
+    if pure is None or not pure.parts:
+        raise ForeignInputError(f"{where}: {name!r} is not a file name; refused")
+    if pure.is_absolute() or ".." in pure.parts:
+        raise ForeignInputError(f"{where}: file name {name!r} is absolute or has a '..' component, which can "
+                                f"lead out of {root}; refused")
+    if flat and len(pure.parts) != 1:
+        raise ForeignInputError(f"{where}: {name!r} is not a bare file name in {root}; refused")
+    root_real = Path(root).resolve()
+    path = Path(root) / pure
+    if not path.resolve().is_relative_to(root_real):
+        raise ForeignInputError(f"{where}: {path} leads out of {root} (to {path.resolve()}) through a symlink; "
+                                "refused")
+    return path
+
+
+def regular_file(path: str | os.PathLike, *, where: str) -> Path:
+    """`path` when it is an existing regular file (after symlinks): never a device (`/dev/urandom` reads
+    forever), a FIFO (blocks) or a folder. A `ForeignInputError` naming `where` otherwise; a missing file is
+    a `FileNotFoundError`."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: {path} does not exist") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+            else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise ForeignInputError(f"{where}: {path} is {kind}" + (f" ({path.resolve()})" if path.is_symlink() else "")
+                                + ", not a regular file; refused")
+    return path

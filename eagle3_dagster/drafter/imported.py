@@ -26,20 +26,30 @@ The decisions, each as SGLang 0.5.23 makes them and each recorded as a note:
   (`eagle_worker_v2.py`, `set_embed`); so does this loader, after comparing the two.
 - `t2d`: SGLang skips it and maps draft ids by `d2t` (`llama_eagle3.py` load_weights);
   a `t2d` that disagrees with `d2t` is rebuilt from `d2t`.
+
+The folder is foreign input, checked where it is read (`read_drafter_config`, `weight_files`), before
+transformers or torch sees a value: every size a positive integer (not a bool, a float or a string) below
+2**31, head sizes dividing, `rope_theta` and `rms_norm_eps` finite and positive (a NaN RoPE base loads,
+drafts nothing and reports acceptance 1.0), the aux layers by the rule the profile's own follow
+(`layers.validate_aux_layers`), and every weight file a regular file inside the folder (an index naming
+`../other/model.safetensors` would measure another drafter under this one's name). A refusal is a
+`ForeignInputError` naming the file and the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from eagle3_dagster import layers
 from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, eagle31_options, expected_shapes, load_own_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_dagster.io import ForeignInputError, confined_path, regular_file
 from eagle3_dagster.sglang import releases
 
 # The release whose loader the defaults follow when the profile names none (the newest supported).
@@ -67,9 +77,91 @@ class ImportedDrafter:
                 "drafter_aux_layers_from": self.aux_layers_from, "drafter_notes": list(self.notes)}
 
 
+# Sizes read from config.json: positive integers (a bool is not one: `true == 1` in Python), each below what
+# any model's width, vocabulary or context reaches.
+_SIZE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "max_position_embeddings",
+                "num_hidden_layers")
+MAX_SIZE = 2**31 - 1
+_FLAG_FIELDS = ("tie_word_embeddings", "fc_norm", "norm_output", "use_aux_norm", *_UNSUPPORTED_CONFIG)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def config_value_errors(raw: dict) -> list[str]:
+    """What is wrong with the values of a draft config.json, each naming its field (empty when nothing is).
+
+    Only the fields given are checked (a missing or null one takes LlamaConfig's default, as SGLang reads it);
+    sizes that must divide are checked against the defaults too."""
+    errors = []
+    for key in _SIZE_FIELDS:
+        v = raw.get(key)
+        if v is not None and not (_is_int(v) and 1 <= v <= MAX_SIZE):
+            errors.append(f"{key}={v!r}: must be an integer from 1 to {MAX_SIZE}")
+    for key in _FLAG_FIELDS:
+        if raw.get(key) is not None and not isinstance(raw[key], bool):
+            errors.append(f"{key}={raw[key]!r}: must be true or false")
+    eps = raw.get("rms_norm_eps")
+    if eps is not None and not (_is_number(eps) and math.isfinite(eps) and 0 < eps < 1):
+        errors.append(f"rms_norm_eps={eps!r}: must be a finite number above 0 and below 1")
+    for key in ("rope_scaling", "rope_parameters", "eagle_config"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            errors.append(f"{key}={raw[key]!r}: must be an object")
+    thetas = {"rope_theta": raw.get("rope_theta")} | {
+        f"{key}.rope_theta": raw[key].get("rope_theta") for key in ("rope_scaling", "rope_parameters")
+        if isinstance(raw.get(key), dict)}
+    for key, theta in thetas.items():
+        if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
+            errors.append(f"{key}={theta!r}: the RoPE base must be a finite number above 0")
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    for key, ids in (("eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")),
+                     ("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")),
+                     (OWN_FIELD, raw.get(OWN_FIELD))):
+        if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
+            errors.append(f"{key}={ids!r}: must be a list of layer numbers")
+    if errors:
+        return errors
+    hidden, heads = raw.get("hidden_size") or 4096, raw.get("num_attention_heads") or 32  # LlamaConfig's defaults
+    if raw.get("head_dim") is None and hidden % heads:
+        errors.append(f"num_attention_heads={heads} does not divide hidden_size={hidden} (config.json gives no "
+                      "head_dim)")
+    kv = raw.get("num_key_value_heads")
+    if kv is not None and heads % kv:
+        errors.append(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}")
+    head_dim = raw.get("head_dim") or hidden // heads
+    if head_dim % 2:
+        errors.append(f"head_dim={head_dim}" + ("" if raw.get("head_dim") else " (hidden_size / num_attention_heads)")
+                      + ": RoPE needs an even head_dim")
+    draft, vocab = raw.get("draft_vocab_size"), raw.get("vocab_size")
+    if draft is not None and vocab is not None and draft > vocab:
+        errors.append(f"draft_vocab_size={draft} is larger than vocab_size={vocab}")
+    return errors
+
+
+def read_drafter_config(export_dir: Path) -> dict:
+    """A drafter folder's config.json, as written (no defaults filled in), once its values are checked.
+
+    Read with Python's json, as transformers reads it: `NaN` and `Infinity` parse, and are refused by name."""
+    path = regular_file(confined_path(export_dir, "config.json", where=str(export_dir)), where=str(export_dir))
+    try:
+        raw = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ForeignInputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ForeignInputError(f"{path}: a JSON {type(raw).__name__}, not an object of config fields")
+    if errors := config_value_errors(raw):
+        raise ForeignInputError(f"{path}: " + "; ".join(errors))
+    return raw
+
+
 def is_own_export(export_dir: Path) -> bool:
-    cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    return OWN_FIELD in cfg
+    return OWN_FIELD in read_drafter_config(Path(export_dir))
 
 
 def sglang_default_aux_layers(num_target_layers: int) -> list[int]:
@@ -105,15 +197,22 @@ def resolve_aux_layers(cfg: dict, target_architecture: str, num_target_layers: i
     if top is not None and list(top) != list(canonical):
         notes.append(f"top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's, canonical numbering) differ "
                      f"from the {canonical} SGLang captures; measured with SGLang's")
-    if len(canonical) != 3 or sorted(set(canonical)) != canonical or not 0 <= canonical[0] <= canonical[-1] < \
-            num_target_layers:
-        raise ValueError(f"aux layers {canonical} ({origin}) are not 3 distinct increasing layers of a "
-                         f"{num_target_layers}-layer target; write eagle_config.eagle_aux_hidden_state_layer_ids "
-                         "into the drafter's config.json")
+    _check_aux_layers(canonical, origin, num_target_layers)
     return canonical, origin, notes
 
 
-def _full_config(raw: dict) -> dict:
+def _check_aux_layers(canonical: list[int], origin: str, num_target_layers: int) -> None:
+    """The rule the profile's own hidden.aux_layers meet for the same target (`target.target_facts`)."""
+    try:
+        layers.validate_aux_layers(list(canonical), num_target_layers)
+    except ValueError as e:
+        raise ForeignInputError(
+            f"aux layers {list(canonical)} ({origin}) are not 3 distinct increasing layers of a {num_target_layers}-"
+            f"layer target as the profile's hidden.aux_layers must be: {str(e).removeprefix('hidden.aux_layers: ')}; "
+            "write eagle_config.eagle_aux_hidden_state_layer_ids into the drafter's config.json") from None
+
+
+def _full_config(raw: dict, path: Path | str = "config.json") -> dict:
     """config.json with transformers' `LlamaConfig` defaults filled in, as SGLang reads it.
 
     A config written by hand, or by a `save_pretrained` that keeps only what differs from the class
@@ -121,7 +220,11 @@ def _full_config(raw: dict) -> dict:
     """
     from transformers import LlamaConfig
 
-    full = LlamaConfig.from_dict(dict(raw)).to_dict()
+    try:
+        full = LlamaConfig.from_dict(dict(raw)).to_dict()
+    except Exception as e:  # transformers' own validation (huggingface_hub's StrictDataclassError, not a ValueError)
+        raise ForeignInputError(f"{path}: transformers' LlamaConfig refuses it: " + " ".join(str(e).split())) \
+            from None
     full.update({k: v for k, v in raw.items() if k not in full})
     return full
 
@@ -151,20 +254,61 @@ def _config_errors(cfg: dict, target: dict) -> list[str]:
     return errors
 
 
-def _read_weights(export_dir: Path) -> dict[str, torch.Tensor]:
-    from eagle3_dagster.drafter.target_head import _weight_map
+def weight_files(export_dir: Path) -> dict[str, Path]:
+    """Tensor name → file of a drafter folder: from its `*.safetensors.index.json`, else every `*.safetensors`.
 
-    if not list(export_dir.glob("*.safetensors")):
+    Each file must be a regular file inside the folder: an index naming `../x` or `/x`, or a weight that is a
+    link out of the folder (or to a device), is a `ForeignInputError` naming it."""
+    export_dir = Path(export_dir)
+    if not list(export_dir.glob("*.safetensors")) and not list(export_dir.glob("*.safetensors.index.json")):
         found = sorted(p.name for p in export_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise FileNotFoundError(f"{export_dir}: no *.safetensors weights" + (f" (found {found}; re-export with "
                                                                              "safetensors)" if found else ""))
+    indexes = sorted(export_dir.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise ForeignInputError(f"{export_dir}: several safetensors index files {[p.name for p in indexes]}")
+    if indexes:
+        index = regular_file(confined_path(export_dir, indexes[0].name, where=str(export_dir)), where=str(indexes[0]))
+        try:
+            weight_map = json.loads(index.read_bytes()).get("weight_map")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ForeignInputError(f"{index}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ForeignInputError(f"{index}: weight_map is not an object of tensor name → file")
+        files = {}
+        for name, file in weight_map.items():
+            where = f"{index} weight_map[{name!r}]"
+            files[name] = regular_file(confined_path(export_dir, file, where=where), where=where)
+        return files
+    out: dict[str, Path] = {}
+    for f in sorted(export_dir.glob("*.safetensors")):
+        where = f"{export_dir}: weights {f.name}"
+        path = regular_file(confined_path(export_dir, f.name, where=where), where=where)
+        out.update({k: path for k in _safetensors(path, lambda h: list(h.keys()))})
+    return out
+
+
+def _safetensors(path: Path, read):
+    """`read(handle)` on a safetensors file; a file safetensors cannot read is an error naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            return read(h)
+    except (SafetensorError, OSError) as e:
+        raise ForeignInputError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _read_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     state = {}
     by_file: dict[Path, list[str]] = {}
-    for name, file in _weight_map(export_dir).items():
+    for name, file in weight_files(export_dir).items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as h:
-            state.update({n: h.get_tensor(n) for n in names})
+        def read(h, names=names, file=file):
+            if missing := sorted(set(names) - set(h.keys())):
+                raise ForeignInputError(f"{file}: has no tensor {missing[:3]} that the index puts there")
+            return {n: h.get_tensor(n) for n in names}
+
+        state.update(_safetensors(file, read))
     return state
 
 
@@ -175,11 +319,14 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
 
     export_dir, target_dir = Path(export_dir), Path(target_dir)
     version = sglang_version or REFERENCE_SGLANG
-    cfg = _full_config(json.loads((export_dir / "config.json").read_text()))
+    cfg = _full_config(read_drafter_config(export_dir), export_dir / "config.json")
     arch, target = _target_facts(target_dir)
     check = ExportCheck(config_errors=_config_errors(cfg, target))
     check.raise_for_errors()
-    aux, origin, notes = resolve_aux_layers(cfg, arch, int(target["num_hidden_layers"]), version)
+    try:
+        aux, origin, notes = resolve_aux_layers(cfg, arch, int(target["num_hidden_layers"]), version)
+    except ForeignInputError as e:
+        raise ForeignInputError(f"{export_dir / 'config.json'}: {e}") from None
     state = _read_weights(export_dir)
     for legacy, name in _LEGACY_NAMES.items():
         state = {k.replace(legacy, name): v for k, v in state.items()}
@@ -210,7 +357,7 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
                         if v.is_floating_point() and not bool(torch.isfinite(v).all())}
     check.raise_for_errors()
     dims = _sglang_dims(cfg)
-    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0  # checked > 0
     dcfg = DrafterConfig(
         target_hidden_size=dims["target_hidden_size"], hidden_size=dims["hidden_size"],
         intermediate_size=dims["intermediate_size"], num_attention_heads=dims["num_attention_heads"],
@@ -248,8 +395,28 @@ def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
 
 
 def load_any_drafter(export_dir: Path, target_dir: Path, *, sglang_version: str | None = None) -> ImportedDrafter:
-    """This project's export (strict) or another trainer's (as SGLang serves it), with how it was read."""
+    """This project's export (strict) or another trainer's (as SGLang serves it), with how it was read.
+
+    Either way the folder is checked as foreign first (`check_drafter_dir`): a config.json carrying this
+    project's field is no proof that this project wrote it."""
+    check_drafter_dir(export_dir)
     if is_own_export(export_dir):
+        canonical = read_drafter_config(Path(export_dir))[OWN_FIELD]
+        try:
+            _check_aux_layers(canonical, f"{OWN_FIELD}", int(_target_facts(Path(target_dir))[1]["num_hidden_layers"]))
+        except ForeignInputError as e:
+            raise ForeignInputError(f"{Path(export_dir) / 'config.json'}: {e}") from None
         model = load_own_drafter(export_dir, target_dir)
         return ImportedDrafter(model, "eagle3_dagster", tuple(model.cfg.aux_layers), "eagle3_dagster export config")
     return load_external_drafter(export_dir, target_dir, sglang_version=sglang_version)
+
+
+def check_drafter_dir(export_dir: Path) -> None:
+    """What every reader of a drafter folder may rely on, checked before anything reads it (`eagle3 bench
+    --drafter`, the benchmark stage): config.json an object of valid values, every weight file a regular file
+    inside the folder. A `ForeignInputError` (or `FileNotFoundError`) naming the file and field otherwise."""
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise FileNotFoundError(f"{export_dir}: not a drafter directory (not a folder)")
+    read_drafter_config(export_dir)
+    weight_files(export_dir)

@@ -28,19 +28,130 @@ speculators (`speculators.train.data.ArrowDataset`):
     = w * x / rms(x) has y / w = x / rms(x), whose rms is 1, so norm(y / w) = y
     up to eps: exporting y / w (w = the target's final norm weight) makes
     speculators' teacher equal ours.
+
+Both read the shards only after each has passed its checksum against its manifest
+(`shards.verify_shard`, the check training makes): a shard training refuses is not
+handed to another trainer either. Both write only into an empty folder or an earlier
+export of this project (its `eagle3_export.json` marker, written before the first
+sample), whose samples are removed first: SpecForge reads every `.ckpt` below the
+folder, so 24 new samples beside 25 old ones would train on 25.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save as safetensors_save
 
+from eagle3_dagster import storage
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
+from eagle3_dagster.hidden.shards import ShardCorruptError, load_manifest, shard_path, verify_shard
 from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json
+
+EXPORT_MARKER = "eagle3_export.json"
+EXPORT_FORMAT = "eagle3-dagster-hidden-export"
+TARGET_VIEW = "target_model"  # specforge_target_dir's folder of links, rebuilt by each call
+_GENERATED_BY = "eagle3 export-shards --format specforge"
+# What an export writes beside its marker, by top-level name: files, and folders with the files allowed in
+# them (atomic_open's temp files, `.NAME.HOST-PID.XXXX.tmp`, are what a killed export leaves). A new export
+# removes them; anything else in the folder is someone else's, and the folder is refused.
+_TEMP = r"\..+\.tmp"
+_EXPORT_FILES = re.compile(rf"{re.escape(EXPORT_MARKER)}|data-\d{{5}}-of-\d{{5}}\.arrow|dataset_info\.json|"
+                           rf"state\.json|{_TEMP}")
+_EXPORT_FOLDERS = ((re.compile(r"rows_\d+-\d+"), re.compile(rf"data_\d+\.ckpt|{_TEMP}")),  # specforge
+                   (re.compile(r"hidden_states"), re.compile(rf"hs_\d+\.safetensors|{_TEMP}")))  # speculators
+
+
+class ExportFolderError(FileExistsError):
+    """An export's output folder that holds files other than this project's earlier export."""
+
+
+def verify_version(version_dir: storage.Location | Path | str) -> list[str]:
+    """The keys of the version's complete shards, each checked against its manifest entry (size and sha256,
+    `shards.verify_shard`, as training checks them) before anything is exported; a `ShardCorruptError` naming
+    every shard that fails."""
+    manifest = load_manifest(storage.location(version_dir))
+    problems = []
+    for key in sorted(manifest):
+        try:
+            verify_shard(shard_path(version_dir, key), manifest[key])
+        except ShardCorruptError as e:
+            problems.append(str(e))
+    if problems:
+        raise ShardCorruptError(
+            f"{version_dir}: {len(problems)} of {len(manifest)} shards do not match their manifest, so nothing is "
+            "exported (training refuses them too); materialize those hidden_states partitions again: "
+            + "; ".join(problems))
+    return sorted(manifest)
+
+
+def _is_marker(path: Path) -> bool:
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        marker = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(marker, dict) and marker.get("layout") in ("specforge", "speculators")
+
+
+def _is_target_view(path: Path) -> bool:
+    """A `specforge_target_dir` folder: links and the index it generated, nothing else."""
+    index = path / "model.safetensors.index.json"
+    if path.name != TARGET_VIEW or path.is_symlink() or not path.is_dir() or index.is_symlink() or \
+            not index.is_file():
+        return False
+    try:
+        generated = json.loads(index.read_bytes()).get("metadata", {}).get("generated_by")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+    return generated == _GENERATED_BY and all(p == index or p.is_symlink() or re.fullmatch(_TEMP, p.name)
+                                              for p in path.iterdir())
+
+
+def _is_export_entry(path: Path) -> bool:
+    if path.is_symlink():
+        return False
+    if path.is_file():
+        return bool(_EXPORT_FILES.fullmatch(path.name))
+    for folder, files in _EXPORT_FOLDERS:
+        if path.is_dir() and folder.fullmatch(path.name):
+            return all((p.is_file() or p.is_symlink()) and files.fullmatch(p.name) for p in path.iterdir())
+    return False
+
+
+def prepare_export_dir(out_dir: Path, layout: str) -> list[str]:
+    """Make `out_dir` ready for an export and mark it as one (`EXPORT_MARKER`, before the first sample).
+
+    It must be missing, empty, or an earlier export of this project (its marker; a `target_model` view of
+    `specforge_target_dir` may be there too, and stays): the earlier export's files are removed, so no stale
+    sample stays beside the new ones. Anything else is an `ExportFolderError`, raised before anything is
+    removed. Returns the names removed."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportFolderError(f"{out_dir}: exists and is not a folder; export into an empty or new folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = [p for p in sorted(out_dir.iterdir()) if not _is_target_view(p)]
+    if entries and not _is_marker(out_dir / EXPORT_MARKER):
+        raise ExportFolderError(
+            f"{out_dir}: not empty ({', '.join(p.name for p in entries[:5])}{', …' if len(entries) > 5 else ''}) and "
+            f"not an earlier export of this project (no {EXPORT_MARKER}); export into an empty or new folder")
+    if foreign := [p.name for p in entries if not _is_export_entry(p)]:
+        raise ExportFolderError(
+            f"{out_dir}: an earlier export, but it also holds {foreign[:5]}, which no export writes; move them "
+            "away (the trainers read every sample file below the folder)")
+    for p in entries:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    atomic_write_json(out_dir / EXPORT_MARKER, {"format": EXPORT_FORMAT, "layout": layout, "complete": False})
+    return [p.name for p in entries]
 
 SPECFORGE_FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
 
@@ -58,8 +169,10 @@ def export_specforge(
     version_dir: Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
     progress: Callable[[int, int], None] | None = None, dtype: torch.dtype = SPECFORGE_DTYPE,
 ) -> int:
-    """One torch.save file per sample, numbered in dataset order, states in `dtype`; returns how many."""
-    ds = HiddenStatesDataset(version_dir)
+    """One torch.save file per sample, numbered in dataset order, states in `dtype`, into an empty folder or an
+    earlier export (`prepare_export_dir`), from shards that pass their checksum; returns how many."""
+    ds = HiddenStatesDataset(version_dir, verify_version(version_dir))
+    prepare_export_dir(out_dir, "specforge")
     for i in range(len(ds)):
         s = ds[i]
         with atomic_open(specforge_path(out_dir, i, group_size)) as f:
@@ -89,12 +202,15 @@ def specforge_target_dir(target_dir: Path, out_dir: Path) -> Path:
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{target_dir}: no *.safetensors weights to index for SpecForge")
-    view = Path(out_dir) / "target_model"
+    view = Path(out_dir) / TARGET_VIEW
+    if view.exists() and not _is_target_view(view):
+        raise ExportFolderError(f"{view}: exists and is not a target view this export wrote; move it away")
     view.mkdir(parents=True, exist_ok=True)
+    for link in view.iterdir():  # rebuilt whole: a link of an earlier target must not stay beside the new index
+        link.unlink()
     for f in target_dir.iterdir():
-        link = view / f.name
-        if f.is_file() and not link.exists():
-            link.symlink_to(f)
+        if f.is_file():
+            (view / f.name).symlink_to(f)
     weight_map, total = {}, 0
     for f in files:
         with safe_open(str(f), framework="pt") as h:
@@ -106,7 +222,7 @@ def specforge_target_dir(target_dir: Path, out_dir: Path) -> Path:
                     numel *= d
                 total += numel * _DTYPE_BYTES[sl.get_dtype()]
     atomic_write_json(view / "model.safetensors.index.json",
-                      {"metadata": {"total_size": total, "generated_by": "eagle3 export-shards --format specforge"},
+                      {"metadata": {"total_size": total, "generated_by": _GENERATED_BY},
                        "weight_map": weight_map})
     return view
 
@@ -148,14 +264,16 @@ def export_speculators(
     version_dir: Path, out_dir: Path, *, final_norm_weight: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
-    """Arrow dataset + hidden_states/hs_{i}.safetensors; returns how many samples were written."""
+    """Arrow dataset + hidden_states/hs_{i}.safetensors, into an empty folder or an earlier export
+    (`prepare_export_dir`), from shards that pass their checksum; returns how many samples were written."""
     from datasets import Dataset
 
-    ds = HiddenStatesDataset(version_dir)
+    ds = HiddenStatesDataset(version_dir, verify_version(version_dir))
     h = ds.metadata["hidden_size"]
     if tuple(final_norm_weight.shape) != (h,):
         raise ValueError(f"final_norm_weight has shape {tuple(final_norm_weight.shape)}, shards have hidden {h}")
     out_dir = Path(out_dir)
+    prepare_export_dir(out_dir, "speculators")
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     for i in range(len(ds)):
         s = ds[i]
@@ -174,8 +292,9 @@ def export_speculators(
 
 def _write_provenance(out_dir: Path, ds: HiddenStatesDataset, layout: str, extra: dict | None = None) -> None:
     atomic_write_json(
-        Path(out_dir) / "eagle3_export.json",
-        {"layout": layout, "num_samples": len(ds), "sample_ids": ds.sample_ids, **ds.metadata,
+        Path(out_dir) / EXPORT_MARKER,
+        {"format": EXPORT_FORMAT, "layout": layout, "complete": True, "num_samples": len(ds),
+         "sample_ids": ds.sample_ids, **ds.metadata,
          "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm",
          **(extra or {})},
     )
