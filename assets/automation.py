@@ -8,6 +8,8 @@ failed, or merged_train / the target changed since it was built; never while a
 run of any job (extract_job, the asset page, a backfill) targets it; only once
 extraction_plan's blocking disk check passed; at most `hidden.backfill_batch`
 per tick of `hidden.backfill_cron`, so a host that died is picked up at the next one.
+An external target (production's) is an observable source, missing to the automation until it is observed:
+the same sensor observes it when it never was and at each tick.
 """
 
 
@@ -73,6 +75,15 @@ def shard_automation_condition(limit: int, cron: str) -> dg.AutomationCondition:
     return FirstPartitions(due & wanted & ready & ~AC.in_progress(), limit)
 
 
+def target_observation_condition(cron: str) -> dg.AutomationCondition:
+    """An external target is observed when it never was and at each tick of `cron`: until its first observation
+    it counts as missing, and no shard is requested (`ready` above); after it, a swapped checkpoint changes its
+    data version at the next tick and marks everything built from the old one stale."""
+    AC = dg.AutomationCondition
+    return ((AC.missing() | AC.cron_tick_passed(cron)) & ~AC.in_progress()).with_label(
+        f"never observed, or a tick of {cron}")
+
+
 # The jobs the UI and scripts/run_pipeline.py run: what each materializes. Their order is the graph's
 # (run_pipeline sorts them by it), not this table's.
 JOBS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -109,15 +120,17 @@ def build_automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDef
 
 
 def _automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefinition:
+    observed = ("target_model",) if profile.target.kind != "tiny" else ()  # an external target's observation
     return dg.AutomationConditionSensorDefinition(
         AUTOMATION_SENSOR,
-        target=dg.AssetSelection.assets("hidden_states"),
+        target=dg.AssetSelection.assets("hidden_states", *observed),
         run_tags=run_tags(profile, "hidden_states"),
         default_status=dg.DefaultSensorStatus.RUNNING,
         use_user_code_server=True,  # FirstPartitions is evaluated in the code location
         emit_backfills=False,  # one run per shard: a failed shard fails alone and is retried alone
         description=f"At each tick of {profile.hidden.backfill_cron}, requests up to {profile.hidden.backfill_batch} "
-        "hidden_states shards that are missing, failed or outdated, none already queued or running.",
+        "hidden_states shards that are missing, failed or outdated, none already queued or running"
+        + ("; observes the external target_model, at once when it never was" if observed else "") + ".",
     )
 
 

@@ -12,6 +12,7 @@ import json
 import dagster as dg
 
 from assets._common import accepted, layout, materialize_result, progress_logger, tag_run
+from assets.automation import target_observation_condition
 from assets.settings import given
 from eagle3_dagster.config import Profile
 
@@ -55,6 +56,9 @@ def _observed_target(profile: Profile):
         description=f"The target model directory on the GPU host: {profile.target.path}. "
         "Observed, never built: its data version is the hash of config.json + the weight index.",
         required_resource_keys={"gpu_host"},
+        # observed by the automation sensor: the shards wait for a first observation (an unobserved source is
+        # missing), and a later tick sees a swapped checkpoint
+        automation_condition=target_observation_condition(profile.hidden.backfill_cron),
     )
     def target_model(context) -> dg.ObserveResult:
         host = context.resources.gpu_host.host()

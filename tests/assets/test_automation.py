@@ -199,3 +199,25 @@ def test_a_new_merged_train_makes_extracted_shards_due_again(defs, instance):
 def test_automation_runs_carry_the_profile_and_the_runtime_limit(defs):
     sensor = defs.resolve_sensor_def("hidden_states_automation")
     assert sensor.run_tags == {"eagle3/profile": "micro", "dagster/max_runtime": "21600"}
+
+
+def test_an_external_target_is_observed_by_the_automation_before_any_shard_is_requested():
+    """Production's target is an observable source: until it is observed it is missing to the automation, and no
+    shard is ever requested (the production rehearsal's shards waited forever). The automation sensor observes it
+    when it never was, then requests the shards at the next tick."""
+    defs = build_definitions(load_profile("production", overrides={
+        "hidden": {"backfill_batch": BATCH, "backfill_cron": "*/10 * * * *"}}))
+    target = dg.AssetKey("target_model")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(3)])
+        report_merged_train(instance, 3)
+        instance.report_runless_asset_event(dg.AssetMaterialization("extraction_plan"))
+        instance.report_runless_asset_event(dg.AssetCheckEvaluation(
+            asset_key=dg.AssetKey("extraction_plan"), check_name="fits_on_disk", passed=True,
+            severity=dg.AssetCheckSeverity.ERROR))
+        ticks = Ticks(defs, instance)
+        result = dg.evaluate_automation_conditions(defs, instance, evaluation_time=ticks.now, cursor=ticks.cursor)
+        assert result.get_num_requested(target) == 1  # never observed: observed at once
+        assert result.get_requested_partitions(HIDDEN) == set()
+        instance.report_runless_asset_event(dg.AssetObservation(target, tags={"dagster/data_version": "abc"}))
+        assert ticks.next() == [shard(0), shard(1)]
