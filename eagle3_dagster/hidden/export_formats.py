@@ -51,7 +51,7 @@ from safetensors.torch import save as safetensors_save
 from eagle3_dagster import storage
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import ShardCorruptError, load_manifest, shard_path, verify_shard
-from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json
+from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json, confined_path, regular_file
 
 EXPORT_MARKER = "eagle3_export.json"
 EXPORT_FORMAT = "eagle3-dagster-hidden-export"
@@ -242,7 +242,8 @@ def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
         weight_map = json.loads(index.read_text())["weight_map"]
         if name not in weight_map:
             raise KeyError(f"{index}: no {name} in the weight map")
-        file = model_dir / weight_map[name]
+        where = f"{index} weight_map[{name!r}]"  # a checkpoint from a hub is foreign: its index stays in its folder
+        file = regular_file(confined_path(model_dir, weight_map[name], where=where), where=where)
     else:
         file = model_dir / "model.safetensors"
     with safe_open(str(file), framework="pt") as f:

@@ -215,3 +215,17 @@ def test_eagle3_export_shards_fails_its_check_on_a_corrupt_shard_and_refuses_a_f
     assert last.startswith("eagle3 export-shards: ") and "shard-00000" in last and "sha256" in last
     assert "Traceback" not in err
     assert not (tmp_path / "spec").exists()
+
+
+def test_the_final_norm_for_speculators_is_read_only_from_inside_the_target(tmp_path):
+    """Before, a sharded target's index naming `../elsewhere/x.safetensors` was followed to read the norm."""
+    from eagle3_dagster.hidden.export_formats import load_final_norm_weight
+
+    elsewhere = _weights_target(tmp_path / "elsewhere", 5)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text((elsewhere / "config.json").read_text())
+    (target / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}}))
+    with pytest.raises(ValueError, match=r"weight_map\['model.norm.weight'\]: file name '../elsewhere/"):
+        load_final_norm_weight(target)
