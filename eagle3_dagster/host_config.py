@@ -28,6 +28,13 @@ class HostConfig(BaseModel):
                           description="GPUs the preflight expects on the host")  # bounds: as config._bounded
     name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
                              "the ssh target (required when two hosts would get the same name)")
+    sglang_port: int | None = Field(None, ge=1, le=65535, json_schema_extra={"bounds": "TCP ports are 1-65535"},
+                                    description="this host's SGLang port when it is not hidden.sglang_port: two "
+                                    "hosts on one machine (a 16-GPU box as two TP=8 hosts) need two ports")
+
+    def server_port(self, default: int) -> int:
+        """The port this host's SGLang server listens on: its own, or the profile's `hidden.sglang_port`."""
+        return self.sglang_port if self.sglang_port is not None else default
 
     @model_validator(mode="after")
     def _target_for_ssh(self) -> HostConfig:

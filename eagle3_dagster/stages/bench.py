@@ -105,16 +105,19 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
-        server = serving_spec(profile, target.path, export, installed, spec)
+        server = serving_spec(profile, target.path, export, installed, spec,
+                              port=host.spec.server_port(profile.hidden.sglang_port))
         rows += run_on_host(host, server, sets, method=method, spec=spec.label if spec else None,
                             max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
     return results_document(attach_speedups(rows), "served", described,
                             meta={"target_identity": target.identity, **drafter_meta})
 
 
-def serving_spec(profile: Profile, target_path: Path, export: Path, installed: str | None, spec: Any) -> Any:
+def serving_spec(profile: Profile, target_path: Path, export: Path, installed: str | None, spec: Any, *,
+                 port: int | None = None) -> Any:
     """The served benchmark's server: the target, and with `spec` (a `SpecConfig`) the exported drafter under
-    `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`."""
+    `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`.
+    `port`: the serving host's (default `hidden.sglang_port`)."""
     from eagle3_dagster.sglang.server import ServerSpec
 
     extra: tuple[str, ...] = ()
@@ -126,7 +129,8 @@ def serving_spec(profile: Profile, target_path: Path, export: Path, installed: s
                  "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
     # the host's own options (its device, memory fraction, attention backend) after the drafter's, as extraction
     # passes them: without them a host that needs them (a CPU host: --device cpu) cannot serve the benchmark
-    return ServerSpec(model_path=str(target_path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
+    return ServerSpec(model_path=str(target_path), port=port or profile.hidden.sglang_port,
+                      tp_size=profile.hidden.tp_size,
                       context_length=profile.target.serving_context,
                       extra_args=(*extra, *profile.hidden.sglang_server_args), sglang_version=installed,
                       trust_remote_code=profile.target.trust_remote_code)

@@ -213,7 +213,8 @@ def _extract_sglang(profile: Profile, contract: Path | str, ctx: HiddenContext, 
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")
     log_path = local_root / ".logs" / f"sglang-{ctx.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
-    spec = ServerSpec(model_path=str(ctx.target.path), port=profile.hidden.sglang_port, tp_size=profile.hidden.tp_size,
+    spec = ServerSpec(model_path=str(ctx.target.path), port=host.spec.server_port(profile.hidden.sglang_port),
+                      tp_size=profile.hidden.tp_size,
                       dump_dir=str(dump_folder(ctx)), dump_layers=ctx.target.aux_layers,
                       sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code,
                       extra_args=tuple(profile.hidden.sglang_server_args))
