@@ -1,8 +1,9 @@
 """`drafter_checkpoint` and `benchmark_report`: the drafter and the number users care about.
 
 Training runs as `torchrun` under Dagster Pipes through the GPU-host resource
-(locally in the demo), in its own process group, so per-step metrics stream into
-the run and a cancelled run leaves no worker behind; a retry resumes from the
+(locally in the demo), on `train.nnodes` leased hosts, each in its own process
+group, so rank 0's per-step metrics stream into the run and a cancelled run or a
+host that fails leaves no worker behind on any host; a retry resumes from the
 last checkpoint. The drafter's materialization carries everything needed to
 audit it without the disk: target identity, merged_train sha256, hidden-state
 version and shards with their checksums, git SHA, package versions and config;
@@ -41,16 +42,24 @@ def build(profile: Profile) -> dg.Definitions:
         retry_policy=dg.RetryPolicy(max_retries=1),
     )
     def drafter_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        from eagle3_dagster.stages.train import finish_training, prepare_training
+        from eagle3_dagster.stages.train import PIPES_WORKER, finish_training, prepare_training
+        from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, node_commands
 
         tag_run(context, profile)
+        train, gpu_host = given(profile, "drafter_checkpoint").train, context.resources.gpu_host
+        try:
+            check_host_count(train.nnodes, len(gpu_host.hosts))
+        except TooFewHostsError as e:
+            raise dg.Failure(description=str(e)) from None
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
         launch = prepare_training(given(profile, "drafter_checkpoint"), layout(profile),
                                   contract=current_contract(context.instance))
-        context.log.info(f"launching: {' '.join(launch.command)}")
-        invocation = context.resources.gpu_host.run_pipes(
-            context=context, command=launch.command, env=launch.env, cwd=launch.cwd
-        )
+        with gpu_host.lease_hosts(context, train.nnodes) as hosts:  # one torchrun node per host
+            nodes = node_commands(launch.job_path, train, hosts, module=PIPES_WORKER)
+            for node in nodes:
+                context.log.info(f"launching on {node.host.name}: {' '.join(node.argv)}")
+            invocation = gpu_host.run_pipes_on_hosts(context=context, commands=nodes, env=launch.env,
+                                                     cwd=launch.cwd, name="train")
         child_meta = {}
         for result in invocation.get_results():
             if isinstance(result, dg.MaterializeResult):

@@ -508,10 +508,14 @@ class TrainConfig(_Strict):
     nproc_per_node: int = _bounded(
         1, ge=1, le=1024, why="more GPUs than one node has", description="torchrun workers per node")
     nnodes: int = _bounded(
-        1, ge=1, le=1024, why="more nodes than a drafter training uses", description="torchrun nodes")
+        1, ge=1, le=1024, why="more nodes than a drafter training uses",
+        description="torchrun nodes: drafter_checkpoint leases this many hosts of gpu_host.hosts (at least as "
+        "many must be listed) and starts torchrun on each; the hosts share the run_root file system")
     rdzv_endpoint: str | None = Field(
-        None, description="host:port of the c10d rendezvous every node joins (needed when nnodes > 1); "
-        "unset: a standalone single-node rendezvous")
+        None, description="host:port of the c10d rendezvous every node joins. Unset: with nnodes > 1, the first "
+        "leased host's ssh target host name (127.0.0.1 for a local host) and a port free there at launch, that "
+        "host's torchrun hosting the store (set this when the other hosts cannot reach that name, e.g. an ssh "
+        "alias); with one node, a standalone rendezvous")
     rdzv_id: str = Field("eagle3-drafter", min_length=1, description="rendezvous id shared by the nodes of one run")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend")
     export_location: str | None = Field(
@@ -529,8 +533,6 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _rendezvous(self) -> "TrainConfig":
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("train.rdzv_endpoint: required when train.nnodes > 1 (host:port of node 0)")
         if self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
             raise ValueError(f"train.rdzv_endpoint: expected host:port, got {self.rdzv_endpoint!r}")
         return self

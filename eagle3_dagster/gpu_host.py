@@ -50,12 +50,14 @@ from eagle3_dagster.sglang.releases import other_sglang_release
 # waits for EOF on stdin, i.e. for the launching worker to go away, then stops the group: TERM,
 # then KILL after a grace period. The child's own stdin is /dev/null.
 # (Background jobs of a non-interactive shell get /dev/null as stdin, hence the explicit fd 3.)
+# The script's own stderr goes once both are started: bash reports a job a signal killed on it, with the job's
+# whole command line (every environment variable of the launch) as the run's log would then show.
 WATCHDOG = """\
 exec 3<&0
 setsid -w env {nonce_env} bash -c {inner} </dev/null 3<&- & child=$!
 ( cat <&3 >/dev/null; {owned} && pg=$OWNED_PG && kill -TERM -- -$pg && \
   sleep 20 && {owned} && kill -KILL -- -$pg ) >/dev/null 2>&1 & watchdog=$!
-exec 3<&-
+exec 3<&- 2>/dev/null
 wait $child; rc=$?
 kill $watchdog 2>/dev/null
 exit $rc"""

@@ -1,7 +1,8 @@
 """Leases on GPU hosts: one run per host at a time, released by the kernel when the holder dies.
 
 Owns: the lease files (one per host, `<lease_dir>/<host>.lease`), taking a free
-host for the length of a `with` block, skipping hosts that fail their preflight
+host for the length of a `with` block (or several at once, all or none: a
+training on several nodes), skipping hosts that fail their preflight
 (logged with the host and the reason, never retried by the same run), and the
 one-slot-per-host size of the Dagster pool `gpu_host` (`pool_limits`).
 
@@ -148,49 +149,71 @@ def lease_host(
     with the reason). When every host that is left is leased by someone else, wait up to `wait_s` for
     one; when none is left, raise NoHostError naming every host and why.
     """
+    with lease_hosts(hosts, 1, lease_dir, holder=holder, preflight=preflight, log=log, wait_s=wait_s,
+                     poll_s=poll_s) as leases:
+        yield leases[0]
+
+
+@contextlib.contextmanager
+def lease_hosts(
+    hosts: Sequence[tuple[str, H]],
+    count: int,
+    lease_dir: Path | str,
+    *,
+    holder: Mapping,
+    preflight: Callable[[str, H], object] | None = None,
+    log: Callable[[str], None] = print,
+    wait_s: float = 600.0,
+    poll_s: float = 2.0,
+) -> Iterator[list[Lease[H]]]:
+    """Hold `count` free hosts that pass `preflight` for the `with` block (a training on several nodes), the
+    first ones in order, as `lease_host` holds one.
+
+    All or none: when fewer than `count` are free, the ones locked in this pass are let go before waiting,
+    so two runs that each want two hosts never hold one each and wait for the other's. Fewer than `count`
+    usable hosts (the others failed their preflight) is a NoHostError at once, naming each reason.
+    """
     skipped: dict[str, str] = {}
     deadline = time.monotonic() + wait_s
     said_waiting = False
     while True:
         busy: dict[str, dict | None] = {}
-        for name, host in hosts:
-            if name in skipped:
-                continue
-            path = lease_path(lease_dir, name)
-            fd = try_lock(path)
-            if fd is None:
-                busy[name] = who_holds(lease_dir, name)
-                continue
-            try:
+        taken: list[tuple[str, H, Path, int]] = []
+        try:
+            for name, host in hosts:
+                if len(taken) == count:
+                    break
+                if name in skipped:
+                    continue
+                path = lease_path(lease_dir, name)
+                fd = try_lock(path)
+                if fd is None:
+                    busy[name] = who_holds(lease_dir, name)
+                    continue
                 if preflight is not None:
                     try:
                         preflight(name, host)
                     except Exception as e:  # the host, not this run, is at fault: say why and try the next
+                        os.close(fd)
                         skipped[name] = str(e) or type(e).__name__
                         log(f"gpu host {name} skipped: {skipped[name]}")
                         continue
-                record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
-                try:
-                    _write_holder(fd, record)
-                    _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
-                except (OSError, LeaseFileError) as e:  # before the step runs: nothing of it is lost
-                    raise LeaseFileError(f"{lease_dir}: cannot record the lease of host {name}: {e}; free space "
-                                         f"there or set gpu_host.lease_dir") from None
-                log(f"gpu host {name} leased ({path})")
-                try:
-                    yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
-                finally:  # recorded while the lock is still held: the next holder's `leased` comes after it
-                    try:
-                        _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
-                    except (OSError, LeaseFileError) as e:  # never in place of the step's own outcome
-                        log(f"gpu host {name}: its release could not be recorded in {Path(lease_dir) / HISTORY} "
-                            f"({e}); the lease is given back all the same")
+                taken.append((name, host, path, fd))
+            if len(taken) == count:
+                with contextlib.ExitStack() as stack:
+                    yield [stack.enter_context(_recorded(lease_dir, name, host, path, fd, holder, skipped, log))
+                           for name, host, path, fd in taken]
                 return
-            finally:
+        finally:
+            for *_, fd in taken:
                 os.close(fd)  # releases the lock (also on kill -9: the kernel closes it)
-        if not busy:
+        usable = len(hosts) - len(skipped)
+        if usable < count:
             reasons = "; ".join(f"{n}: {r}" for n, r in skipped.items())
-            raise NoHostError(f"no usable GPU host among {len(hosts)}: {reasons}")
+            if count == 1:
+                raise NoHostError(f"no usable GPU host among {len(hosts)}: {reasons}")
+            raise NoHostError(f"{usable} usable GPU host{'s' * (usable != 1)} among {len(hosts)}, {count} needed"
+                              + (f": {reasons}" if reasons else ""))
         holders = ", ".join(f"{n} (run {(h or {}).get('run_id', '?')}, pid {(h or {}).get('pid', '?')})"
                             for n, h in busy.items())
         if time.monotonic() >= deadline:
@@ -198,6 +221,28 @@ def lease_host(
                               + (f"; skipped: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}" if skipped else "")
                               + f". Is the {GPU_POOL} pool limit larger than the number of hosts?")
         if not said_waiting:
-            log(f"waiting for a GPU host: leased {holders}")
+            log(f"waiting for {'a GPU host' if count == 1 else f'{count} GPU hosts'}: leased {holders}")
             said_waiting = True
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _recorded(lease_dir: Path | str, name: str, host: H, path: Path, fd: int, holder: Mapping,
+              skipped: Mapping[str, str], log: Callable[[str], None]) -> Iterator[Lease[H]]:
+    """The holder record and history lines of a lock taken: `leased` before the block, `released` after it."""
+    record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
+    try:
+        _write_holder(fd, record)
+        _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
+    except (OSError, LeaseFileError) as e:  # before the step runs: nothing of it is lost
+        raise LeaseFileError(f"{lease_dir}: cannot record the lease of host {name}: {e}; free space "
+                             f"there or set gpu_host.lease_dir") from None
+    log(f"gpu host {name} leased ({path})")
+    try:
+        yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
+    finally:  # recorded while the lock is still held: the next holder's `leased` comes after it
+        try:
+            _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
+        except (OSError, LeaseFileError) as e:  # never in place of the step's own outcome
+            log(f"gpu host {name}: its release could not be recorded in {Path(lease_dir) / HISTORY} "
+                f"({e}); the lease is given back all the same")

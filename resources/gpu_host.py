@@ -13,6 +13,10 @@ The hosts are a list (`hosts`, one element for one host); a GPU step takes one
 with `lease` (engine: eagle3_dagster/host_lease.py): the first free host whose
 preflight passes, held until the step ends, and named in the run tag
 `eagle3/gpu_host`. `run_pipes` leases one itself unless it is handed a host.
+A training on several nodes takes several with `lease_hosts` and runs one
+command on each in one Pipes session (`run_pipes_on_hosts`): every host's lines
+go to the run's log prefixed with its name, and the first host to fail stops
+the others (eagle3_dagster/host_group.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pydantic import Field
 from eagle3_dagster.config import HostsConfig
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.host_group import HostCommand, HostFailed, run_on_hosts
 
 HOST_TAG = "eagle3/gpu_host"  # the run tag naming the host a GPU step leased
 
@@ -84,19 +89,28 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
 
         A host whose preflight raises is skipped (a warning names it and the reason); no usable host is a
         dg.Failure naming every host."""
-        from eagle3_dagster.host_lease import GPU_POOL, NoHostError, lease_host
+        with self.lease_hosts(context, 1, preflight=preflight, shards=shards) as hosts:
+            yield hosts[0]
+
+    @contextmanager
+    def lease_hosts(self, context: dg.AssetExecutionContext | dg.OpExecutionContext, count: int, *,
+                    preflight: Callable[[GpuHost], object] | None = None,
+                    shards: Sequence[str] = ()) -> Iterator[list[GpuHost]]:
+        """Hold `count` free hosts (all or none; host_lease.lease_hosts) for the block, as `lease` holds one; the
+        run tag names them all, comma-separated."""
+        from eagle3_dagster.host_lease import GPU_POOL, NoHostError, lease_hosts
 
         hosts = self.all_hosts()
         lease_dir = self.lease_dir or str(Path(context.instance.storage_directory()) / "gpu_host_leases")
         _warn_on_pool_size(context, len(hosts))
         holder = {"run_id": context.run_id, "shards": list(shards)}
         try:
-            with lease_host([(h.name, h) for h in hosts], lease_dir, holder=holder,
-                            preflight=None if preflight is None else (lambda _name, h: preflight(h)),
-                            log=lambda line: (context.log.warning if " skipped: " in line else context.log.info)(line),
-                            wait_s=self.lease_wait_s) as lease:
-                _tag(context, {HOST_TAG: lease.name})
-                yield lease.host
+            with lease_hosts([(h.name, h) for h in hosts], count, lease_dir, holder=holder,
+                             preflight=None if preflight is None else (lambda _name, h: preflight(h)),
+                             log=lambda line: (context.log.warning if " skipped: " in line else context.log.info)(line),
+                             wait_s=self.lease_wait_s) as leases:
+                _tag(context, {HOST_TAG: ",".join(lease.name for lease in leases)})
+                yield [lease.host for lease in leases]
         except NoHostError as e:
             raise dg.Failure(description=f"{e} (pool {GPU_POOL})") from None
 
@@ -140,19 +154,55 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
                 raise dg.Failure(f"{' '.join(command)} on {host.where()} failed with exit code {returncode}")
         return dg.PipesClientCompletedInvocation(session)
 
+    def run_pipes_on_hosts(
+        self,
+        *,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        commands: Sequence[HostCommand],
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        extras: Mapping | None = None,
+        name: str = "pipes",
+    ) -> dg.PipesClientCompletedInvocation:
+        """Run each command on its host (hosts the caller leased, `lease_hosts`) inside one Pipes session: the
+        messages of whichever process opens Pipes (torchrun's rank 0, on any host) reach the run, every other
+        line goes to the run's log prefixed with its host's name. The first host to fail stops the others and
+        raises `dg.Failure` naming it (eagle3_dagster/host_group.py)."""
+        with dg.open_pipes_session(
+            context=context, context_injector=dg.PipesEnvContextInjector(),
+            message_reader=_StderrMessageReader(), extras=dict(extras or {}),
+        ) as session:
+            lock = threading.Lock()
+
+            def on_line(host: str, line: str) -> bool:
+                with lock:  # a line at a time into the session and the log, whichever host's reader calls
+                    return _handle_line(session, line, prefix=f"[{host}] ")
+
+            try:
+                run_on_hosts(commands, {**(env or {}), **session.get_bootstrap_env_vars()}, name=name, cwd=cwd,
+                             on_line=on_line, log=lambda line: context.log.info(f"[{name}] {line}"))
+            except HostFailed as e:
+                raise dg.Failure(description=str(e), metadata={"failed_host": e.host}) from None
+        return dg.PipesClientCompletedInvocation(session)
+
 
 def _pump(stream, session: dg.PipesSession) -> None:
     """The child's stderr: Pipes messages to the session, every other line to this process's stderr (the run's
     captured log). Dagster's own reader for this is not public API (`dagster._core.pipes.utils`)."""
     for line in stream:
-        line = line.rstrip("\n")
-        try:
-            handled = forward_message(session.message_handler, line)
-        except Exception as e:  # noqa: BLE001 - the pump must drain the pipe, or the child blocks on a full one
-            sys.stderr.write(f"{line}\n[pipes] message not handled: {type(e).__name__}: {e}\n")
-            continue
-        if not handled:
-            sys.stderr.write(line + "\n")
+        _handle_line(session, line.rstrip("\n"))
+
+
+def _handle_line(session: dg.PipesSession, line: str, prefix: str = "") -> bool:
+    """A Pipes message to the session (True), any other line to the run's captured log after `prefix`."""
+    try:
+        handled = forward_message(session.message_handler, line)
+    except Exception as e:  # noqa: BLE001 - the pump must drain the pipe, or the child blocks on a full one
+        sys.stderr.write(f"{prefix}{line}\n[pipes] message not handled: {type(e).__name__}: {e}\n")
+        return False
+    if not handled:
+        sys.stderr.write(f"{prefix}{line}\n")
+    return handled
 
 
 def forward_message(handler: dg.PipesMessageHandler, line: str) -> bool:

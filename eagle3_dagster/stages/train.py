@@ -33,7 +33,7 @@ PIPES_WORKER = "resources.pipes_child"
 
 @dataclass(frozen=True)
 class TrainLaunch:
-    command: list[str]
+    command: list[str]  # torchrun with this interpreter; empty when the rendezvous is chosen at launch (nodes.py)
     env: dict[str, str]
     cwd: str
     job_path: Path
@@ -75,11 +75,13 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, contract: Path
     job_path = out_dir / "job.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     job.write(job_path)
+    t = profile.train
+    # drafter_checkpoint builds each leased host's own command (train/nodes.py); this one, for this interpreter,
+    # exists when the job needs no launch-time choice: one node, or a fixed rendezvous endpoint
     command = build_torchrun_command(
-        job_path, nproc_per_node=profile.train.nproc_per_node, nnodes=profile.train.nnodes,
-        python=python or _python(), module=PIPES_WORKER, rdzv_endpoint=profile.train.rdzv_endpoint,
-        rdzv_id=profile.train.rdzv_id,
-    )
+        job_path, nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, python=python or _python(), module=PIPES_WORKER,
+        rdzv_endpoint=t.rdzv_endpoint, rdzv_id=t.rdzv_id,
+    ) if t.nnodes == 1 or t.rdzv_endpoint else []
     # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
     # the workers read shards from the store as the profile says
     env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}

@@ -5,7 +5,8 @@ run (explicit upstream paths, architecture overrides, hyperparameters); the
 asset writes it to a file and launches `build_torchrun_command(...)` through
 Dagster Pipes. The workers (`python -m eagle3_dagster.train`) read it back.
 Data order and the step count are in schedule.py, batches as tensors in data.py,
-checkpoints in checkpoint.py, the loop in loop.py, the worker process in __main__.py.
+checkpoints in checkpoint.py, the loop in loop.py, the worker process in worker.py;
+each node's command on several hosts in nodes.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ samples before and after, and on rank 0 writes `metrics.json`,
 `curves.png` and the SGLang/vLLM export. Given a `Reporter` (Dagster's Pipes
 child, `resources/pipes_child.py`, supplies one) rank 0 streams per-step
 metrics to it and reports the final metrics; without one it shows a tqdm bar. `--stop-after-step N`
-exits the process abruptly (os._exit) after step N, the way a killed run does.
+exits the process abruptly (os._exit) after step N, the way a killed run does. Under torchrun a worker
+dies with its agent (`die_with_launcher`), so a torchrun killed outright leaves no rank behind.
 """
 
 from __future__ import annotations
@@ -155,7 +156,31 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
     return metrics
 
 
+def die_with_launcher() -> bool:
+    """Have the kernel SIGKILL this worker when its parent, the torchrun agent, dies.
+
+    torchrun starts each worker in a session of its own, so a torchrun killed outright (kill -9, the OOM
+    killer) would leave its workers outside the process group the GPU host stops (and, over ssh, holding the
+    session open); with the parent-death signal they end with it. Linux only: False elsewhere."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    pr_set_pdeathsig = 1  # <sys/prctl.h>
+    if prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # the agent died before the call: the signal will never come
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def main(argv: list[str] | None = None, reporter: Reporter | None = None) -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker torchrun started
+        die_with_launcher()
     parser = argparse.ArgumentParser(prog="python -m eagle3_dagster.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path, help="TrainJobConfig JSON file")
     parser.add_argument("--stop-after-step", type=int, default=None, help="simulate a crash after this step")

@@ -17,7 +17,9 @@ from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
 from eagle3_dagster.gpu_host import GpuHost, PreflightError
 from eagle3_dagster.hidden.plan import hours_on_hosts
 from eagle3_dagster.host_config import HostConfig
-from eagle3_dagster.host_lease import NoHostError, history, lease_host, lease_path, pool_limits, try_lock, who_holds
+from eagle3_dagster.host_lease import (
+    NoHostError, history, lease_host, lease_hosts, lease_path, pool_limits, try_lock, who_holds,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,3 +301,37 @@ def test_a_lease_directory_that_cannot_be_written_is_a_no_host_error_naming_it(t
     with pytest.raises(NoHostError, match="cannot record the lease of host a"):
         with lease_host([("a", None)], leases, holder={"run_id": "r"}, log=lambda _l: None):
             pass
+
+
+def test_several_hosts_are_leased_together_and_none_is_held_while_waiting_for_the_rest(tmp_path, holder):
+    child = holder()  # `a` is busy: a two-host lease of [a, b] waits holding neither, then takes both
+    with lease_hosts([("a", "A"), ("b", "B"), ("c", "C")], 2, tmp_path / "leases", holder={"run_id": "r"},
+                     log=lambda _l: None) as got:
+        assert [(g.name, g.host) for g in got] == [("b", "B"), ("c", "C")]
+        assert who_holds(tmp_path / "leases", "b")["run_id"] == who_holds(tmp_path / "leases", "c")["run_id"] == "r"
+    held_while_waiting = []
+
+    def log(line):
+        if line.startswith("waiting for 2 GPU hosts"):
+            held_while_waiting.append(who_holds(tmp_path / "leases", "b"))
+            child.stdin.close()  # the holder ends its run: `a` comes free
+
+    with lease_hosts([("a", "A"), ("b", "B")], 2, tmp_path / "leases", holder={"run_id": "r2"}, log=log,
+                     wait_s=60, poll_s=0.05) as got:
+        assert [g.name for g in got] == ["a", "b"]
+    assert held_while_waiting == [None]  # another multi-host run could take b meanwhile: no deadlock
+    assert who_holds(tmp_path / "leases", "a") is None and who_holds(tmp_path / "leases", "b") is None
+    events = [(e["event"], e["host"]) for e in history(tmp_path / "leases") if e.get("run_id") == "r2"]
+    assert events == [("leased", "a"), ("leased", "b"), ("released", "b"), ("released", "a")]
+
+
+def test_too_few_usable_hosts_for_a_multi_host_lease_fails_at_once_naming_each_reason(tmp_path):
+    def preflight(name, _host):
+        if name == "b":
+            raise PreflightError("b: ssh: connect to host 127.0.0.1 port 1: Connection refused")
+
+    with pytest.raises(NoHostError, match=r"1 usable GPU host among 2, 2 needed: b: b: ssh: connect"):
+        with lease_hosts([("a", 1), ("b", 2)], 2, tmp_path, holder={}, preflight=preflight, wait_s=600,
+                         log=lambda _l: None):
+            pass
+    assert who_holds(tmp_path, "a") is None and history(tmp_path) == []  # a was never recorded as leased

@@ -256,9 +256,11 @@ def test_multi_node_command_joins_a_c10d_rendezvous_and_needs_an_endpoint(tmp_pa
         build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2)
     from eagle3_dagster.config import ProfileError, load_profile
 
-    with pytest.raises(ProfileError, match="train.rdzv_endpoint"):
-        load_profile("production", {"train": {"nnodes": 2}})
+    # unset, drafter_checkpoint derives it from the first leased host (tests/unit/test_multi_node_training.py)
+    assert load_profile("production", {"train": {"nnodes": 2}}).train.rdzv_endpoint is None
     assert load_profile("production", {"train": {"nnodes": 2, "rdzv_endpoint": "gpu-host-0:29500"}}).train.nnodes == 2
+    with pytest.raises(ProfileError, match="train.rdzv_endpoint: expected host:port"):
+        load_profile("production", {"train": {"nnodes": 2, "rdzv_endpoint": "gpu-host-0"}})
 
 
 @pytest.mark.slow  # torchrun with a c10d rendezvous
