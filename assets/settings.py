@@ -62,8 +62,9 @@ READS: dict[str, tuple[str, ...]] = {
                          "target.serving_context", "gpu_host.sglang_version"),
 }
 # The settings a stage is also given that do not change what it writes, and why.
-_TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code")  # where the target's files are, and
-# whether its own tokenizer code may run (it loads, or the stage fails: it never loads something else)
+_TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code", "target.reviewed_code")  # where the
+# target's files are, and whether its own code may run, and which (it loads, or the stage fails: it never loads
+# something else)
 _HOSTS = ("gpu_host",)  # which machines run it, and the SGLang release they must have
 RUNS_WITH: dict[str, tuple[str, ...]] = {
     "target_model": (),

@@ -2,8 +2,10 @@
 
 Demo/micro: a materialized asset that builds the tiny DeepSeek-V3 target.
 Production: an observed external asset; its data version is the identity of the
-model directory on the GPU host (config.json + weight index), so swapping the
-checkpoint marks every downstream asset stale.
+model directory on the GPU host (config.json + weight index + its Python files), so
+swapping the checkpoint, or editing or adding the code `--trust-remote-code` runs,
+marks every downstream asset stale. Both list the code files with their sha256
+(`code_files`), what `target.reviewed_code` is written from.
 """
 
 
@@ -54,7 +56,7 @@ def _observed_target(profile: Profile):
         name="target_model",
         group_name=GROUP,
         description=f"The target model directory on the GPU host: {profile.target.path}. "
-        "Observed, never built: its data version is the hash of config.json + the weight index.",
+        "Observed, never built: its data version is the hash of config.json + the weight index + its Python files.",
         required_resource_keys={"gpu_host"},
         # observed by the automation sensor: the shards wait for a first observation (an unobserved source is
         # missing), and a later tick sees a swapped checkpoint
@@ -67,7 +69,9 @@ def _observed_target(profile: Profile):
         info = json.loads(out)
         return dg.ObserveResult(
             data_version=dg.DataVersion(info["identity"]),
-            metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+            metadata={**{k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+                      # the Python that trust_remote_code runs, part of the identity: what target.reviewed_code lists
+                      "code_files": dg.MetadataValue.json(info.get("code_files") or {})},
         )
 
     return target_model

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=None,
                    help="where results, report.md and plots go (default: <bench folder>/drafter-<dir name>)")
     b.add_argument("--previous", type=Path, default=None, help="a previous results JSON to compare with")
-    t = add("target-info", "Print a model directory's identity and summary as JSON")
+    t = add("target-info", "Print a model directory's identity, summary and code files (name: sha256) as JSON")
     t.add_argument("model_dir", type=Path)
     return parser
 
@@ -91,10 +91,12 @@ def _run(args: argparse.Namespace) -> int:
         return patch_main([args.action, "--python", args.python])
     if args.command == "target-info":
         from eagle3_dagster.target import target_identity, target_summary
+        from eagle3_dagster.target_code import code_files
 
         if not (args.model_dir / "config.json").exists():
             raise UserError(f"{args.model_dir}: not a model directory (no config.json)")
-        print(json.dumps({"identity": target_identity(args.model_dir), **target_summary(args.model_dir)}))
+        print(json.dumps({"identity": target_identity(args.model_dir), **target_summary(args.model_dir),
+                          "code_files": code_files(args.model_dir)}))
         return 0
 
     from eagle3_dagster.config import load_profile

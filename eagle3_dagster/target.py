@@ -1,10 +1,10 @@
 """What a target model directory is, cheaply: its identity, its text config and a summary.
 
-Owns: the target's data version (`target_identity`), reading the text model's
-config through Kimi-K2.5's multimodal wrapper (the one place `config.json` of a
-target is parsed), the summary the `target_model` asset shows, and `TargetFacts`,
-what every later stage needs about the profile's target. It never reads weight
-bytes, so it is as cheap on a 1 TB checkpoint as on the tiny target.
+Owns: the target's data version (`target_identity`, its code files included: `target_code`), reading the
+text model's config through Kimi-K2.5's multimodal wrapper (the one place `config.json` of a target is
+parsed), the summary the `target_model` asset shows, and `TargetFacts`, what every later stage needs about
+the profile's target. It never reads weight bytes, so it is as cheap on a 1 TB checkpoint as on the tiny
+target.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import orjson
 
 from eagle3_dagster.io import parse_json
 from eagle3_dagster.layers import default_aux_layers, validate_aux_layers
+from eagle3_dagster.target_code import check_reviewed, code_files
 
 if TYPE_CHECKING:
     from eagle3_dagster.config import Profile
@@ -53,11 +55,13 @@ def safetensors_header(path: Path) -> dict:
 
 
 def target_identity(model_dir: Path) -> str:
-    """sha256 over config.json bytes and the weight layout (index file, else each file's tensor names/dtypes/shapes).
+    """sha256 over config.json bytes, the weight layout (index file, else each file's tensor names/dtypes/shapes)
+    and the folder's code files (`target_code.code_files`: what `--trust-remote-code` runs), when it has any.
 
-    A re-quantised or re-sharded checkpoint changes the identity; copying it elsewhere does not.
-    Retrained weights of the same layout do not, unless config.json says so: the tiny build
-    writes `weights_sha256` into it for that reason.
+    A re-quantised or re-sharded checkpoint changes the identity, and so does an edited or added Python file;
+    copying the folder elsewhere does not. Retrained weights of the same layout do not, unless config.json
+    says so: the tiny build writes `weights_sha256` into it for that reason. A folder without code files has
+    the identity it had before code files counted.
     """
     model_dir = Path(model_dir)
     h = hashlib.sha256()
@@ -76,6 +80,8 @@ def target_identity(model_dir: Path) -> str:
             header = safetensors_header(f)
             layout = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
             h.update(b"\0" + f.name.encode() + b"\0" + orjson.dumps(layout, option=orjson.OPT_SORT_KEYS))
+    for name, digest in code_files(model_dir).items():  # sorted by name
+        h.update(b"\0code\0" + name.encode() + b"\0" + digest.encode())
     return h.hexdigest()
 
 
@@ -145,13 +151,17 @@ def target_summary(model_dir: Path) -> dict:
     }
 
 
-def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool):
+def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool, reviewed_code: Mapping[str, str] | None = None):
     """The target's tokenizer, from the model directory alone. Code shipped with a checkpoint runs only when the
     profile's `target.trust_remote_code` says so; a model that needs it gets an error naming that switch.
+    With `reviewed_code` (the profile's `target.reviewed_code`), code that is not the reviewed code is refused
+    before any of it runs (`target_code.check_reviewed`).
     Nothing is fetched (`local_files_only`): a tokenizer config whose `auto_map` names a hub repository
     (`org/repo--module.Class`) would otherwise download and run that repository's code."""
     from transformers import AutoTokenizer
 
+    if trust_remote_code:
+        check_reviewed(model_dir, reviewed_code)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
                                              local_files_only=True)

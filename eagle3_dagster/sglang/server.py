@@ -3,7 +3,8 @@
 Owns: `ServerSpec` (extraction or serving mode: the release's options from patches/sglang/releases.json,
 the dump environment, the options an extraction refuses), `sglang_server` (refuse a port someone else
 holds, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
-`--served-model-name` it was launched with, always stop it) and `LogTail` (the log file and its last lines
+`--served-model-name` it was launched with, always stop it; with `--trust-remote-code`, refuse a target whose
+code is not `reviewed_code`) and `LogTail` (the log file and its last lines
 for an error message). The health checks themselves run beside the server (`sglang.health`).
 Transport, process groups and pid files are `eagle3_dagster.gpu_host`'s; SGLang is never imported here.
 """
@@ -11,6 +12,7 @@ Transport, process groups and pid files are `eagle3_dagster.gpu_host`'s; SGLang 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_dagster import target_code
 from eagle3_dagster.gpu_host import GpuHost, HostProcess, program_argv
 from eagle3_dagster.sglang import health
 from eagle3_dagster.sglang import patch as sglang_patch
@@ -87,6 +90,7 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     health_timeout_s: float = 1800.0
     trust_remote_code: bool = False  # the profile's target.trust_remote_code; off unless it says so
+    reviewed_code: Mapping[str, str] | None = None  # the profile's target.reviewed_code: checked on the host first
     sglang_version: str | None = None  # the host's release: its own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
@@ -175,6 +179,7 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     always stopped on leaving.
     """
     name = f"sglang-{spec.port}"
+    check_reviewed_code(host, spec)
     host.stop_stale(name)
     if host.run(program_argv(host.spec.python, health, "port", spec.port), check=False).returncode == 0:
         raise ServerError(f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
@@ -198,6 +203,19 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     finally:
         proc.stop()
         reader.join(timeout=5)
+
+
+def check_reviewed_code(host: GpuHost, spec: ServerSpec) -> None:
+    """With `--trust-remote-code` and `reviewed_code` set, the target folder's code files, hashed on the host
+    where SGLang will import them (`target_code`, run by the host's interpreter), must be the reviewed ones;
+    else UnreviewedCodeError naming each file and both hashes, before anything is started or stopped."""
+    if not spec.trust_remote_code or spec.reviewed_code is None:
+        return
+    proc = host.run(program_argv(host.spec.python, target_code, "check", spec.model_path,
+                                 json.dumps(dict(spec.reviewed_code))), check=False)
+    if proc.returncode != 0:
+        said = proc.stderr.strip()[-4000:] or f"exit {proc.returncode}"
+        raise target_code.UnreviewedCodeError(f"{host.where()}: {said}")
 
 
 def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str],

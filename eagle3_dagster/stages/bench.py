@@ -90,7 +90,8 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
         raise ValueError("benchmark_report: the served benchmark (bench.mode 'served') needs the gpu_host resource")
     installed = _serving_release(profile, export, host)
     target = target_facts(profile, layout)
-    tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code)
+    tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code,
+                               reviewed_code=profile.target.reviewed_code)
     context, bench = profile.target.serving_context, profile.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
     sets, described = {}, {}
@@ -133,7 +134,7 @@ def serving_spec(profile: Profile, target_path: Path, export: Path, installed: s
                       tp_size=profile.hidden.tp_size,
                       context_length=profile.target.serving_context,
                       extra_args=(*extra, *profile.hidden.sglang_server_args), sglang_version=installed,
-                      trust_remote_code=profile.target.trust_remote_code)
+                      trust_remote_code=profile.target.trust_remote_code, reviewed_code=profile.target.reviewed_code)
 
 
 def _serving_release(profile: Profile, export: Path, host: Any) -> str:

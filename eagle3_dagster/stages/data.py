@@ -206,7 +206,8 @@ def answer_producer_of(profile: Profile, layout: ArtifactLayout) -> dict:
 def _tokenizer(profile: Profile, layout: ArtifactLayout):
     from eagle3_dagster.target import load_tokenizer
 
-    return load_tokenizer(target_dir(profile, layout), trust_remote_code=profile.target.trust_remote_code)
+    return load_tokenizer(target_dir(profile, layout), trust_remote_code=profile.target.trust_remote_code,
+                          reviewed_code=profile.target.reviewed_code)
 
 
 def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,

@@ -217,6 +217,7 @@ def _extract_sglang(profile: Profile, contract: Path | str, ctx: HiddenContext, 
                       tp_size=profile.hidden.tp_size,
                       dump_dir=str(dump_folder(ctx)), dump_layers=ctx.target.aux_layers,
                       sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code,
+                      reviewed_code=profile.target.reviewed_code,
                       extra_args=tuple(profile.hidden.sglang_server_args))
     results = []
     try:

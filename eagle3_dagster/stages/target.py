@@ -9,6 +9,7 @@ from eagle3_dagster.stages import Progress, StageReport, no_progress
 
 
 def build_target(profile: Profile, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:
+    from eagle3_dagster.target_code import code_files
     from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target
 
@@ -24,6 +25,7 @@ def build_target(profile: Profile, layout: ArtifactLayout, progress: Progress = 
             "build_seconds": round(float(report.build_seconds), 1),
             "tokenizer_vocab_size": report.tokenizer_vocab_size,
             "identity": report.identity,
+            "code_files": code_files(out),
         },
         images={"loss_curve": out / "loss_curve.png"},
         series={"loss_by_step": (list(report.loss_curve), "pre-training step")},
