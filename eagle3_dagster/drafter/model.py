@@ -1,11 +1,14 @@
-"""The EAGLE-3 drafter: one Llama decoder layer fed by the target's aux hidden states.
+"""The EAGLE-3 drafter: one decoder layer fed by the target's aux hidden states.
 
 Owns the architecture and its parameter names, which are the names SGLang's
 `LlamaForCausalLMEagle3` loads (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers
 `d2t`/`t2d`), so the export is a plain state-dict dump. It also owns
 inference-time stepping with a KV cache (`step`, `DraftKVCache`), which the
 benchmark's speculative-decoding simulator drives. Training-time-test unrolling
-lives in `ttt.py`, the loss in `loss.py`, the file format in `export.py`.
+lives in `ttt.py`, the loss in `loss.py`, the file format in `export.py`. The layer's attention is
+Llama's grouped-query attention (`Attention`, `cfg.attention == "gqa"`) or DeepSeek's multi-latent
+attention (`mla.MLAAttention`, "mla"); both take the 2H input and offer the same methods, so
+everything around them (TTT, the KV cache, the proposer) is one code path.
 
 Semantics follow SGLang/EAGLE: the drafter input at position t is
 (token_{t+1}, fc(aux_t)) during prefill/extend; on later draft steps the hidden
@@ -23,10 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3_dagster.drafter.blocks import RMSNorm, apply_rotary, repeat_kv, rope_cos_sin
+from eagle3_dagster.drafter.mla import MLA_DIMS, MLAAttention, check_rope_scaling, mla_dims
+
+__all__ = ["DraftKVCache", "DrafterConfig", "Eagle3Drafter", "MidLayer", "RMSNorm", "apply_rotary", "repeat_kv",
+           "rope_cos_sin"]
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """The drafter architecture (the LlamaConfig fields SGLang reads from the export)."""
+    """The drafter architecture (the config.json fields SGLang reads from the export: LlamaConfig's for GQA,
+    DeepseekV3Config's for MLA)."""
 
     target_hidden_size: int
     hidden_size: int
@@ -45,14 +55,35 @@ class DrafterConfig:
     # the next draft step.
     fc_norm: bool = False
     norm_output: bool = False
+    # "gqa" (the Llama layer) or "mla" (multi-latent attention, `mla.py`): the MLA sizes below are set only for it,
+    # with the target's RoPE scaling (DeepSeek yarn) and pair layout; num_key_value_heads and head_dim then
+    # describe its expanded heads (num_attention_heads, qk_nope_head_dim + qk_rope_head_dim)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True
 
     def __post_init__(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"DrafterConfig: attention must be 'gqa' or 'mla', got {self.attention!r}")
+        mla = [getattr(self, d) for d in MLA_DIMS]
+        if self.attention == "mla":
+            if not all(isinstance(v, int) and v > 0 for v in mla):
+                raise ValueError(f"DrafterConfig: MLA needs positive {', '.join(MLA_DIMS)}, got {mla}")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(f"DrafterConfig: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        elif any(v is not None for v in mla) or self.rope_scaling is not None:
+            raise ValueError("DrafterConfig: MLA sizes and rope_scaling are for attention 'mla' only")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.attention == "gqa":
             raise ValueError(f"DrafterConfig: head_dim must be even for RoPE, got {self.head_dim}")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"DrafterConfig: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
@@ -100,50 +131,76 @@ class DrafterConfig:
             norm_output=norm_output,
         )
 
+    @classmethod
+    def from_profile(cls, drafter, target, *, draft_vocab_size: int, aux_layers, serving_context: int
+                     ) -> "DrafterConfig":
+        """The drafter for the profile's `drafter` section (`config.DrafterOverrides`) and the target's config
+        (`target_head.TargetArch`): what the training worker builds. An MLA drafter takes its sizes, RoPE base
+        and scaling from the target unless the profile sets them (`mla.mla_dims` refuses a target without MLA)."""
+        common = dict(
+            target_hidden_size=target.hidden_size, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
+            aux_layers=tuple(aux_layers), rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            max_position_embeddings=serving_context, fc_norm=drafter.fc_norm, norm_output=drafter.norm_output)
+        if getattr(drafter, "attention", "gqa") != "mla":
+            return cls.for_target(
+                target_intermediate_size=target.intermediate_size, hidden_size=drafter.hidden_size,
+                intermediate_size=drafter.intermediate_size, num_attention_heads=drafter.num_attention_heads,
+                num_key_value_heads=drafter.num_key_value_heads, **common)
+        dims = mla_dims(drafter, target)
+        check_rope_scaling(target.rope_scaling)
+        heads = dims.pop("num_attention_heads")
+        return cls(
+            hidden_size=drafter.hidden_size or target.hidden_size,
+            intermediate_size=drafter.intermediate_size or target.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=heads, head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+            attention="mla", rope_scaling=target.rope_scaling, rope_interleave=target.rope_interleave, **dims,
+            **common)
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm (normalise in fp32, cast back, then scale), bit-compatible with SGLang's."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama default RoPE angles (rotate-half layout) at `position_ids`: cos, sin of shape [*position_ids.shape, D], fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rotary(x_BNTD: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor) -> torch.Tensor:
-    d = x_BNTD.shape[-1]
-    cos, sin = cos_B1TD.to(x_BNTD.dtype), sin_B1TD.to(x_BNTD.dtype)
-    x1, x2 = x_BNTD[..., : d // 2], x_BNTD[..., d // 2 :]
-    return x_BNTD * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def rotary(x_BNTD: torch.Tensor, position_ids_BT: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama default RoPE (rotate-half layout), computed from positions on the fly."""
-    cos, sin = rope_cos_sin(position_ids_BT[:, None, :], x_BNTD.shape[-1], theta)
-    return apply_rotary(x_BNTD, cos, sin)
+    def kv_values_per_token(self) -> int:
+        """Values the draft KV cache holds per token: K and V of every KV head (GQA), or the MLA latent and the
+        shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads * self.head_dim
 
 
 class Attention(nn.Module):
+    """Llama's grouped-query attention over the 2H input.
+
+    The interface `MidLayer` and `ttt.py` use (shared with `mla.MLAAttention`): `in_proj_weight` (every
+    projection of the 2H input, stacked), `rope_tables`, `split` (the projected input at some positions →
+    queries and the cache entry of those positions) and `keys_values` (cache entries → keys and values with the
+    query's head count); `project` is the input projection at inference."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         h2, hd = 2 * cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
         self.q_proj = nn.Linear(h2, cfg.num_attention_heads * hd, bias=False)
         self.k_proj = nn.Linear(h2, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(h2, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+    def in_proj_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    def project(self, x_BT2H: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x_BT2H), self.k_proj(x_BT2H), self.v_proj(x_BT2H)], dim=-1)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def split(self, proj_BTX: torch.Tensor, cos_B1TD: torch.Tensor, sin_B1TD: torch.Tensor):
+        """(q [B,Nq,T,D], the cache entry (k, v) [B,Nkv,T,D]), RoPE applied."""
+        c = self.cfg
+        b, t, _ = proj_BTX.shape
+        widths = [c.num_attention_heads * c.head_dim, *[c.num_key_value_heads * c.head_dim] * 2]
+        q, k, v = (x.view(b, t, -1, c.head_dim).transpose(1, 2) for x in proj_BTX.split(widths, dim=-1))
+        return apply_rotary(q, cos_B1TD, sin_B1TD), (apply_rotary(k, cos_B1TD, sin_B1TD), v)
+
+    def keys_values(self, entry: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = entry
+        return repeat_kv(k, self.cfg.num_attention_heads), repeat_kv(v, self.cfg.num_attention_heads)
 
 
 class MLP(nn.Module):
@@ -163,21 +220,22 @@ class MidLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def qkv(self, embeds_BTH, hidden_BTH, position_ids_BT):
-        """Return q [B,Nq,T,D] and k, v [B,Nkv,T,D], RoPE applied at `position_ids`."""
-        b, t, _ = hidden_BTH.shape
+    def queries(self, embeds_BTH, hidden_BTH, position_ids_BT):
+        """(q [B,N,T,D], the cache entry of these positions), RoPE applied at `position_ids`."""
         x = torch.cat([self.input_layernorm(embeds_BTH), self.hidden_norm(hidden_BTH)], dim=-1)
-        a, c = self.self_attn, self.cfg
-        q = a.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return rotary(q, position_ids_BT, c.rope_theta), rotary(k, position_ids_BT, c.rope_theta), v
+        cos, sin = self.self_attn.rope_tables(position_ids_BT[:, None, :])
+        return self.self_attn.split(self.self_attn.project(x), cos, sin)
+
+    def qkv(self, embeds_BTH, hidden_BTH, position_ids_BT):
+        """q [B,Nq,T,D] and k, v: GQA's [B,Nkv,T,D] before repetition; MLA's expanded to every head."""
+        q, entry = self.queries(embeds_BTH, hidden_BTH, position_ids_BT)
+        return (q, *entry) if self.cfg.attention == "gqa" else (q, *self.self_attn.keys_values(entry))
 
     def finish(self, attn_BNTD: torch.Tensor, residual_BTH: torch.Tensor) -> torch.Tensor:
         """o_proj + residual from the (un-normed) hidden stream, then the MLP block; returns pre-`norm` output."""
@@ -193,30 +251,29 @@ class MidLayer(nn.Module):
 
 
 class DraftKVCache:
-    """Growable K/V cache of the one drafter layer; `crop` rolls back rejected draft tokens."""
+    """Growable cache of the one drafter layer; `crop` rolls back rejected draft tokens.
+
+    It holds what the attention's `split` returns per position, each [B, heads, T, D]: GQA's K and V of every
+    KV head, MLA's latent and rotated shared key part (kv_lora_rank + qk_rope_head_dim values per token)."""
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.parts: tuple[torch.Tensor, ...] = ()
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self.parts[0].shape[2] if self.parts else 0
 
-    def append(self, k_BNTD: torch.Tensor, v_BNTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k_BNTD if self.k is None else torch.cat([self.k, k_BNTD], dim=2)
-        self.v = v_BNTD if self.v is None else torch.cat([self.v, v_BNTD], dim=2)
-        return self.k, self.v
+    def values_per_token(self) -> int:
+        return sum(p.shape[1] * p.shape[3] for p in self.parts)
+
+    def append(self, *parts_BNTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.parts = parts_BNTD if not self.parts else \
+            tuple(torch.cat([old, new], dim=2) for old, new in zip(self.parts, parts_BNTD, strict=True))
+        return self.parts
 
     def crop(self, length: int) -> None:
         if length < 0 or length > len(self):
             raise ValueError(f"DraftKVCache.crop: length {length} outside [0, {len(self)}]")
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
-
-
-def repeat_kv(x_BNTD: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rep = num_heads // x_BNTD.shape[1]
-    return x_BNTD if rep == 1 else x_BNTD.repeat_interleave(rep, dim=1)
+        self.parts = tuple(p[:, :, :length] for p in self.parts)
 
 
 class Eagle3Drafter(nn.Module):
@@ -273,13 +330,13 @@ class Eagle3Drafter(nn.Module):
         """One decoder pass, causal over the cached keys plus the new tokens; returns (the hidden input of the
         next step, draft_logits)."""
         embeds = self.embed_tokens(input_ids_BT).to(hidden_BTH.dtype)
-        q, k, v = self.midlayer.qkv(embeds, hidden_BTH, position_ids_BT)
+        q, entry = self.midlayer.queries(embeds, hidden_BTH, position_ids_BT)
         past = 0
         if cache is not None:
             past = len(cache)
-            k, v = cache.append(k, v)
-        nq, t = self.cfg.num_attention_heads, q.shape[2]
-        k, v = repeat_kv(k, nq), repeat_kv(v, nq)
+            entry = cache.append(*entry)
+        k, v = self.midlayer.self_attn.keys_values(entry)
+        t = q.shape[2]
         if past == 0:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:

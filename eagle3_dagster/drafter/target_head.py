@@ -39,6 +39,15 @@ class TargetArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # what an MLA drafter (drafter.attention: mla) takes from a DeepSeek-V3 target; None where the target has no MLA
+    num_attention_heads: int | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_scaling: dict | None = None  # the target's RoPE scaling (Kimi-K2.5: DeepSeek yarn); None: plain RoPE
+    rope_interleave: bool = True  # DeepSeek's rotary pairs (2i, 2i+1), SGLang's and transformers' default
 
     @classmethod
     def from_dir(cls, target_dir: Path) -> "TargetArch":
@@ -58,9 +67,26 @@ class TargetArch:
                 rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
                 max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+                **{k: int(text[k]) for k in MLA_FIELDS if text.get(k) is not None},
+                rope_scaling=rope_scaling(text),
+                rope_interleave=bool(text.get("rope_interleave", True)),
             )
         except KeyError as e:
             raise ValueError(f"{path}: target config lacks field {e}") from None
+
+
+MLA_FIELDS = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+
+
+def rope_scaling(text: dict) -> dict | None:
+    """A config's RoPE scaling, from transformers 4's `rope_scaling` or 5's `rope_parameters`, without the base
+    (`rope_theta`) and with its kind under `type`; None for plain RoPE."""
+    raw = text.get("rope_scaling") or text.get("rope_parameters")
+    kind = (raw.get("rope_type") or raw.get("type")) if isinstance(raw, dict) else None
+    if kind in (None, "default"):
+        return None
+    return {"type": kind, **{k: v for k, v in raw.items() if k not in ("type", "rope_type", "rope_theta")}}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from eagle3_dagster.drafter.model import Eagle3Drafter, apply_rotary, repeat_kv, rope_cos_sin
+from eagle3_dagster.drafter.model import Eagle3Drafter
 
 DEFAULT_BLOCK = 512
 RECOMPUTE_MLP_FROM_TOKENS = 4096
@@ -154,6 +154,17 @@ def causal_attention_with_lse(
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
+def _common_head_size(q, k0, v0, extra_k, extra_v):
+    """The fused kernels want one head size for q, k and v; MLA's values are narrower (or wider) than its
+    queries. Zero-pad the narrower side (queries rescaled so the kernel's 1/sqrt(size) stays 1/sqrt(q's size))."""
+    dq, dv = q.shape[-1], v0.shape[-1]
+    if dv < dq:
+        pad = (0, dq - dv)
+        return q, k0, F.pad(v0, pad), extra_k, [F.pad(v, pad) for v in extra_v]
+    pad = (0, dv - dq)
+    return (F.pad(q * math.sqrt(dv / dq), pad), F.pad(k0, pad), v0, [F.pad(k, pad) for k in extra_k], extra_v)
+
+
 def ttt_attention(
     q_BNTD: torch.Tensor,
     k0_BNTD: torch.Tensor,
@@ -165,15 +176,21 @@ def ttt_attention(
 ) -> torch.Tensor:
     """Attention of step j = len(extra_k): causal over step-0 keys, plus each later step's same-position key.
 
-    All inputs have the query's head count (GQA already expanded). Output in q's dtype. `fused`
-    None picks the fused kernel where the device has one; False forces the blockwise path.
+    All inputs have the query's head count (GQA already expanded); scores are scaled by 1/sqrt(q's head
+    size), and values may have another head size (MLA). Output in q's dtype. `fused` None picks the fused
+    kernel where the device has one; False forces the blockwise path.
     """
     if not extra_k:
         return F.scaled_dot_product_attention(q_BNTD, k0_BNTD, v0_BNTD, is_causal=True)
     if fused is None:
         fused = has_fused_causal(q_BNTD)
     if fused:
-        return _FusedTTTAttention.apply(q_BNTD, k0_BNTD, v0_BNTD, len(extra_k), *extra_k, *extra_v)
+        dv = v0_BNTD.shape[-1]
+        args = (q_BNTD, k0_BNTD, v0_BNTD, extra_k, extra_v)
+        if dv != q_BNTD.shape[-1]:
+            args = _common_head_size(*args)
+        q, k0, v0, ks, vs = args
+        return _FusedTTTAttention.apply(q, k0, v0, len(ks), *ks, *vs)[..., :dv]
     out0, lse0 = causal_attention_with_lse(q_BNTD, k0_BNTD, v0_BNTD, block)
     out, _ = _merge(q_BNTD, out0, lse0, extra_k, extra_v)
     return out.to(q_BNTD.dtype)
@@ -211,21 +228,19 @@ def ttt_unroll(
         recompute_mlp = b * t >= RECOMPUTE_MLP_FROM_TOKENS
     recompute_mlp = recompute_mlp and torch.is_grad_enabled()
     cfg, layer = model.cfg, model.midlayer
-    nq, head_dim = cfg.num_attention_heads, cfg.head_dim
-    widths = [nq * head_dim, cfg.num_key_value_heads * head_dim, cfg.num_key_value_heads * head_dim]
     hidden = model.project_aux(aux_hidden_BT3H)
-    # What `MidLayer.qkv` computes, with the work that does not depend on the step done once. The
-    # projection of cat(norm(embeds), norm(hidden)) is split into its embedding half and its hidden
-    # half. Step j's tokens are window j of ids[1:] + num_steps pad ids, so one pass over that
-    # window's T-1+k rows replaces k passes over T (embedding, input norm and half the q/k/v
-    # matmul forward and backward). RoPE angles come from one table.
+    # What `MidLayer.queries` computes, with the work that does not depend on the step done once. The
+    # projection of cat(norm(embeds), norm(hidden)) (GQA's q/k/v, MLA's q_a and kv_a) is split into its
+    # embedding half and its hidden half. Step j's tokens are window j of ids[1:] + num_steps pad ids, so
+    # one pass over that window's T-1+k rows replaces k passes over T (embedding, input norm and half the
+    # input projection, forward and backward). RoPE angles come from one table.
     a = layer.self_attn
-    w_qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-    w_embed, w_hidden = w_qkv[:, : cfg.hidden_size], w_qkv[:, cfg.hidden_size :]
+    w_in = a.in_proj_weight()
+    w_embed, w_hidden = w_in[:, : cfg.hidden_size], w_in[:, cfg.hidden_size :]
     ids_all = torch.cat([input_ids_BT[:, 1:], input_ids_BT.new_zeros(b, num_steps)], dim=1)
     embed_proj = F.linear(layer.input_layernorm(model.embed_tokens(ids_all).to(hidden.dtype)), w_embed)
     positions = torch.arange(int(position_ids_BT.max()) + num_steps, device=input_ids_BT.device)
-    cos_table, sin_table = rope_cos_sin(positions, head_dim, cfg.rope_theta)
+    cos_table, sin_table = a.rope_tables(positions)
     k0 = v0 = None
     extra_k: list[torch.Tensor] = []
     extra_v: list[torch.Tensor] = []
@@ -235,11 +250,10 @@ def ttt_unroll(
         return out, model.norm(out)
 
     for j in range(num_steps):
-        qkv = embed_proj[:, j : j + t] + F.linear(layer.hidden_norm(hidden), w_hidden)
-        q, k, v = (x.view(b, t, -1, head_dim).transpose(1, 2) for x in qkv.split(widths, dim=-1))
+        proj = embed_proj[:, j : j + t] + F.linear(layer.hidden_norm(hidden), w_hidden)
         cos, sin = cos_table[position_ids_BT + j][:, None], sin_table[position_ids_BT + j][:, None]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = repeat_kv(k, nq), repeat_kv(v, nq)
+        q, entry = a.split(proj, cos, sin)
+        k, v = a.keys_values(entry)
         if j == 0:
             k0, v0 = k, v
         else:

@@ -6,7 +6,9 @@ of its pristine and patched `deepseek_v2.py`, the patch style, whether it serves
 Kimi-K2.5 with EAGLE-3, how its `set_eagle3_layers_to_capture` turns a draft
 config's `eagle_aux_hidden_state_layer_ids` into captured layers (found by running
 that method from the release's source), and the server options an extraction
-launch and a serving launch need on it. Everything version-dependent reads this table, so adding a
+launch and a serving launch need on it. It also records whether the release can load an MLA drafter (`mla_drafter`: the EAGLE 3.1 options its
+`kimi_k25_eagle3.py` `Eagle3DeepseekV2ForCausalLM` reads, or null where the release has no such class: before
+0.5.12). Everything version-dependent reads this table, so adding a
 release is one command and no code change.
 
 Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i]`):
@@ -43,6 +45,16 @@ class Release:
     serving_args: tuple[str, ...]  # server options a serving launch (the served benchmark) adds on this release
     capture_only_mode: bool  # --enable-return-aux-hidden-states exists (not used: see README)
     eagle31_options: tuple[str, ...]  # EAGLE 3.1 draft config options its llama_eagle3.py reads (fc_norm, norm_output)
+    mla_drafter: tuple[str, ...] | None = None  # the same for kimi_k25_eagle3.py; None: cannot load an MLA drafter
+
+    @property
+    def serves_mla_drafter(self) -> bool:
+        """Serves Kimi-K2.5 with EAGLE-3 and loads `Eagle3DeepseekV2ForCausalLM` (drafter.attention: mla)."""
+        return self.serves_kimi_k25_eagle3 and self.mla_drafter is not None
+
+    def drafter_options(self, attention: str) -> tuple[str, ...]:
+        """The EAGLE 3.1 options this release reads from the config.json of a `gqa` or `mla` drafter."""
+        return self.eagle31_options if attention != "mla" else (self.mla_drafter or ())
 
     @property
     def patch_file(self) -> Path:
@@ -71,6 +83,7 @@ def supported() -> dict[str, Release]:
             extraction_args=tuple(r["extraction_args"]), serving_args=tuple(r["serving_args"]),
             capture_only_mode=r["capture_only_mode"],
             eagle31_options=tuple(r["eagle31_options"]),
+            mla_drafter=None if r.get("mla_drafter") is None else tuple(r["mla_drafter"]),
         )
         for r in rows
     }
@@ -84,6 +97,21 @@ def release(version: str) -> Release:
             f"SGLang {version} is not supported (supported: {', '.join(supported())}); "
             "add it with `python patches/sglang/make_patch.py add <version>`"
         ) from None
+
+
+def mla_drafter_refusal(version: str) -> str | None:
+    """Why SGLang `version` cannot serve an MLA drafter (drafter.attention: mla), or None when it can."""
+    r = release(version)
+    if r.serves_mla_drafter:
+        return None
+    missing = "Eagle3DeepseekV2ForCausalLM (sglang/srt/models/kimi_k25_eagle3.py, from 0.5.12)" \
+        if r.mla_drafter is None else "EAGLE-3 for Kimi-K2.5"
+    return f"SGLang {version} cannot load an MLA drafter: it has no {missing}"
+
+
+def mla_drafter_releases(options: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The supported releases that serve an MLA drafter and read all of its EAGLE 3.1 `options`."""
+    return [v for v, r in supported().items() if r.serves_mla_drafter and set(options) <= set(r.mla_drafter)]
 
 
 def arch_family(architecture: str) -> str:

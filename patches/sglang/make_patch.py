@@ -4,7 +4,7 @@
     python patches/sglang/make_patch.py regen                      # every release in releases.json
 
 For each release it downloads the wheel (`tests/sglang_wheels.py`, cached in
-.cache/sglang-wheels), reads `deepseek_v2.py`, `kimi_k25.py`, `llama.py` and the
+.cache/sglang-wheels), reads `deepseek_v2.py`, `kimi_k25.py`, `llama.py`, `kimi_k25_eagle3.py` and the
 server options, renders the hidden-state dump patch, checks it, and writes
 `v<version>/hs-dump.patch`, the release's row of `releases.json` and the matrix in
 this folder's README. The engine reads only those files.
@@ -44,6 +44,9 @@ from tests.sglang_wheels import read_file, run_set_eagle3_layers_to_capture  # n
 
 HERE = Path(__file__).resolve().parent
 MODEL_FILE = "sglang/srt/models/deepseek_v2.py"
+# The MLA drafter Kimi's served drafts use (drafter.attention: mla)
+MLA_DRAFTER_FILE = "sglang/srt/models/kimi_k25_eagle3.py"
+MLA_DRAFTER_CLASS = "Eagle3DeepseekV2ForCausalLM"
 HOOK = "_eagle3_hs_dump"
 
 GUARD = f'''# eagle3-dagster: hidden-state dump for EAGLE-3 training (see eagle3_dagster/sglang/dump_hook.py).
@@ -264,6 +267,7 @@ def analyze(version: str) -> tuple[dict, str]:
         "serving_args": [opt for opt in SERVING_OPTIONS if _has_option(sources, opt)],
         "capture_only_mode": _has_option(sources, "--enable-return-aux-hidden-states"),
         "eagle31_options": eagle31_options(read_file(version, "sglang/srt/models/llama_eagle3.py")),
+        "mla_drafter": mla_drafter(read_file(version, MLA_DRAFTER_FILE)),
     }
     return row, diff
 
@@ -293,17 +297,32 @@ def write(rows: dict[str, dict], diffs: dict[str, str]) -> None:
     readme.write_text(text)
 
 
+def mla_drafter(source: str | None) -> list[str] | None:
+    """None when a release cannot load an MLA drafter (no `Eagle3DeepseekV2ForCausalLM` in `kimi_k25_eagle3.py`),
+    else the EAGLE 3.1 config.json options that file reads (0.5.12's reads none)."""
+    if source is None or not any(isinstance(node, ast.ClassDef) and node.name == MLA_DRAFTER_CLASS
+                                 for node in ast.walk(ast.parse(source))):
+        return None
+    return eagle31_options(source)
+
+
 def matrix(rows: list[dict]) -> str:
     out = ["| release | serves Kimi-K2.5 with EAGLE-3 | extraction path | patch | aux ids (DeepSeek / Llama) "
-           "| extraction options | serving options |",
-           "|---|---|---|---|---|---|---|"]
+           "| extraction options | serving options | MLA drafter |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         path = "patch (dump hook)" + (" — capture-only mode exists, not used" if r["capture_only_mode"] else "")
         rules = " / ".join(r["aux_id_rules"][k] or "–" for k in ("deepseek", "llama"))
         out.append(f"| {r['version']} | {'yes' if r['serves_kimi_k25_eagle3'] else 'no'} | {path} | "
                    f"{r['style']}, verified | {rules} | `{' '.join(r['extraction_args'])}` "
-                   f"| `{' '.join(r['serving_args'])}` |")
+                   f"| `{' '.join(r['serving_args'])}` | {_mla_cell(r['mla_drafter'])} |")
     return "\n".join(out) + "\n"
+
+
+def _mla_cell(options: list[str] | None) -> str:
+    if options is None:
+        return "no"
+    return "yes" + (f" ({', '.join(options)})" if options else " (no EAGLE 3.1 options)")
 
 
 def main(argv: list[str]) -> int:
