@@ -14,7 +14,9 @@ and exit 2; a check that fails exits 1; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -270,16 +272,12 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
         raise UserError(_one_line(e)) from None
     except FileNotFoundError:  # no weights at all: the loader names that, after the target it is for
         pass
-    host = None
-    if profile.bench.mode == "served":
-        from eagle3_dagster.gpu_host import GpuHost
-
-        host = GpuHost(profile.gpu_host.hosts[0])
     out = out or layout.bench_dir / f"drafter-{drafter.resolve().name}"
+    run_id = time.strftime("%Y%m%d-%H%M%S")
     try:
-        report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous
-                                 else None, run_id=time.strftime("%Y%m%d-%H%M%S"), gpu_host=host, progress=print,
-                                 out_dir=out)
+        with _leased_host(profile, run_id) as host:  # served: a host of its own while it serves, as a run's
+            report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous
+                                     else None, run_id=run_id, gpu_host=host, progress=print, out_dir=out)
     except ForeignInputError as e:
         raise UserError(_one_line(e)) from None
     except (KeyError, ValueError) as e:  # a directory that is not an EAGLE-3 drafter for this target
@@ -289,6 +287,55 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
         print(f"note: {note}")
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+@contextlib.contextmanager
+def _leased_host(profile, run_id: str):
+    """The served benchmark's GPU host, leased as `benchmark_report` leases it (the first free host of
+    gpu_host.hosts, in the lease folder the Dagster runs use), for the block; None for the simulated one.
+    Unleased, its launch stopped the live server of an extraction on the same host and port."""
+    if profile.bench.mode != "served":
+        yield None
+        return
+    from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.host_lease import NoHostError, lease_host
+
+    hosts = [GpuHost(h) for h in profile.gpu_host.hosts]
+    holder = {"run_id": f"eagle3-bench-{run_id}", "command": "eagle3 bench"}
+    try:
+        with lease_host([(h.name, h) for h in hosts], lease_folder(profile), holder=holder, log=print,
+                        wait_s=profile.gpu_host.lease_wait_s) as lease:
+            yield lease.host
+    except NoHostError as e:
+        raise UserError(_one_line(e)) from None
+
+
+def lease_folder(profile) -> Path:
+    """Where the Dagster runs lease GPU hosts: gpu_host.lease_dir, else `gpu_host_leases` under the storage of
+    the instance in DAGSTER_HOME (its dagster.yaml `local_artifact_storage` base_dir, default DAGSTER_HOME/storage:
+    what `resources/gpu_host.py` uses). Neither known: refused, since a lease taken anywhere else guards nothing."""
+    if profile.gpu_host.lease_dir:
+        return Path(profile.gpu_host.lease_dir)
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        raise UserError("the served benchmark leases its GPU host where the Dagster runs lease theirs, and that "
+                        "folder is unknown: set gpu_host.lease_dir in the profile, or DAGSTER_HOME to the instance's "
+                        "folder")
+    import yaml
+
+    storage = Path(home) / "storage"
+    try:
+        instance = yaml.safe_load((Path(home) / "dagster.yaml").read_text()) or {}
+    except FileNotFoundError:
+        instance = {}
+    base_dir = ((instance.get("local_artifact_storage") or {}).get("config") or {}).get("base_dir") \
+        if isinstance(instance, dict) else None
+    if isinstance(base_dir, dict) and isinstance(base_dir.get("env"), str):
+        base_dir = os.environ.get(base_dir["env"])
+    if base_dir is not None and not isinstance(base_dir, str):
+        raise UserError(f"{Path(home) / 'dagster.yaml'}: local_artifact_storage base_dir {base_dir!r} is not a "
+                        "path; set gpu_host.lease_dir in the profile")
+    return (Path(base_dir) if base_dir else storage) / "gpu_host_leases"
 
 
 def _one_line(e: BaseException) -> str:

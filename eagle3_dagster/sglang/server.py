@@ -2,7 +2,7 @@
 
 Owns: `ServerSpec` (extraction or serving mode: the release's options from patches/sglang/releases.json,
 the dump environment, the options an extraction refuses), `sglang_server` (refuse a port someone else
-holds, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
+holds, or another live run's server on it, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
 `--served-model-name` it was launched with, always stop it; with `--trust-remote-code`, refuse a target whose
 code is not `reviewed_code`) and `LogTail` (the log file and its last lines
 for an error message). The health checks themselves run beside the server (`sglang.health`).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3_dagster import target_code
 from eagle3_dagster.gpu_host import GpuHost, HostProcess, program_argv
-from eagle3_dagster.sglang import health
+from eagle3_dagster.sglang import claim, health
 from eagle3_dagster.sglang import patch as sglang_patch
 
 LogFn = Callable[[str], None]
@@ -173,19 +173,22 @@ class RunningServer:
 def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Iterator[RunningServer]:
     """Start the server, stream its log to `on_log`, wait until it is healthy and is the one we started.
 
-    A server left by a dead worker of this project is stopped through its pid file; anything else
+    A server left by a dead worker of this project is stopped through its pid file, but one of a live run that
+    holds the host's lease is refused, naming the run (`claim`); anything else
     already answering on the port is refused before launching, and the server that turns healthy
     must answer with the unique `--served-model-name` it was launched with. Its process group is
     always stopped on leaving.
     """
     name = f"sglang-{spec.port}"
     check_reviewed_code(host, spec)
+    claim.refuse_if_leased_elsewhere(host, name)  # a live server of a run holding the host is never stopped
     host.stop_stale(name)
     if host.run(program_argv(host.spec.python, health, "port", spec.port), check=False).returncode == 0:
         raise ServerError(f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
                           f"server this project started (none is recorded in {host.spec.workdir}/{name}.pid); "
                           f"stop it or set hidden.sglang_port to a free port")
     served_model_name = f"eagle3-{uuid.uuid4().hex[:16]}"
+    claim.record_launch(host, name)
     proc = host.spawn(spec.argv(host.spec.python, served_model_name), spec.environment(), name)
     tail: deque[str] = deque(maxlen=40)
 
@@ -202,6 +205,7 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
         yield RunningServer(base_url=url, process=proc, served_model_name=served_model_name)
     finally:
         proc.stop()
+        claim.forget(host, name)
         reader.join(timeout=5)
 
 
