@@ -1,6 +1,7 @@
 """Real SGLang release files for tests, fetched once from PyPI and cached.
 
-`pip download --no-deps sglang==X` into `.cache/sglang-wheels/` (gitignored);
+`pip download --no-deps sglang==X` into `.cache/sglang-wheels/` (gitignored), checked against the sha256
+PyPI publishes for it (tests/release_hashes.json, `tests.release_wheels.verify`);
 from each wheel only `sglang/srt/models/deepseek_v2.py` and the dist-info
 METADATA (its version) are extracted. A failed download is an error, never a
 skip: the patch tests are only worth something against the real files.

@@ -12,8 +12,10 @@
 3. the runtime packages SGLang's server imports on CPU that the project's environment does not already
    satisfy (`requirements-<version>.txt`, pinned);
 4. the release wheel itself (`tests/sglang_wheels.wheel_path`: `pip download --no-deps sglang==<version>`
-   from PyPI, the cache the patch tests share), installed `--no-deps` (its metadata pins CUDA-only packages:
-   flashinfer, sglang-kernel, deep-gemm, ...). SGLang's code is the wheel's, byte for byte, but for
+   from PyPI, the cache the patch tests share), checked against the sha256 PyPI publishes for it
+   (tests/release_hashes.json) before the venv is touched, and installed `--no-deps --require-hashes` (pip
+   checks it again; its metadata pins CUDA-only packages: flashinfer, sglang-kernel, deep-gemm, ...).
+   SGLang's code is the wheel's, byte for byte, but for
 5. our patch `torch-native-mla-<version>.patch`, applied to the installed file and checked by sha256
    before and after (the project's strict applier: no fuzz, no offsets);
 6. `site/` (our `sgl_kernel` CPU shim and torchvision import guard) on the path by `eagle3_0_cpu_shim.pth`.
@@ -154,6 +156,7 @@ def build(version: str, log=print, variant: str = "") -> Path:
     """The venv's interpreter, with SGLang `version` installed, patched for CPU and the shim on its path.
 
     `variant` names a second venv of the same release, built the same way beside the first."""
+    from tests.release_wheels import hashed_requirement
     from tests.sglang_wheels import wheel_path
 
     if version not in PATCHES:
@@ -168,6 +171,7 @@ def build(version: str, log=print, variant: str = "") -> Path:
         if stamp.exists() and stamp.read_text() == digest and python.exists():
             return python
         started = time.monotonic()
+        wheel = wheel_path(version)  # checked against PyPI's sha256 (a mismatch raises) before anything is removed
         shutil.rmtree(target, ignore_errors=True)
         _run([sys.executable, "-m", "venv", "--without-pip", str(target)], "venv", log)
         site = site_packages(python)
@@ -183,7 +187,9 @@ def build(version: str, log=print, variant: str = "") -> Path:
         compile_flag = "--compile" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "--no-compile"
         constrained = ("-c", str(CONSTRAINTS), compile_flag)
         _run(_pip(python, "install", *constrained, "-r", str(requirements(version))), "runtime packages", log)
-        _run(_pip(python, "install", *constrained, "--no-deps", str(wheel_path(version))),
+        hashed = target / "sglang-wheel.txt"  # pip's hash-checking mode: the file must have PyPI's sha256
+        hashed.write_text(hashed_requirement("sglang", version, spec=str(wheel)) + "\n")
+        _run(_pip(python, "install", *constrained, "--no-deps", "--require-hashes", "-r", str(hashed)),
              f"sglang {version} wheel", log)
         apply_cpu_patch(version, python)
         if unmet := unmet_release_pins(python):
