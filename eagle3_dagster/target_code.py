@@ -60,12 +60,16 @@ def auto_map_modules(model_dir: Path) -> set[str]:
 
 
 def code_files(model_dir: str | Path) -> dict[str, str]:
-    """name (relative to the folder, '/'-separated) → sha256 of each code file: every `*.py` at any depth
-    (symbolic links to folders are not followed) and each file an `auto_map` names. A code file that is not a
-    regular file (a FIFO, a device, a link to one) is refused: its bytes cannot be pinned."""
+    """name (relative to the folder, '/'-separated) → sha256 of each code file: every `*.py` at any depth (through
+    symbolic links too, each real folder once: code a link points at runs all the same) and each file an
+    `auto_map` names. A code file that is not a regular file (a FIFO, a device, a link to one) is refused: its
+    bytes cannot be pinned."""
     model_dir = Path(model_dir)
     names = set(auto_map_modules(model_dir))
-    for root, _dirs, files in os.walk(model_dir):
+    seen = {os.path.realpath(model_dir)}
+    for root, dirs, files in os.walk(model_dir, followlinks=True):
+        dirs[:] = [d for d in dirs if (real := os.path.realpath(os.path.join(root, d))) not in seen
+                   and not seen.add(real)]
         names.update((Path(root) / f).relative_to(model_dir).as_posix() for f in files if f.endswith(".py"))
     out = {}
     for name in sorted(names):

@@ -191,6 +191,9 @@ def main(argv: list[str]) -> int:
         for name, digest in pin(argv[1], argv[2]).items():
             print(digest, name)
         return 0
+    if argv:
+        print("usage: python -m tests.release_wheels [pin PACKAGE VERSION]", file=sys.stderr)
+        return 2
     failed = []
     for package, version in tier_releases():
         try:

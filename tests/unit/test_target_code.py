@@ -80,12 +80,19 @@ def test_code_files_are_every_python_file_at_any_depth_with_its_sha256(target):
 
 
 @pytest.mark.parametrize("attack", ["edit the tokenizer's code", "add a module beside it", "add one in a folder",
-                                    "edit the model code auto_map names", "edit code a link points at, outside"])
+                                    "edit the model code auto_map names", "edit code a link points at, outside",
+                                    "edit code in a linked folder, outside"])
 def test_an_edited_or_added_code_file_changes_the_target_identity(target, attack, tmp_path):
     outside = tmp_path / "elsewhere.py"
-    if attack.endswith("outside"):
+    if attack == "edit code a link points at, outside":
         outside.write_text("X = 1\n")
         (target / "linked.py").symlink_to(outside)
+    elif attack == "edit code in a linked folder, outside":
+        (tmp_path / "pkg").mkdir()
+        outside = tmp_path / "pkg" / "impl.py"
+        outside.write_text("X = 1\n")
+        (target / "pkg").symlink_to(tmp_path / "pkg")
+        (tmp_path / "pkg" / "loop").symlink_to(tmp_path / "pkg")  # a cycle is walked once
     before = target_identity(target)
     if attack == "edit the tokenizer's code":
         (target / "tokenization_probe.py").write_text((target / "tokenization_probe.py").read_text() + "\nX = 1\n")
