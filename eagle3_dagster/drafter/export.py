@@ -1,8 +1,10 @@
 """The drafter export SGLang and vLLM serve, and the key-by-key check of it.
 
 Owns `config.json` + `model.safetensors` in the `LlamaForCausalLMEagle3`
-layout. SGLang ≤ 0.5.11 skips names it does not know and never reports missing
-weights (a `layers.0.*` export starts fine and drafts garbage), so
+layout (drafter.attention: gqa) or the `Eagle3DeepseekV2ForCausalLM` one (mla: its
+names and config fields are in `mla_export.py`). SGLang ≤ 0.5.11 skips names it
+does not know and never reports missing weights (a `layers.0.*` Llama export
+starts fine and drafts garbage), so
 `check_export` compares names and shapes with what SGLang's loader defines,
 derived from config.json the way SGLang derives them.
 
@@ -27,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 
 from eagle3_dagster import layers
 from eagle3_dagster.sglang import releases
+import eagle3_dagster.drafter.mla_export as mla_export
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json
 
@@ -69,21 +72,24 @@ def eagle31_options(cfg: dict) -> list[str]:
 
 
 def _sglang_dims(cfg: dict) -> dict[str, int]:
-    """The sizes SGLang derives from config.json (LlamaAttention's head_dim default, target_hidden_size default)."""
+    """The sizes SGLang derives from config.json (LlamaAttention's head_dim default, target_hidden_size default;
+    an MLA drafter's sizes, its head_dim the query/key head size)."""
     h = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or h // heads)
+    mla = mla_export.dims(cfg) if mla_export.is_mla(cfg) else {}
+    head_dim = mla.get("qk_head_dim") or int(cfg.get("head_dim") or h // heads)
     dims = {
         "hidden_size": h,
         "target_hidden_size": int(cfg.get("target_hidden_size") or h),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        # MLA shares one latent across heads: its num_key_value_heads (transformers' default 128) means nothing
+        "num_key_value_heads": heads if mla else int(cfg.get("num_key_value_heads") or heads),
         "head_dim": head_dim,
         "intermediate_size": int(cfg["intermediate_size"]),
         "vocab_size": int(cfg["vocab_size"]),
         "draft_vocab_size": int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
     }
-    return dims
+    return dims | mla
 
 
 def _eval_dim(expr: str, dims: dict[str, int]) -> int:
@@ -95,7 +101,8 @@ def _eval_dim(expr: str, dims: dict[str, int]) -> int:
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     dims = _sglang_dims(config)
-    names = SGLANG_EAGLE3_WEIGHTS | (FC_NORM_WEIGHTS if "fc_norm" in eagle31_options(config) else {})
+    layout = mla_export.WEIGHTS if mla_export.is_mla(config) else SGLANG_EAGLE3_WEIGHTS
+    names = layout | (FC_NORM_WEIGHTS if "fc_norm" in eagle31_options(config) else {})
     return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in names.items()}
 
 
@@ -105,13 +112,18 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
     canonical = list(cfg.aux_layers)
     family = releases.arch_family(target_architecture)
     options = [o for o in releases.EAGLE31_OPTIONS if getattr(cfg, o)]
-    if options and not sglang_versions:  # the releases that would serve the drafter as it was trained
+    mla = cfg.attention == "mla"
+    if mla and sglang_versions and (why := [w for v in sglang_versions if (w := releases.mla_drafter_refusal(v))]):
+        raise ValueError(f"drafter.attention: mla: {'; '.join(why)}; the export would not be served")
+    if mla and not sglang_versions:  # the releases that serve an MLA drafter (with its EAGLE 3.1 options)
+        sglang_versions = releases.mla_drafter_releases(options)
+    elif options and not sglang_versions:  # the releases that would serve the drafter as it was trained
         sglang_versions = [v for v, r in releases.supported().items() if set(options) <= set(r.eagle31_options)]
     sglang_ids, right_on = releases.draft_aux_ids(canonical, family, sglang_versions)
-    if unread := _unread_options(options, right_on):
+    if unread := _unread_options(options, right_on, cfg.attention):
         raise ValueError(f"drafter {', '.join(options)} (EAGLE 3.1): {unread}; a drafter trained with them would "
                          "be served without them")
-    return {
+    shape = mla_export.config_fields(cfg) if mla else {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "num_hidden_layers": 1,
@@ -125,6 +137,9 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,
+    }
+    return {
+        **shape,
         # engines clamp RoPE at this length: it must cover the target's serving context (sglang #6783)
         "max_position_embeddings": max(serving_context, cfg.max_position_embeddings),
         "vocab_size": cfg.vocab_size,
@@ -145,10 +160,10 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
     }
 
 
-def _unread_options(options: list[str], versions: list[str]) -> str:
+def _unread_options(options: list[str], versions: list[str], attention: str = "gqa") -> str:
     """Which of `versions` would ignore which EAGLE 3.1 options ('' when every one reads them all)."""
     known = releases.supported()  # an unknown release is reported by the aux-id check
-    unread = {v: [o for o in options if o not in known[v].eagle31_options] for v in versions if v in known}
+    unread = {v: [o for o in options if o not in known[v].drafter_options(attention)] for v in versions if v in known}
     return "; ".join(f"SGLang {v} does not read {', '.join(o)}" for v, o in unread.items() if o)
 
 
@@ -168,7 +183,8 @@ def export_drafter(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {}
-    for k, v in model.trainable_state_dict().items():
+    named = model.trainable_state_dict()
+    for k, v in (mla_export.to_checkpoint(named) if model.cfg.attention == "mla" else named).items():
         v = v.detach().cpu()
         state[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
     atomic_write_bytes(out_dir / WEIGHTS_FILE, save_safetensors(state, metadata={"format": "pt"}))
@@ -193,7 +209,8 @@ class ExportCheck:
 
     def raise_for_errors(self) -> None:
         if not self.ok:
-            raise ValueError(f"drafter export does not match SGLang's LlamaForCausalLMEagle3: {self}")
+            raise ValueError(f"drafter export does not match what SGLang loads (LlamaForCausalLMEagle3 or "
+                             f"{mla_export.ARCHITECTURE}): {self}")
 
 
 def check_export(export_dir: Path) -> ExportCheck:
@@ -202,12 +219,21 @@ def check_export(export_dir: Path) -> ExportCheck:
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / "config.json").read_text())
     result = ExportCheck()
-    for key, want in (("architectures", ["LlamaForCausalLMEagle3"]), ("num_hidden_layers", 1),
-                      ("tie_word_embeddings", False)):
+    mla = mla_export.is_mla(cfg)
+    want_layout = (("architectures", [mla_export.ARCHITECTURE]), ("model_type", mla_export.MODEL_TYPE)) if mla \
+        else (("architectures", ["LlamaForCausalLMEagle3"]),)
+    for key, want in (*want_layout, ("num_hidden_layers", 1), ("tie_word_embeddings", False)):
         if cfg.get(key) != want:
             result.config_errors.append(f"config.json {key}={cfg.get(key)!r}, SGLang needs {want!r}")
+    served_by = (cfg.get("eagle3_dagster_sglang") or {}).get("releases", [])
+    if mla:
+        result.config_errors += mla_export.config_errors(cfg)
+        result.config_errors += [f"config.json is an MLA drafter written for {w}" for v in served_by
+                                 if v in releases.supported() and (w := releases.mla_drafter_refusal(v))]
+        if result.config_errors:
+            return result  # the sizes the weights are checked against are not there
     result.config_errors += _aux_id_errors(cfg)
-    if unread := _unread_options(eagle31_options(cfg), (cfg.get("eagle3_dagster_sglang") or {}).get("releases", [])):
+    if unread := _unread_options(eagle31_options(cfg), served_by, "mla" if mla else "gqa"):
         result.config_errors.append(f"config.json turns on {', '.join(eagle31_options(cfg))}: {unread}")
     want = expected_shapes(cfg)
     with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as h:
@@ -254,6 +280,7 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
     canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
     if canonical is None:
         canonical = layers.sglang_to_canonical(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    mla = mla_export.is_mla(cfg)
     dcfg = DrafterConfig(
         target_hidden_size=dims["target_hidden_size"],
         hidden_size=dims["hidden_size"],
@@ -268,9 +295,14 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         aux_layers=tuple(canonical),
         **{o: True for o in eagle31_options(cfg)},
+        **({"attention": "mla", "rope_scaling": cfg.get("rope_scaling"),
+            "rope_interleave": bool(cfg.get("rope_interleave", True)),
+            **{k: dims[k] for k in mla_export.MLA_DIMS}} if mla else {}),
     )
     with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as h:
         state = {k: h.get_tensor(k) for k in h.keys()}
+    if mla:
+        state = mla_export.from_checkpoint(state)
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     return dcfg, state
 

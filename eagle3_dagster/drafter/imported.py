@@ -1,6 +1,8 @@
 """Drafters trained elsewhere: a standard EAGLE-3 export read the way SGLang would serve it.
 
-Owns reading an SGLang-loadable `LlamaForCausalLMEagle3` directory that lacks this
+Owns reading an SGLang-loadable `LlamaForCausalLMEagle3` directory, or an MLA drafter's
+`Eagle3DeepseekV2ForCausalLM` one (lightseek's kimi-k2.5-eagle3-mla layout: a DeepSeek-V3
+config.json, weights `layers.0.*` or `midlayer.*`, `mla_export.py`), that lacks this
 project's own config fields (`eagle3_dagster_aux_layers_canonical`,
 `eagle3_dagster_sglang`), so the benchmark can compare a drafter trained by another
 tool against ours on the same target and prompts. The project's own exports keep
@@ -47,6 +49,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from eagle3_dagster import layers
+import eagle3_dagster.drafter.mla_export as mla_export
 from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, eagle31_options, expected_shapes, load_own_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.io import ForeignInputError, confined_path, regular_file
@@ -81,9 +84,10 @@ class ImportedDrafter:
 # any model's width, vocabulary or context reaches.
 _SIZE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "max_position_embeddings",
-                "num_hidden_layers")
+                "num_hidden_layers", *mla_export.MLA_DIMS)
 MAX_SIZE = 2**31 - 1
-_FLAG_FIELDS = ("tie_word_embeddings", "fc_norm", "norm_output", "use_aux_norm", *_UNSUPPORTED_CONFIG)
+_FLAG_FIELDS = ("tie_word_embeddings", "fc_norm", "norm_output", "use_aux_norm", "rope_interleave",
+                *_UNSUPPORTED_CONFIG)
 
 
 def _is_int(v: object) -> bool:
@@ -125,7 +129,7 @@ def config_value_errors(raw: dict) -> list[str]:
                      (OWN_FIELD, raw.get(OWN_FIELD))):
         if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
             errors.append(f"{key}={ids!r}: must be a list of layer numbers")
-    if errors:
+    if errors or mla_export.is_mla(raw):  # an MLA drafter's sizes: mla_export.config_errors, once defaults are in
         return errors
     hidden, heads = raw.get("hidden_size") or 4096, raw.get("num_attention_heads") or 32  # LlamaConfig's defaults
     if raw.get("head_dim") is None and hidden % heads:
@@ -213,17 +217,19 @@ def _check_aux_layers(canonical: list[int], origin: str, num_target_layers: int)
 
 
 def _full_config(raw: dict, path: Path | str = "config.json") -> dict:
-    """config.json with transformers' `LlamaConfig` defaults filled in, as SGLang reads it.
+    """config.json with transformers' `LlamaConfig` defaults filled in (`DeepseekV3Config`'s for an MLA
+    drafter), as SGLang reads it.
 
     A config written by hand, or by a `save_pretrained` that keeps only what differs from the class
     defaults, may leave out `intermediate_size` or `tie_word_embeddings` and still mean the default.
     """
-    from transformers import LlamaConfig
+    from transformers import DeepseekV3Config, LlamaConfig
 
+    kind = DeepseekV3Config if mla_export.is_mla(raw) else LlamaConfig
     try:
-        full = LlamaConfig.from_dict(dict(raw)).to_dict()
+        full = kind.from_dict(dict(raw)).to_dict()
     except Exception as e:  # transformers' own validation (huggingface_hub's StrictDataclassError, not a ValueError)
-        raise ForeignInputError(f"{path}: transformers' LlamaConfig refuses it: " + " ".join(str(e).split())) \
+        raise ForeignInputError(f"{path}: transformers' {kind.__name__} refuses it: " + " ".join(str(e).split())) \
             from None
     full.update({k: v for k, v in raw.items() if k not in full})
     return full
@@ -231,13 +237,18 @@ def _full_config(raw: dict, path: Path | str = "config.json") -> dict:
 
 def _config_errors(cfg: dict, target: dict) -> list[str]:
     errors = []
-    for key, want in (("architectures", ["LlamaForCausalLMEagle3"]), ("num_hidden_layers", 1),
-                      ("tie_word_embeddings", False)):
+    mla = mla_export.is_mla(cfg)
+    if cfg.get("architectures") not in (["LlamaForCausalLMEagle3"], [mla_export.ARCHITECTURE]):
+        errors.append(f"config.json architectures={cfg.get('architectures')!r}, an EAGLE-3 drafter has "
+                      f"['LlamaForCausalLMEagle3'] or [{mla_export.ARCHITECTURE!r}] (MLA)")
+    for key, want in (("num_hidden_layers", 1), ("tie_word_embeddings", False)):
         if cfg.get(key) != want:
             errors.append(f"config.json {key}={cfg.get(key)!r}, an EAGLE-3 drafter has {want!r}")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if mla:
+        errors += mla_export.config_errors(cfg)
+    elif cfg.get("hidden_act", "silu") != "silu":
         errors.append(f"config.json hidden_act={cfg['hidden_act']!r}; the drafter's MLP is SiLU")
-    for key in ("rope_scaling", "rope_parameters"):
+    for key in () if mla else ("rope_scaling", "rope_parameters"):
         rope = cfg.get(key) or {}
         kind = rope.get("rope_type") or rope.get("type")
         if kind not in (None, "default"):
@@ -331,7 +342,12 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     for legacy, name in _LEGACY_NAMES.items():
         state = {k.replace(legacy, name): v for k, v in state.items()}
     options = eagle31_options(cfg)
-    if unread := [o for o in options if o not in releases.release(version).eagle31_options]:
+    mla = mla_export.is_mla(cfg)
+    if mla:
+        if why := releases.mla_drafter_refusal(version):
+            raise ValueError(f"{export_dir}: an MLA drafter ({mla_export.ARCHITECTURE}): {why}")
+        state = mla_export.to_checkpoint(state)  # SGLang takes midlayer.* and layers.0.* alike
+    if unread := [o for o in options if o not in releases.release(version).drafter_options("mla" if mla else "gqa")]:
         raise ValueError(f"{export_dir}: config.json turns on {', '.join(unread)}, which SGLang {version} does not "
                          "read: it would serve this drafter without them")
     unsupported = sorted(k for k in state if k.startswith(_UNSUPPORTED_WEIGHT_PREFIXES))
@@ -364,7 +380,7 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
         num_key_value_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"], vocab_size=dims["vocab_size"],
         draft_vocab_size=dims["draft_vocab_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        aux_layers=tuple(aux), **{o: True for o in options},
+        aux_layers=tuple(aux), **{o: True for o in options}, **(_mla_fields(cfg, dims) if mla else {}),
     )
     d2t = state["d2t"].to(torch.int64)
     hot = torch.arange(dcfg.draft_vocab_size) + d2t
@@ -377,12 +393,22 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
                      "from d2t")
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     state["t2d"], state["d2t"] = t2d, d2t
+    if mla:
+        state = mla_export.from_checkpoint(state)
     model = Eagle3Drafter(dcfg, embed, d2t, t2d)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})")
     return ImportedDrafter(model.eval(), "external", tuple(aux), origin, notes)
+
+
+def _mla_fields(cfg: dict, dims: dict) -> dict:
+    """The DrafterConfig fields of an MLA drafter's config.json (RoPE from `rope_scaling` or `rope_parameters`)."""
+    from eagle3_dagster.drafter.target_head import rope_scaling
+
+    return {"attention": "mla", "rope_scaling": rope_scaling(cfg), "rope_interleave": bool(cfg.get("rope_interleave",
+            True)), **{k: dims[k] for k in mla_export.MLA_DIMS}}
 
 
 def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:

@@ -6,9 +6,10 @@ of its pristine and patched `deepseek_v2.py`, the patch style, whether it serves
 Kimi-K2.5 with EAGLE-3, how its `set_eagle3_layers_to_capture` turns a draft
 config's `eagle_aux_hidden_state_layer_ids` into captured layers (found by running
 that method from the release's source), and the server options an extraction
-launch and a serving launch need on it. It also records whether the release can load an MLA drafter (`mla_drafter`: the EAGLE 3.1 options its
-`kimi_k25_eagle3.py` `Eagle3DeepseekV2ForCausalLM` reads, or null where the release has no such class: before
-0.5.12). Everything version-dependent reads this table, so adding a
+launch and a serving launch need on it, and whether it can load an MLA drafter
+(`mla_drafter`: the EAGLE 3.1 options its `kimi_k25_eagle3.py` `Eagle3DeepseekV2ForCausalLM`
+reads, or null where the release has no such class: before 0.5.12; every row's
+`serves_kimi_k25_eagle3` is true). Everything version-dependent reads this table, so adding a
 release is one command and no code change.
 
 Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i]`):

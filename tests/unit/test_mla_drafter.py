@@ -92,7 +92,8 @@ def ref_qkv(model: Eagle3Drafter, embeds, hidden, pos, freqs):
     b, t, _ = hidden.shape
     x = torch.cat([rms(embeds, p["midlayer.input_layernorm.weight"], c.rms_norm_eps),
                    rms(hidden, p["midlayer.hidden_norm.weight"], c.rms_norm_eps)], -1)
-    q = rms(x @ p[at + "q_a_proj.weight"].T, p[at + "q_a_layernorm.weight"], c.rms_norm_eps) @ p[at + "q_b_proj.weight"].T
+    q_a = rms(x @ p[at + "q_a_proj.weight"].T, p[at + "q_a_layernorm.weight"], c.rms_norm_eps)
+    q = q_a @ p[at + "q_b_proj.weight"].T
     q = q.view(b, t, c.num_attention_heads, -1)
     q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
     kv = x @ p[at + "kv_a_proj_with_mqa.weight"].T
@@ -119,8 +120,8 @@ def ref_rest(model: Eagle3Drafter, attn_BNTV, hidden):
 def ref_fc(model: Eagle3Drafter, aux):
     p = dict(model.named_parameters())
     if model.cfg.fc_norm:
-        aux = torch.cat([rms(c, p[f"fc_norm.{i}.weight"], model.cfg.rms_norm_eps) for i, c in enumerate(aux.chunk(3, -1))],
-                        -1)
+        chunks = aux.chunk(3, -1)
+        aux = torch.cat([rms(c, p[f"fc_norm.{i}.weight"], model.cfg.rms_norm_eps) for i, c in enumerate(chunks)], -1)
     return aux @ p["fc.weight"].T
 
 
@@ -222,8 +223,8 @@ def test_mla_serve_time_drafting_with_the_latent_cache_equals_ttt(eagle31):
         ttt_logits = [model.lm_head(x) for x in ttt_unroll(model, ids, aux, steps)]
         for t in (0, 4, 7):
             cache = DraftKVCache()
-            hidden, logits = model.step(ids[:, 1 : t + 2], model.project_aux(aux[:, : t + 1]), torch.arange(t + 1)[None],
-                                        cache)
+            prefill = model.project_aux(aux[:, : t + 1])
+            hidden, logits = model.step(ids[:, 1 : t + 2], prefill, torch.arange(t + 1)[None], cache)
             torch.testing.assert_close(logits[:, t], ttt_logits[0][:, t])
             for j in range(1, steps):
                 hidden, logits = model.step(ids[:, t + 1 + j : t + 2 + j], hidden[:, -1:], torch.tensor([[t + j]]),

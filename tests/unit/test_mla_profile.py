@@ -98,7 +98,7 @@ def test_mla_sizes_default_to_the_targets_and_each_is_overridable(tmp_path):
     assert (cfg.attention, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
             cfg.qk_rope_head_dim, cfg.v_head_dim) == ("mla", 2, 32, 16, 8, 8, 16)
     assert cfg.rope_theta == 50_000.0 and cfg.rope_interleave
-    assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["factor"] == 1.0  # the target's, as SGLang's CPU RoPE
+    assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["factor"] == 1.0  # the target's (SGLang's CPU RoPE)
     assert cfg.kv_values_per_token() == 16 + 8
     mine = DrafterOverrides(attention="mla", num_attention_heads=4, q_lora_rank=24, kv_lora_rank=12,
                             qk_nope_head_dim=4, qk_rope_head_dim=6, v_head_dim=10, hidden_size=48)
