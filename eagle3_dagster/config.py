@@ -195,11 +195,25 @@ class TargetConfig(_Strict):
         False, description="let transformers run Python code shipped with the target's checkpoint (Kimi-K2.5 "
         "needs it for its tokenizer); off unless the profile turns it on"
     )
+    reviewed_code: dict[str, str] | None = Field(
+        None, description="the target's code as reviewed: file name (relative to the target folder) -> sha256 "
+        "of every *.py there and each module an auto_map names (the target_model asset lists them as code_files). "
+        "Set, and with trust_remote_code on, a code file not listed or with another hash is refused before any "
+        "code runs"
+    )
     serving_context: int = _bounded(
         2048, ge=16, le=2**22, why=WHY_TOKENS,
         description="longest context the drafter is served at; sets the export's max_position_embeddings"
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="the demo target's shape (kind=tiny)")
+
+    @field_validator("reviewed_code")
+    @classmethod
+    def _sha256_values(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        bad = [name for name, digest in (value or {}).items() if not re.fullmatch(r"[0-9a-f]{64}", digest)]
+        if bad:
+            raise ValueError(f"target.reviewed_code: {bad} not a sha256 (64 lowercase hex digits)")
+        return value
 
     @model_validator(mode="after")
     def _path_for_external(self) -> "TargetConfig":

@@ -81,13 +81,14 @@ _DEFAULT_SIGNALS = ("import os, signal, sys\n"
 _WRITE_PIDFILE = ('read -r _s < /proc/$$/stat; set -- ${{_s##*) }}; '
                   'echo "$$ ${{20}} {nonce}" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; ')
 
-# Exit 0 (and OWNED_PG set) when the pid file names a live process group this project started: its leader
-# is alive with the recorded start time (pid + start time name one process, whatever reused the pid since),
-# or, the leader gone, a member of the group carries the recorded nonce in its environment.
+# Exit 0 (and OWNED_PG set) when the pid file names a live process group this project started: a live member
+# of the group carries the recorded nonce in its environment (the leader first), and the leader, if alive,
+# has the recorded start time (pid + start time name one process, whatever reused the pid since). A start
+# time alone is no proof: a pid file can name a live stranger with its real one.
 _OWNED = ("( read -r pg st nonce _ < {pidfile} 2>/dev/null && [ -n \"$nonce\" ] || exit 1; "
           "if read -r s < /proc/$pg/stat 2>/dev/null; then set -- ${{s##*) }}; "
-          "[ \"$3\" = \"$pg\" ] && [ \"${{20}}\" = \"$st\" ]; exit $?; fi; "
-          "for p in /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
+          "[ \"$3\" = \"$pg\" ] && [ \"${{20}}\" = \"$st\" ] || exit 1; fi; "
+          "for p in /proc/$pg /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
           "[ \"$3\" = \"$pg\" ] || continue; "
           "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF \"{var}=$nonce\" && exit 0; done; exit 1 )")
 

@@ -110,6 +110,16 @@ def who_holds(lease_dir: Path | str, name: str) -> dict | None:
         return {}
 
 
+# The leases this process holds now: host name -> (lease folder, holder record). A launch on a host records which
+# lease it runs under from here (`sglang.claim`).
+_HELD: dict[str, tuple[Path, dict]] = {}
+
+
+def held_here(name: str) -> tuple[Path, dict] | None:
+    """The lease folder and holder record of host `name` while this process holds its lease, else None."""
+    return _HELD.get(name)
+
+
 def history(lease_dir: Path | str) -> list[dict]:
     """Every `leased` / `released` record written under `lease_dir`, oldest first."""
     path = Path(lease_dir) / HISTORY
@@ -238,9 +248,11 @@ def _recorded(lease_dir: Path | str, name: str, host: H, path: Path, fd: int, ho
         raise LeaseFileError(f"{lease_dir}: cannot record the lease of host {name}: {e}; free space "
                              f"there or set gpu_host.lease_dir") from None
     log(f"gpu host {name} leased ({path})")
+    _HELD[name] = (Path(lease_dir), record)
     try:
         yield Lease(name=name, host=host, path=path, holder=record, skipped=dict(skipped))
     finally:  # recorded while the lock is still held: the next holder's `leased` comes after it
+        _HELD.pop(name, None)
         try:
             _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
         except (OSError, LeaseFileError) as e:  # never in place of the step's own outcome
