@@ -4,7 +4,10 @@ Each class implements `specdec.Proposer`. The EAGLE-3 proposer keeps the
 drafter's KV cache in step with the target: positions whose aux states came
 from the target stay cached, positions the drafter filled from its own output
 while drafting are cropped before the next extend (that is the rollback after a
-rejection). Proposers with a known answer, for tests, are in tests/reference_proposers.py.
+rejection). The cache is the drafter's own (`model.DraftKVCache`): K and V of every KV head for a GQA
+drafter, the latent and rotated shared key (kv_lora_rank + qk_rope_head_dim values per token) for an MLA one,
+as SGLang caches them, so drafting costs what it costs served. Proposers with a known answer, for tests, are in
+tests/reference_proposers.py.
 """
 
 from __future__ import annotations
