@@ -180,6 +180,14 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "merged_train_sha256": "sha256 of the merged_train file the plan was made for",
         "plan_contract": "the plan file the shard runs read (never recomputed by them)",
         "train_schedule": "what training makes of these shards: optimizer steps and tokens per step",
+        "draft_attention": "the drafter's attention (drafter.attention): gqa or mla",
+        "draft_kv_dtype": "dtype of the drafter's served KV cache (the export's)",
+        "draft_kv_values_per_token": "values the drafter's KV cache holds per token: 2 x num_key_value_heads x "
+                                     "head_dim (GQA), kv_lora_rank + qk_rope_head_dim (MLA)",
+        "draft_kv_bytes_per_token": "bytes of the drafter's KV cache per token, served",
+        "draft_kv_bytes_at_serving_context": "bytes of the drafter's KV cache for one sequence of "
+                                             "target.serving_context tokens",
+        "draft_kv_at_serving_context_human": "draft_kv_bytes_at_serving_context, readable",
     },
     "hidden_states": {
         "version": "hidden-state version this run wrote (as in extraction_plan)",

@@ -77,8 +77,10 @@ RUNS_WITH: dict[str, tuple[str, ...]] = {
     "tokenized_dataset": _TARGET_FILES,
     "merged_train": (),
     "vocab_mapping": _TARGET_FILES,
-    # the hours for the hosts configured now; its table also gives them for 1..N hosts
-    "extraction_plan": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir"),
+    # the hours for the hosts configured now; its table also gives them for 1..N hosts; the draft KV cache of the
+    # drafter the profile describes (a figure it reports, not part of the plan)
+    "extraction_plan": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir", "drafter", "target.serving_context",
+                        "target.dtype"),
     # the server's port, its extra flags (one that would change a row is refused at launch), parallel requests,
     # where shards are staged, how long a run may take
     "hidden_states": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir", "hidden.sglang_port", "hidden.sglang_server_args",

@@ -65,8 +65,34 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "merged_train_sha256": ctx.merged_train_sha256,
         PLAN_CONTRACT_KEY: str(contract),
         "train_schedule": asdict(training_schedule(profile, ctx)),
+        **draft_kv_cache(profile, ctx.target.path),
     })
     return report, extraction.fits, extraction.message
+
+
+def draft_kv_cache(profile: Profile, target_path: Path) -> dict:
+    """What the drafter's KV cache costs served, per token and per sequence at target.serving_context: GQA keeps
+    K and V of every KV head (2 x num_key_value_heads x head_dim values), MLA the latent and the shared rotary key
+    (kv_lora_rank + qk_rope_head_dim), in the export's dtype (`eagle3 plan` prints it). A drafter.attention: mla
+    the target cannot size is refused here, naming the field, before any extraction."""
+    from eagle3_dagster.drafter.model import DrafterConfig
+    from eagle3_dagster.drafter.target_head import TargetArch
+
+    arch = TargetArch.from_dir(target_path)
+    context = profile.target.serving_context
+    cfg = DrafterConfig.from_profile(profile.drafter, arch, draft_vocab_size=arch.vocab_size,  # no bearing on the KV
+                                     aux_layers=(), serving_context=context)
+    dtype = export_dtype(profile.target.dtype)
+    per_token = cfg.kv_values_per_token() * (2 if dtype == "bfloat16" else 4)
+    return {"draft_attention": cfg.attention, "draft_kv_dtype": dtype,
+            "draft_kv_values_per_token": cfg.kv_values_per_token(), "draft_kv_bytes_per_token": per_token,
+            "draft_kv_bytes_at_serving_context": per_token * context,
+            "draft_kv_at_serving_context_human": _human(per_token * context)}
+
+
+def export_dtype(target_dtype: str) -> str:
+    """The dtype the drafter is exported (and served) in for a target loaded in `target_dtype`."""
+    return "bfloat16" if target_dtype == "bfloat16" else "float32"
 
 
 def training_schedule(profile: Profile, ctx: HiddenContext) -> "TrainSchedule":
