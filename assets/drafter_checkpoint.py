@@ -34,9 +34,10 @@ def build(profile: Profile) -> dg.Definitions:
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
-        check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint",
+        check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint", blocking=True,
                                        description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
-                                       "with its shape, and nothing else")],
+                                       "with its shape, finite, and nothing else; a failing export is named only as "
+                                       "refused_export_dir and nothing downstream runs on it")],
         description="EAGLE-3 drafter trained with torchrun (DDP) on the hidden-state shards, exported in the "
         "layout SGLang and vLLM load.",
         retry_policy=dg.RetryPolicy(max_retries=1),
@@ -69,7 +70,7 @@ def build(profile: Profile) -> dg.Definitions:
                 **recorded_settings(context)}
         meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
-        weights = report.metadata["export_dir"] / "model.safetensors"
+        weights = launch.out_dir / "export" / "model.safetensors"
         return dg.MaterializeResult(metadata=meta, check_results=[check],
                                     data_version=dg.DataVersion(file_version(weights)))
 
@@ -87,10 +88,10 @@ def build(profile: Profile) -> dg.Definitions:
         from eagle3_dagster.stages.bench import benchmark_stage
 
         tag_run(context, profile)
-        previous = _previous_results_path(context)
+        previous, export_dir = _previous_results_path(context), _drafter_export(context)
         with context.resources.gpu_host.lease(context) as host:  # a host of its own while it serves
             report = benchmark_stage(
-                given(profile, "benchmark_report"), layout(profile), export_dir=_drafter_export(context), previous_results=previous,
+                given(profile, "benchmark_report"), layout(profile), export_dir=export_dir, previous_results=previous,
                 run_id=context.run_id, gpu_host=host, progress=progress_logger(context),
             )
         results = report.metadata["results_json"]
@@ -145,16 +146,25 @@ def results_metadata(results_path) -> dict:
 
 
 def _drafter_export(context: dg.AssetExecutionContext) -> str:
-    """The export named by the latest drafter_checkpoint materialization: one exists only for a training run
-    that finished and whose export passed `check_export`, so a refused or half-written export is never read."""
+    """The export named by the latest drafter_checkpoint materialization. Only a training run that finished
+    and whose export passed `check_export` names one as `export_dir`; a refused export (its check failed) is
+    `refused_export_dir` and is never read, nor is an older export behind it."""
     event = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint"))
-    value = event.asset_materialization.metadata.get("export_dir") \
-        if event is not None and event.asset_materialization is not None else None
-    path = getattr(value, "path", None) or getattr(value, "value", None)
+    meta = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
+    if "refused_export_dir" in meta:
+        raise ValueError(f"benchmark_report: the latest drafter_checkpoint export "
+                         f"({_path(meta['refused_export_dir'])}) failed its {EXPORT_CHECK} check and is not "
+                         f"benchmarked; see the check's detail, then materialize drafter_checkpoint again")
+    path = _path(meta.get("export_dir"))
     if not path:
         raise FileNotFoundError("benchmark_report: no drafter_checkpoint materialization names an export; "
                                 "materialize drafter_checkpoint first")
-    return str(path)
+    return path
+
+
+def _path(value) -> str | None:
+    path = getattr(value, "path", None) or getattr(value, "value", None)
+    return str(path) if path else None
 
 
 def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:

@@ -208,6 +208,8 @@ BY_ASSET: dict[str, dict[str, str]] = {
     "drafter_checkpoint": {
         "run_dir": "the training run's folder (checkpoints, metrics.json, curves.png)",
         "export_dir": "the exported drafter (config.json + model.safetensors) SGLang and vLLM load",
+        "refused_export_dir": "the export that failed export_matches_sglang (see the check's detail): kept for "
+        "inspection, never benchmarked or published",
         "export_location": "where the export was published (train.export_location)",
         "steps": "optimizer steps trained",
         "tokens_per_s": "training throughput: tokens per second over the run",

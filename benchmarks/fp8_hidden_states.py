@@ -51,7 +51,9 @@ def run_one(profile, layout, log) -> dict:
                                      python=sys.executable)
     subprocess.run(command, env={**os.environ, **job.env}, cwd=job.cwd, check=True)
     t_train = time.monotonic() - t0 - t_extract
-    report, _, _ = finish_training(profile, layout, job)
+    report, ok, detail = finish_training(profile, layout, job)
+    if not ok:
+        raise ValueError(detail)
     bench = benchmark_stage(profile, layout, export_dir=report.metadata["export_dir"], previous_results=None,
                             run_id=f"fp8-compare-{dtype}", progress=log)
     meta = report.metadata

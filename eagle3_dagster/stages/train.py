@@ -7,9 +7,10 @@ hyperparameter set starts a fresh run beside the old one.
 Nothing wrong is trusted: training starts only when every shard's bytes match
 its manifest (sha256), and its export is handed on only when `check_export`
 passes (names, shapes, every weight finite). There is no side pointer to "the
-current drafter": the export's path is in the drafter_checkpoint
-materialization's metadata, which exists only when the materialization succeeded,
-and the benchmark reads it from there.
+current drafter": the export's path is `export_dir` in the drafter_checkpoint
+materialization's metadata, and the benchmark reads it from there. An export
+that fails its check is reported as the failed check with its path as
+`refused_export_dir`, never as `export_dir`, and is not published.
 """
 
 from __future__ import annotations
@@ -112,32 +113,29 @@ def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict],
 
 
 def finish_training(profile: Profile, layout: ArtifactLayout, launch: TrainLaunch) -> tuple[StageReport, bool, str]:
-    """Read back what training wrote; an export that fails its check (a missing, misshaped or non-finite
-    weight) is refused with an error, so no materialization ever names it."""
+    """Read back what training wrote: the report, whether the export passed `check_export` and what it found.
+
+    An export that fails its check (a missing, misshaped or non-finite weight) is named only as
+    `refused_export_dir`, never `export_dir`, and is not published: the caller reports the failed check, and
+    nothing downstream can read the export from the metadata."""
     from eagle3_dagster.drafter.export import check_export
+    from eagle3_dagster.train.outputs import summary_metadata
 
     metrics = storage.read_json(launch.out_dir / "metrics.json")
     export_dir = launch.out_dir / "export"
     check = check_export(export_dir)
-    if not check.ok:
-        raise ValueError(f"drafter_checkpoint: the export in {export_dir} is refused: {check}")
-    detail = "ok"
-    published = {}
-    if profile.train.export_location:
+    if check.ok:
+        detail, named = "ok", {"export_dir": export_dir}
+    else:
+        detail, named = f"the export in {export_dir} is refused: {check}", {"refused_export_dir": export_dir}
+    if check.ok and profile.train.export_location:
         from eagle3_dagster.drafter.publish import publish_export
 
         dest = storage.location(profile.train.export_location, PROJECT_ROOT).join(launch.out_dir.name)
         publish_export(export_dir, dest, log=lambda _line: None)
-        published = {"export_location": str(dest)}
-    from eagle3_dagster.train.outputs import summary_metadata
-
+        named["export_location"] = str(dest)
     report = StageReport(
-        metadata={
-            "run_dir": launch.out_dir,
-            "export_dir": export_dir,
-            **published,
-            **summary_metadata(metrics),
-        },
+        metadata={"run_dir": launch.out_dir, **named, **summary_metadata(metrics)},
         images={"curves": launch.out_dir / "curves.png"},
         series={"loss_by_step": (list(metrics["curves"]["loss"]), "training step"),
                 "acc_0_by_step": (list(metrics["curves"]["acc_0"]), "training step")},

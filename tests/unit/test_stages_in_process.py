@@ -151,8 +151,9 @@ def test_build_vocab_keeps_the_most_frequent_supervised_tokens(tmp_path, micro_t
     assert torch.equal(torch.arange(64) + d2t, t2d.nonzero().squeeze(-1))  # SGLang maps draft id i to i + d2t[i]
 
 
-def _export_for(profile, layout, out_dir: Path, *, poison: bool = False) -> Path:
-    """An untrained drafter of the micro target's shape over the corpus's vocab mapping, exported as training does."""
+def _export_for(profile, layout, out_dir: Path, *, poison: bool = False, drop: str | None = None) -> Path:
+    """An untrained drafter of the micro target's shape over the corpus's vocab mapping, exported as training does;
+    `poison`: with a NaN in fc.weight, `drop`: without that weight."""
     from eagle3_dagster.drafter.export import export_drafter
     from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
     from eagle3_dagster.drafter.target_head import load_target_tensors
@@ -167,20 +168,22 @@ def _export_for(profile, layout, out_dir: Path, *, poison: bool = False) -> Path
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
     out = export_drafter(drafter, out_dir / "export", profile.target.serving_context, torch.float32)
-    if poison:
+    if poison or drop:
         weights = load_file(str(out / "model.safetensors"))
-        weights["fc.weight"][0, 0] = float("nan")
+        if poison:
+            weights["fc.weight"][0, 0] = float("nan")
+        weights.pop(drop or "", None)
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
-def _finished_run(profile, layout, name: str, *, poison: bool = False):
+def _finished_run(profile, layout, name: str, *, poison: bool = False, drop: str | None = None):
     from eagle3_dagster.io import atomic_write_json
     from eagle3_dagster.stages.train import TrainLaunch
     from eagle3_dagster.train.outputs import plot_curves
 
     out_dir = layout.drafter_dir / name
-    _export_for(profile, layout, out_dir, poison=poison)
+    _export_for(profile, layout, out_dir, poison=poison, drop=drop)
     curves = {"step": [1, 2], "loss": [4.0, 3.5], "lr": [1e-3, 1e-3], "acc_0": [0.1, 0.2], "acc_1": [0.05, 0.1],
               "acc_2": [0.0, 0.05], "loss_0": [4, 3.5], "loss_1": [4, 3.6], "loss_2": [4, 3.7]}
     final = {"acc_0": 0.212345678, "acc_1": 0.1, "acc_2": 0.05, "sim_accept_length": 1.2334567, "loss": 3.512345678}
@@ -191,7 +194,7 @@ def _finished_run(profile, layout, name: str, *, poison: bool = False):
     return TrainLaunch(command=[], env={}, cwd=".", job_path=out_dir / "job.json", out_dir=out_dir)
 
 
-def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(tmp_path, micro_target):
+def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_incomplete_one(tmp_path, micro_target):
     from eagle3_dagster.stages.train import finish_training
 
     profile, layout = _merged_corpus(tmp_path, micro_target, train={"export_location": str(tmp_path / "published")})
@@ -209,9 +212,13 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_one(
     published = Path(meta["export_location"])
     assert sha256_file(published / "model.safetensors") == sha256_file(meta["export_dir"] / "model.safetensors")
 
-    with pytest.raises(ValueError, match=r"export in .*run-bad/export is refused.*fc.weight"):
-        finish_training(profile, layout, _finished_run(profile, layout, "run-bad", poison=True))
-    assert not (tmp_path / "published" / "run-bad").exists()  # nothing refused is published
+    # a failing export is the failed check's to report: named only as refused, never as the export, nor published
+    for run, bad in [("run-nan", {"poison": True}), ("run-incomplete", {"drop": "midlayer.mlp.down_proj.weight"})]:
+        report, ok, detail = finish_training(profile, layout, _finished_run(profile, layout, run, **bad))
+        assert not ok and re.search(rf"export in .*{run}/export is refused.*(fc|down_proj).weight", detail)
+        assert report.metadata["refused_export_dir"] == layout.drafter_dir / run / "export"
+        assert not {"export_dir", "export_location"} & set(report.metadata)
+        assert not (tmp_path / "published" / run).exists()
 
 
 @pytest.mark.slow  # speculative decoding of the micro target, twice
