@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
 from eagle3_dagster.host_config import HostConfig
@@ -467,7 +467,16 @@ class HiddenConfig(_Strict):
         return value
 
 
+# The MLA drafter's dimensions (drafter.attention: mla), each defaulting to the target's config.json value.
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 class DrafterOverrides(_Strict):
+    attention: Literal["gqa", "mla"] = Field(
+        "gqa", description="gqa: a Llama decoder layer with grouped-query attention (SGLang's "
+        "LlamaForCausalLMEagle3); mla: DeepSeek's multi-latent attention, the layer of Kimi's served drafters "
+        "(SGLang >= 0.5.12 Eagle3DeepseekV2ForCausalLM), whose draft KV cache holds kv_lora_rank + "
+        "qk_rope_head_dim values per token")
     hidden_size: int | None = _bounded(
         None, ge=8, le=65536, why=WHY_WIDTH, description="default: the target's hidden size")
     intermediate_size: int | None = _bounded(
@@ -476,10 +485,46 @@ class DrafterOverrides(_Strict):
         None, ge=1, le=1024, why=WHY_WIDTH, description="attention heads; default: the target's")
     num_key_value_heads: int | None = _bounded(
         None, ge=1, le=1024, why=WHY_WIDTH, description="key/value heads; default: attention heads")
+    q_lora_rank: int | None = _bounded(
+        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA query low-rank dimension; default: the target's")
+    kv_lora_rank: int | None = _bounded(
+        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA key/value latent dimension; default: the target's")
+    qk_nope_head_dim: int | None = _bounded(
+        None, ge=1, le=4096, why=WHY_WIDTH, description="MLA non-rotary part of each query/key head; default: the "
+        "target's")
+    qk_rope_head_dim: int | None = _bounded(
+        None, ge=2, le=4096, why=WHY_WIDTH, description="MLA rotary part of each query/key head (even); default: "
+        "the target's")
+    v_head_dim: int | None = _bounded(
+        None, ge=1, le=4096, why=WHY_WIDTH, description="MLA value head dimension; default: the target's")
     fc_norm: bool = Field(False, description="EAGLE 3.1: an RMSNorm on each captured target state before fc (served "
                           "by SGLang >= 0.5.12 and vLLM, which read config.json `fc_norm`; refused for older releases)")
     norm_output: bool = Field(False, description="EAGLE 3.1: the next draft step gets the normed output, not the "
                               "pre-norm sum (config.json `norm_output`; SGLang >= 0.5.12 and vLLM)")
+
+    @model_validator(mode="after")
+    def _attention_fields(self) -> "DrafterOverrides":
+        if self.attention == "gqa" and (given := [d for d in MLA_DIMS if getattr(self, d) is not None]):
+            raise ValueError(f"drafter.{given[0]}: set, but only drafter.attention: mla uses it; remove it or set "
+                             "drafter.attention: mla")
+        if self.attention == "mla" and self.num_key_value_heads is not None:
+            raise ValueError("drafter.num_key_value_heads: MLA shares one key/value latent across all heads; remove "
+                             "it (drafter.attention is mla)")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise ValueError(f"drafter.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; RoPE rotates pairs")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_mla_defaults(self, handler):
+        """`attention` and the MLA dimensions are written only when set: a job or profile from before they
+        existed dumps (and so hashes: the run folder, drafter_checkpoint's code version) as it did."""
+        data = handler(self)
+        if isinstance(data, dict):
+            if data.get("attention") == "gqa":
+                del data["attention"]
+            for key in [d for d in MLA_DIMS if d in data and data[d] is None]:
+                del data[key]
+        return data
 
 
 class TrainConfig(_Strict):
@@ -676,15 +721,20 @@ class Profile(_Strict):
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
-        from eagle3_dagster.sglang.releases import EAGLE31_OPTIONS, draft_aux_ids, release, supported
+        from eagle3_dagster.sglang.releases import (EAGLE31_OPTIONS, draft_aux_ids, mla_drafter_refusal,
+                                                    mla_drafter_releases, release, supported)
 
         options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
+        mla = self.drafter.attention == "mla"
+        if mla and self.gpu_host.sglang_version and (why := mla_drafter_refusal(self.gpu_host.sglang_version)):
+            raise ValueError(f"drafter.attention: mla, but gpu_host.sglang_version: {why}; serve with SGLang >= "
+                             "0.5.12 or set drafter.attention: gqa")
         if self.hidden.aux_layers:
             # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
             # With EAGLE 3.1 options and no release named, the export writes ids for every release that reads the
             # options (drafter.export.export_config): the same rule here, before training, not after it.
             version = self.gpu_host.sglang_version
-            versions = [version] if version else \
+            versions = [version] if version else mla_drafter_releases(options) if mla else \
                 [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)] if options else None
             try:
                 draft_aux_ids(list(self.hidden.aux_layers), "deepseek", versions)
@@ -692,7 +742,10 @@ class Profile(_Strict):
                 why = " (gpu_host.sglang_version)" if version else \
                     (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
                      f"right on every SGLang release that reads it, {versions[0]} to {versions[-1]}; or name the "
-                     "release served in gpu_host.sglang_version)" if options else "")
+                     "release served in gpu_host.sglang_version)" if options else
+                     " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
+                     f"release that serves an MLA drafter, {versions[0]} to {versions[-1]}; or name the release "
+                     "served in gpu_host.sglang_version)" if mla else "")
                 raise ValueError(f"hidden.aux_layers: {e}{why}") from None
         lk_options = sorted({"lk_kl_scale", "lk_kl_decay"} & self.train.model_fields_set)
         if lk_options and self.train.loss != "lk_lambda":  # accepted and ignored would be a silent no-op
@@ -701,10 +754,10 @@ class Profile(_Strict):
         if options and self.gpu_host.sglang_version:  # refused before training, not at export after it
 
             served = release(self.gpu_host.sglang_version)
-            if unread := [o for o in options if o not in served.eagle31_options]:
+            if unread := [o for o in options if o not in served.drafter_options(self.drafter.attention)]:
                 raise ValueError(f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does "
                                  "not read it from the draft config and would serve the drafter without it (SGLang "
-                                 ">= 0.5.12 does)")
+                                 f">= {'0.5.13' if mla else '0.5.12'} does)")
         return self
 
     @property

@@ -64,13 +64,8 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
     aux = job.aux_layers or tuple((getattr(dataset, "metadata", None) or {}).get("aux_layers") or ())
     if len(aux) != 3:
         raise ValueError(f"{job.hidden_version_dir}: aux layers unknown (job.aux_layers or metadata['aux_layers']): {aux}")
-    o, a = job.drafter, target.arch
-    cfg = DrafterConfig.for_target(
-        target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
-        draft_vocab_size=int(mapping["d2t"].shape[0]), aux_layers=aux, rms_norm_eps=a.rms_norm_eps,
-        rope_theta=a.rope_theta, max_position_embeddings=job.serving_context, hidden_size=o.hidden_size,
-        intermediate_size=o.intermediate_size, num_attention_heads=o.num_attention_heads,
-        num_key_value_heads=o.num_key_value_heads, fc_norm=o.fc_norm, norm_output=o.norm_output)
+    cfg = DrafterConfig.from_profile(job.drafter, target.arch, draft_vocab_size=int(mapping["d2t"].shape[0]),
+                                     aux_layers=aux, serving_context=job.serving_context)
     torch.manual_seed(job.train.seed)
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
     return drafter, target.lm_head
