@@ -217,7 +217,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
 
 
 def _extract_sglang(profile: Profile, contract: Path | str, ctx: HiddenContext, specs: list[ShardSpec], host: "GpuHost",
-                    host_report: dict | None, progress: Progress, force: bool = False) -> list:
+                    host_report: dict | None, progress: Progress, force: bool = False) -> tuple[list[dict], Path]:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
     (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
 
