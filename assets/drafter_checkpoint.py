@@ -24,6 +24,8 @@ from eagle3_dagster.config import Profile
 
 GROUP = "drafter"
 EXPORT_CHECK = "export_matches_sglang"
+# torchrun's worker under Dagster Pipes: the engine's worker with the Pipes reporter (resources/pipes_child.py)
+PIPES_WORKER = "resources.pipes_child"
 
 
 def build(profile: Profile) -> dg.Definitions:
@@ -43,7 +45,7 @@ def build(profile: Profile) -> dg.Definitions:
         retry_policy=dg.RetryPolicy(max_retries=1),
     )
     def drafter_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        from eagle3_dagster.stages.train import PIPES_WORKER, finish_training, prepare_training
+        from eagle3_dagster.stages.train import finish_training, prepare_training
         from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, node_commands
 
         tag_run(context, profile)
@@ -54,9 +56,9 @@ def build(profile: Profile) -> dg.Definitions:
             raise dg.Failure(description=str(e)) from None
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
         launch = prepare_training(given(profile, "drafter_checkpoint"), layout(profile),
-                                  contract=current_contract(context.instance))
+                                  contract=current_contract(context.instance), worker=PIPES_WORKER)
         with gpu_host.lease_hosts(context, train.nnodes) as hosts:  # one torchrun node per host
-            nodes = node_commands(launch.job_path, train, hosts, module=PIPES_WORKER)
+            nodes = node_commands(launch.job_path, train, hosts, module=launch.worker)
             for node in nodes:
                 context.log.info(f"launching on {node.host.name}: {' '.join(node.argv)}")
             invocation = gpu_host.run_pipes_on_hosts(context=context, commands=nodes, env=launch.env,

@@ -28,8 +28,8 @@ from eagle3_dagster.stages import StageReport
 from eagle3_dagster.threads import thread_env
 from eagle3_dagster.hidden.context import hidden_context, load_plan
 
-# The asset launches training through Dagster Pipes; this wrapper adds the Pipes reporter to the worker.
-PIPES_WORKER = "resources.pipes_child"
+# The engine's own torchrun worker; a caller may run a wrapper taking the same arguments instead.
+ENGINE_WORKER = "eagle3_dagster.train"
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,15 @@ class TrainLaunch:
     cwd: str
     job_path: Path
     out_dir: Path
+    worker: str = ENGINE_WORKER  # the module torchrun runs on every rank
 
 
 def prepare_training(profile: Profile, layout: ArtifactLayout, *, contract: Path | str | None = None,
-                     python: str | None = None) -> TrainLaunch:
-    """The torchrun job for the shards of extraction_plan's contract at `contract` (planned afresh when None)."""
+                     python: str | None = None, worker: str = ENGINE_WORKER) -> TrainLaunch:
+    """The torchrun job for the shards of extraction_plan's contract at `contract` (planned afresh when None).
+
+    `worker`: the module torchrun runs, the engine's own or a wrapper with its arguments (the caller's
+    choice: the asset passes its Dagster Pipes child)."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 
@@ -80,13 +84,14 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, contract: Path
     # drafter_checkpoint builds each leased host's own command (train/nodes.py); this one, for this interpreter,
     # exists when the job needs no launch-time choice: one node, or a fixed rendezvous endpoint
     command = build_torchrun_command(
-        job_path, nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, python=python or _python(), module=PIPES_WORKER,
+        job_path, nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, python=python or _python(), module=worker,
         rdzv_endpoint=t.rdzv_endpoint, rdzv_id=t.rdzv_id,
     ) if t.nnodes == 1 or t.rdzv_endpoint else []
     # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
     # the workers read shards from the store as the profile says
     env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
-    return TrainLaunch(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir)
+    return TrainLaunch(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir,
+                       worker=worker)
 
 
 def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:

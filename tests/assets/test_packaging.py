@@ -35,6 +35,6 @@ def test_the_wheel_holds_only_the_engine_package(tmp_path):
 
 def test_the_training_child_is_started_from_the_checkout_where_resources_lives():
     from eagle3_dagster.config import PROJECT_ROOT
-    from eagle3_dagster.stages.train import PIPES_WORKER
+    from assets.drafter_checkpoint import PIPES_WORKER
 
     assert (PROJECT_ROOT / (PIPES_WORKER.replace(".", "/") + ".py")).exists()

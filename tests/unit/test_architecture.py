@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -36,6 +37,26 @@ def test_the_code_location_uses_only_dagsters_public_api() -> None:
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
                           if n.split(".")[0] == "dagster" and any(p.startswith("_") for p in n.split(".")[1:])]
+    assert offenders == []
+
+
+# A module of the code location, named in a string: `-m resources.pipes_child`, importlib, runpy.
+CODE_LOCATION_MODULE = re.compile(r"(assets|resources|definitions)(\.[A-Za-z_]\w*)*")
+
+
+def test_no_engine_string_names_a_module_of_the_code_location() -> None:
+    """An import the test above sees; a module named in a string (a torchrun worker, an importlib path) it
+    does not, yet it binds the engine to the Dagster layer all the same: the layer above passes such a name
+    down (prepare_training's `worker`). A whole literal naming one, or a dotted word in a longer one, fails."""
+    offenders = []
+    for path in ENGINE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            words = [w.strip("`'\"(),:;") for w in node.value.split()]
+            if CODE_LOCATION_MODULE.fullmatch(node.value.strip()) or any(
+                    "." in w and CODE_LOCATION_MODULE.fullmatch(w) for w in words):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value[:80]!r}")
     assert offenders == []
 
 
