@@ -140,7 +140,7 @@ RESULT_COLUMNS = {  # column → what it means, with its unit
 
 def results_metadata(results_path) -> dict:
     """Every result row as a table with a schema: the numbers visible on the asset page, not in markdown.
-    The headline (which configuration, which band) is the stage's (`stages.bench.headline`)."""
+    The headline (which configuration, which band) is the stage's (`bench.report.headline`)."""
     from eagle3_dagster.storage import read_json
 
     rows = read_json(results_path)["rows"]

@@ -159,7 +159,8 @@ def draft_target_cost_ratio(rows: list[dict], method: str = "eagle3") -> float |
 
 
 def headline(rows: list[dict]) -> dict:
-    """The trained drafter at the first configuration on the first set, in the band it was trained on.
+    """The figures a reader looks at first: the trained drafter at the first configuration on the first set,
+    in the band it was trained on, and its rivals (the untrained drafter, n-gram) at the same place.
 
     A fixed choice, named (`headline_config`), so two reports' headlines compare like with like;
     rows without bands (served) fall back to all prompts.
@@ -188,6 +189,13 @@ def headline(rows: list[dict]) -> dict:
             value = (b or r)["acceptance_length"]
             if value is not None:
                 out[f"acceptance_length_t{temperature_of(r):g}"] = round(float(value), 4)
+    for method, key in [("eagle3_untrained", "untrained_acceptance_length"), ("ngram", "ngram_acceptance_length")]:
+        rival = next((r for r in rows if r["method"] == method and not temperature_of(r)
+                      and (r["set"], r.get("spec")) == (row["set"], row["spec"])), None)
+        value = None if rival is None else rival.get("acceptance_length") if not band else next(
+            (b["acceptance_length"] for b in rival.get("bands", []) if b["band"] == band["band"]), None)
+        if value is not None:
+            out[key] = round(float(value), 4)
     return out
 
 

@@ -31,7 +31,7 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
 
     Results go to `out_dir` (default the profile's bench folder).
     """
-    from eagle3_dagster.bench.report import render_report
+    from eagle3_dagster.bench.report import headline, render_report
 
     if profile.bench.mode == "served":
         results = _served(profile, layout, Path(export_dir), gpu_host, progress)
@@ -50,28 +50,6 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
         metadata={"results_json": results_path, **headline(results_json["rows"]), **drafter_meta},
         markdown={"report": markdown},
     )
-
-
-def headline(rows: list[dict]) -> dict:
-    """The figures a reader looks at first: the trained drafter at the first configuration, and its rivals.
-
-    Where rows carry prompt-length bands (in-process), every figure is the band the drafter was
-    trained on (`report.headline`); `headline_config` names what was measured.
-    """
-    from eagle3_dagster.bench.report import headline as trained_headline
-
-    out = trained_headline(rows)
-    band = out.get("headline_band")
-    for method, key in [("eagle3_untrained", "untrained_acceptance_length"), ("ngram", "ngram_acceptance_length")]:
-        row = next((r for r in rows if r["method"] == method and r.get("spec") == out.get("spec")
-                    and r["set"] == out.get("set") and not r.get("temperature")), None)
-        if row is None:
-            continue
-        value = next((b["acceptance_length"] for b in row.get("bands", []) if b["band"] == band), None) if band \
-            else row.get("acceptance_length")
-        if value is not None:
-            out[key] = round(float(value), 4)
-    return out
 
 
 def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, progress: Progress) -> dict:

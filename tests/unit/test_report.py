@@ -137,6 +137,8 @@ def test_headline_is_the_training_length_band_and_names_its_configuration():
     assert head["acceptance_length"] == 3.1
     assert head["acceptance_length_all_prompts"] == 2.5
     assert head["headline_config"] == "eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length)"
+    # the rivals at the same configuration, set and band (no untrained row in these results)
+    assert head["ngram_acceptance_length"] == 1.5 and "untrained_acceptance_length" not in head
 
 
 def test_headline_speedup_carries_the_spread_of_its_rounds_beside_the_ratio_of_medians():
