@@ -175,14 +175,15 @@ def plan_extraction(
     reclaim = sum(v.num_bytes for v in superseded)
     where = f"the staging folder {free_at} (one shard in flight; the shards go to {root})" if published else str(root)
     if fits:
-        message = f"needs {_human(needed)} of {_human(free)} free at {where}"
+        message = f"needs {human_bytes(needed)} of {human_bytes(free)} free at {where}"
     else:
         short = needed - free
-        message = f"does not fit: needs {_human(needed)}, {_human(free)} free at {where}, short by {_human(short)}"
+        message = (f"does not fit: needs {human_bytes(needed)}, {human_bytes(free)} free at {where}, "
+                   f"short by {human_bytes(short)}")
         if superseded and not published:  # versions elsewhere free nothing in the staging folder
-            names = ", ".join(f"{v.version} ({_human(v.num_bytes)})" for v in superseded)
+            names = ", ".join(f"{v.version} ({human_bytes(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
-            message += f"; deleting superseded versions would free {_human(reclaim)} ({enough}): {names}"
+            message += f"; deleting superseded versions would free {human_bytes(reclaim)} ({enough}): {names}"
     hours = {n: hours_on_hosts(remaining_shard_tokens, throughput_tokens_per_s, n) for n in sorted({1, 2, 4, num_hosts})}
     return ExtractionPlan(
         version=version, version_dir=version_dir, num_shards=len(shards),
@@ -232,9 +233,12 @@ def cleanup_superseded(
     return CleanupResult(dry_run=dry_run, removed=removed, freed_bytes=freed)
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float | None) -> str:
+    """A byte count as people read it (binary units: 4.6 TiB); "unknown" for None."""
+    if n is None:
+        return "unknown"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+        if abs(n) < 1024:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} PiB"

@@ -16,7 +16,9 @@ from eagle3_dagster import storage
 from eagle3_dagster.config import Profile
 from eagle3_dagster.contracts import PLAN_CONTRACT_KEY, ArtifactLayout
 from eagle3_dagster.hidden.context import HiddenContext, hidden_context, load_plan, write_plan
-from eagle3_dagster.hidden.plan import actual_bytes, cleanup_superseded, plan_extraction, shard_bytes, shard_manifest_bytes
+from eagle3_dagster.hidden.plan import (
+    actual_bytes, cleanup_superseded, human_bytes, plan_extraction, shard_bytes, shard_manifest_bytes,
+)
 from eagle3_dagster.hidden.sharding import ShardSpec
 from eagle3_dagster.hidden.shards import load_manifest, verify_shard
 from eagle3_dagster.stages import Progress, StageReport, no_progress
@@ -49,13 +51,13 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "num_samples": extraction.num_samples,
         "num_tokens": extraction.num_tokens,
         "total_bytes": extraction.total_bytes,
-        "total_human": _human(extraction.total_bytes),
+        "total_human": human_bytes(extraction.total_bytes),
         "remaining_bytes": extraction.remaining_bytes,
         "num_hosts": extraction.num_hosts,
         "estimated_hours": round(extraction.estimated_hours, 3),  # on num_hosts hosts
         "hours_by_hosts": {str(n): round(h, 3) for n, h in extraction.hours_by_hosts.items()},
         "free_bytes": extraction.free_bytes,
-        "free_human": _human(extraction.free_bytes),
+        "free_human": human_bytes(extraction.free_bytes),
         "free_at": extraction.free_at,
         "needed_bytes": extraction.needed_bytes,
         "fits": extraction.fits,
@@ -87,7 +89,7 @@ def draft_kv_cache(profile: Profile, target_path: Path) -> dict:
     return {"draft_attention": cfg.attention, "draft_kv_dtype": dtype,
             "draft_kv_values_per_token": cfg.kv_values_per_token(), "draft_kv_bytes_per_token": per_token,
             "draft_kv_bytes_at_serving_context": per_token * context,
-            "draft_kv_at_serving_context_human": _human(per_token * context)}
+            "draft_kv_at_serving_context_human": human_bytes(per_token * context)}
 
 
 def export_dtype(target_dtype: str) -> str:
@@ -289,16 +291,6 @@ def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = T
     return StageReport(metadata={
         "dry_run": result.dry_run,
         "freed_bytes": result.freed_bytes,
-        "freed_human": _human(result.freed_bytes),
+        "freed_human": human_bytes(result.freed_bytes),
         "removed": [v.summary for v in result.removed],
     })
-
-
-def _human(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit in ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]:
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)

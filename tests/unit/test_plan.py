@@ -133,3 +133,10 @@ def test_cleanup_deletes_only_superseded_versions_and_never_follows_links(tmp_pa
     assert [v.version for v in result.removed] == [OLD] and not old.exists()
     assert current.exists() and (outside / "precious.bin").read_bytes() == b"keep"
     assert (root / "hs-dddddddddddd").is_symlink()
+
+
+def test_byte_counts_read_in_binary_units_from_bytes_to_pib():
+    from eagle3_dagster.hidden.plan import human_bytes
+
+    assert [human_bytes(n) for n in (None, 512, 1536, 87_800_000 * 4 * 7168 * 2, 5 * 2**50)] == \
+        ["unknown", "512 B", "1.5 KiB", "4.6 TiB", "5.0 PiB"]
