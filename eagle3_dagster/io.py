@@ -40,7 +40,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
     with naming_full_disk(path):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp", dir=path.parent)
         try:
             os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the result gets the mode open() would give it
             with os.fdopen(fd, mode) as f:
@@ -54,13 +54,16 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
             raise
 
 
-def _writer_tag() -> str:
+def writer_tag() -> str:
+    """`HOST-PID`: what every temp file's name carries after `.NAME.`, so `remove_stale_temps` can tell whose
+    it is (atomic_open's `.NAME.HOST-PID.XXXX.tmp`, a hidden-state shard's `.NAME.HOST-PID.tmp`)."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def remove_stale_temps(path: Path) -> int:
     """Remove the temp files of `path` left by writers on this host that are no longer alive; their count.
-    A temp of a live writer, or of another host (a shared file system), is left alone."""
+    A temp of a live writer, or of another host (a shared file system: its pid means nothing here), is
+    left alone."""
     prefix = f".{path.name}.{socket.gethostname()}-"
     removed = 0
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):

@@ -25,7 +25,7 @@ exactly) and rows are `pwrite`n at their final offsets as batches finish, so a
 shard of any size is written with one batch of memory. Files are read with the
 safetensors library itself (`dataset.HiddenStatesDataset`), which validates the format.
 
-Commit protocol: a shard is written to `.{key}.safetensors.{pid}.tmp`, fsynced,
+Commit protocol: a shard is written to `.{key}.safetensors.{host}-{pid}.tmp`, fsynced,
 renamed, and only then its manifest `{key}.manifest.json` is written (atomic).
 Resume trusts manifests, never file existence. One manifest per shard means
 partition runs can finish in any order, concurrently, without a shared file.
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from eagle3_dagster import storage
-from eagle3_dagster.io import atomic_write_json, json_bytes, parse_json, sha256_file
+from eagle3_dagster.io import atomic_write_json, json_bytes, parse_json, remove_stale_temps, sha256_file, writer_tag
 from eagle3_dagster.layers import CANONICAL_NUMBERING
 
 if TYPE_CHECKING:
@@ -244,11 +244,12 @@ class ShardWriter:
         self.num_bytes = len(prefix) + data
         self.final_path = Path(shard_path(self.version_dir, key))
         self.version_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(self.version_dir, key)
+        # a killed writer's temp on this host goes; another host's (a shared hidden.root) may be live and stays
+        remove_stale_temps(self.final_path)
         # The shard is about to be replaced: an old manifest entry would vouch for the wrong bytes.
         with contextlib.suppress(FileNotFoundError):
             Path(manifest_path(self.version_dir, key)).unlink()
-        self.tmp_path = self.version_dir / f".{self.final_path.name}.{os.getpid()}.tmp"
+        self.tmp_path = self.version_dir / f".{self.final_path.name}.{writer_tag()}.tmp"  # ours, if abandoned: reused
         self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.num_bytes)
         os.pwrite(self._fd, prefix, 0)
@@ -330,23 +331,6 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
-
-
-def _remove_stale_temps(version_dir: Path, key: str) -> None:
-    """Temp files of this shard left by a dead process (kill -9); a live writer's temp is left alone."""
-    for p in version_dir.glob(f".{key}.safetensors.*.tmp"):
-        pid = p.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own earlier, abandoned attempt
-    from eagle3_dagster.io import pid_alive
-
-    return pid_alive(pid)
 
 
 class ShardCorruptError(RuntimeError):

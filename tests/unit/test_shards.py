@@ -143,11 +143,24 @@ def test_rewriting_a_shard_drops_its_old_manifest_before_replacing_the_file(tmp_
     w.abort()
 
 
-def test_stale_temp_of_a_dead_writer_is_removed(tmp_path):
-    stale = tmp_path / ".shard-00000.safetensors.999999999.tmp"
+def test_a_dead_writers_temp_is_removed_and_another_hosts_live_temp_on_a_shared_root_is_kept(tmp_path, monkeypatch):
+    import socket
+
+    here = socket.gethostname()
+    stale = tmp_path / f".shard-00000.safetensors.{here}-999999999.tmp"  # a writer on this host, killed
     stale.write_bytes(b"partial")
+    # a writer on another host sharing hidden.root, still writing: its pid means nothing on this host
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    there = ShardWriter(tmp_path, "shard-00000", FMT, ["x"], [1])
+    os.close(there._fd)
+    monkeypatch.undo()
+    assert there.tmp_path.exists()
+
     _write(tmp_path, "shard-00000", SAMPLES)
+    assert there.tmp_path.exists()  # untouched: the other host renames it when it finishes
     assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [there.tmp_path.name, "shard-00000.safetensors", manifest_path(tmp_path, "shard-00000").name])
 
 
 def test_verify_shard_names_the_corrupted_shard(tmp_path):
