@@ -133,5 +133,7 @@ def test_raw_responses_partitions_queue_behind_each_other_in_a_pool_of_one(micro
     assert asset.op.pool == "raw_responses"
     instance = yaml.safe_load((PROJECT_ROOT / "dagster_home" / "dagster.yaml").read_text())
     assert instance["concurrency"]["pools"]["default_limit"] == 1
+    # both commands set up their instance with scripts/instance.sh
+    assert "concurrency set raw_responses 1" in (PROJECT_ROOT / "scripts" / "instance.sh").read_text()
     for script in ("ui.sh", "demo.sh"):
-        assert "concurrency set raw_responses 1" in (PROJECT_ROOT / "scripts" / script).read_text()
+        assert "\nsource scripts/instance.sh\n" in (PROJECT_ROOT / "scripts" / script).read_text()
