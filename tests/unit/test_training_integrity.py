@@ -3,7 +3,6 @@ every exported weight; the benchmark reads only an export a successful materiali
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
