@@ -50,8 +50,9 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port at or below {HIGHEST_FREE_PORT} in 1000 tries")
 
 
-def start_sshd(d: Path) -> Sshd:
-    """Start sshd with its keys and config in `d`; returns once it accepts a connection."""
+def start_sshd(d: Path, env: dict[str, str] | None = None) -> Sshd:
+    """Start sshd with its keys and config in `d`; returns once it accepts a connection. `env`: variables every
+    session starts with (sshd's `SetEnv`), as a host's login environment would hold them."""
     sshd_bin = shutil.which("sshd") or "/usr/sbin/sshd"
     if not Path(sshd_bin).exists():
         raise FileNotFoundError("openssh-server is required: apt-get install -y openssh-server")
@@ -65,6 +66,8 @@ def start_sshd(d: Path) -> Sshd:
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {d / 'authorized_keys'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "PubkeyAuthentication yes\nStrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
+        # one SetEnv line: sshd takes the first of a keyword's lines only
+        + (f"SetEnv {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else "")
     )
     with contextlib.suppress(OSError):
         os.makedirs("/run/sshd", exist_ok=True)
