@@ -111,10 +111,14 @@ def _train_and_export(target_dir: Path, profile, out: Path) -> Path:
     d2t, t2d = build_mapping(select_draft_vocab(counts, profile.data.draft_vocab_size), counts.size)
     target = load_target_tensors(target_dir, want=("embed", "lm_head"))
     a = target.arch
-    cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
-                                   vocab_size=a.vocab_size, draft_vocab_size=len(d2t), aux_layers=aux,
-                                   rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-                                   max_position_embeddings=profile.target.serving_context)
+    if profile.drafter.attention == "mla":  # the MLA drafter the training worker builds (test_real_eagle3_mla.py)
+        cfg = DrafterConfig.from_profile(profile.drafter, a, draft_vocab_size=len(d2t), aux_layers=aux,
+                                         serving_context=profile.target.serving_context)
+    else:
+        cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
+                                       vocab_size=a.vocab_size, draft_vocab_size=len(d2t), aux_layers=aux,
+                                       rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+                                       max_position_embeddings=profile.target.serving_context)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), d2t, t2d)
     objective = TTTObjective(drafter, target.lm_head.float(), profile.train.ttt_steps)
@@ -164,6 +168,21 @@ def eagle3_target(tmp_path_factory, eagle3_profile) -> Path:
 @pytest.mark.timeout(3600)
 def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is_the_simulators(
         sglang_python, eagle3_target, eagle3_profile, tmp_path):
+    export = _train_and_export(eagle3_target, eagle3_profile, tmp_path / "export")
+    rows = served_against_simulated(sglang_python, eagle3_target, eagle3_profile, export, tmp_path)
+    table = "\n".join(json.dumps(r) for r in rows)
+    assert [r["sglang_verify_ct"] for r in rows] == [r["sim_verify_ct"] for r in rows], table
+
+
+def served_against_simulated(sglang_python, target_dir: Path, profile, export: Path, tmp_path: Path, *,
+                             served_target: Path | None = None, trust_remote_code: bool = False,
+                             env: dict[str, str] | None = None, on_log=None) -> list[dict]:
+    """The export served by VERSION's server (the served benchmark's launch with the tier's CPU options) on the
+    held-out prompts, one request at a time, against the simulator on the same prompts: asserts that every served
+    output is the target's greedy output and that the drafter does accept; returns per prompt SGLang's and the
+    simulator's verify steps, accepted drafts and acceptance lengths (printed, and written to acceptance.jsonl).
+    `served_target`: the folder the server loads (default `target_dir`, which transformers and the simulator run);
+    `env`: the server's environment (default `server_env`); `on_log(text)`: SGLang's log, once it has stopped."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle3_dagster.bench.prompts import heldout_sharegpt, render_prompts
@@ -173,8 +192,6 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
     from eagle3_dagster.drafter.imported import load_any_drafter
     from eagle3_dagster.stages.bench import serving_spec
 
-    profile, target_dir = eagle3_profile, eagle3_target
-    export = _train_and_export(target_dir, profile, tmp_path / "export")
     assert VERSION in json.loads((export / "config.json").read_text())["eagle3_dagster_sglang"]["releases"]
     (spec_cfg,) = [SpecConfig.parse(tuple(c)) for c in profile.bench.spec_configs]
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -194,10 +211,11 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
             greedy[pid] = generate_greedy(plain, ids, MAX_NEW_TOKENS, eos).output_ids
             simulated[pid] = generate_speculative(target, proposer, ids, spec_cfg, MAX_NEW_TOKENS, eos)
 
-    served_spec = serving_spec(profile, target_dir, export, VERSION, spec_cfg)
+    served_spec = serving_spec(profile, served_target or target_dir, export, VERSION, spec_cfg)
     served_spec = dataclasses.replace(served_spec, port=free_port(), health_timeout_s=1800,
                                       extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
-                                      env={**served_spec.env, **server_env(sglang_python)})
+                                      env={**served_spec.env, **(env or server_env(sglang_python))},
+                                      trust_remote_code=served_spec.trust_remote_code or trust_remote_code)
     host = GpuHost(HostConfig(transport="local", python=str(sglang_python), workdir=str(tmp_path / "host")))
     log = LogTail(tmp_path / "sglang.log")
     served = {}
@@ -211,6 +229,8 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
                 served[pid] = r.json()
     finally:
         log.close()
+    if on_log is not None:
+        on_log((tmp_path / "sglang.log").read_text())
 
     rows = []
     for pid, ids in prompts:
@@ -230,4 +250,4 @@ def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is
     print(f"served accept length {tokens / sglang_ct:.4f}, simulated {tokens / sim_ct:.4f} "
           f"(completion tokens / verify steps over all prompts)")
     assert sim_ct > len(rows) and sum(r["sim_accepted_drafts"] for r in rows) > 0  # the drafter does accept
-    assert [r["sglang_verify_ct"] for r in rows] == [r["sim_verify_ct"] for r in rows], table
+    return rows

@@ -74,9 +74,10 @@ PATCHES = {
 SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
                "--max-running-requests", "16", "--watchdog-timeout", "3600", "--sleep-on-idle")
 # The model modules SGLang's server must import for the tier: the DeepSeek-V3 target, Kimi-K2.5's class
-# around it, and the EAGLE-3 drafter. SGLang imports every module of `sglang.srt.models` at start-up to
-# build its registry unless SGLANG_DISABLED_MODEL_ARCHS names it (`sglang/srt/models/registry.py`).
-MODEL_MODULES = ("deepseek_v2", "kimi_k25", "llama", "llama_eagle3")
+# around it, and the EAGLE-3 drafters (Llama's, and `Eagle3DeepseekV2ForCausalLM`, the MLA one). SGLang imports
+# every module of `sglang.srt.models` at start-up to build its registry unless SGLANG_DISABLED_MODEL_ARCHS names
+# it (`sglang/srt/models/registry.py`).
+MODEL_MODULES = ("deepseek_v2", "kimi_k25", "llama", "llama_eagle3", "kimi_k25_eagle3")
 
 # Bump when build() installs something differently; the digest covers the files it installs from.
 RECIPE = 3
@@ -238,9 +239,11 @@ def disabled_model_archs(python: Path) -> str:
     return ",".join(names)
 
 
-def server_env(python: Path) -> dict[str, str]:
-    """The environment the tier's servers get besides the launcher's own."""
-    return {"SGLANG_DISABLED_MODEL_ARCHS": disabled_model_archs(python)}
+def server_env(python: Path, *, cuda_sync: bool = False) -> dict[str, str]:
+    """The environment the tier's servers get besides the launcher's own. `cuda_sync`: `cuda_sync/sitecustomize.py`
+    on the path, for SGLang's MLA drafter class, which calls `torch.cuda.synchronize()` at start-up."""
+    env = {"SGLANG_DISABLED_MODEL_ARCHS": disabled_model_archs(python)}
+    return env | ({"PYTHONPATH": str(HERE / "cuda_sync")} if cuda_sync else {})
 
 
 def apply_cpu_patch(version: str, python: Path) -> Path:
