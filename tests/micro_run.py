@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,17 +65,11 @@ class MicroRun:
     @contextmanager
     def instance(self) -> Iterator[dg.DagsterInstance]:
         """The run's instance, its DAGSTER_PG_* variables set only while it is opened."""
-        connection = {k: v for k, v in self.env.items() if k.startswith("DAGSTER_PG_")}
-        saved = {k: os.environ.get(k) for k in connection}
-        os.environ.update(connection)
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in self.env.items():
+                if key.startswith("DAGSTER_PG_"):
+                    mp.setenv(key, value)
             instance = dg.DagsterInstance.from_config(str(self.home))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
         with instance:
             yield instance
 

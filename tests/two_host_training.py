@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 from tests.sshd_server import Sshd, start_sshd
@@ -64,19 +65,13 @@ class TwoHostTraining:
         """drafter_checkpoint once, in this process, against the instance (the result's run is in it)."""
         # the profile drafter_job reads; one thread per rank (the stage passes the user's own on to the hosts)
         given = {"EAGLE3_PROFILE": str(self.profile), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        saved = {key: os.environ.get(key) for key in given}
-        os.environ.update(given)
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in given.items():
+                mp.setenv(key, value)
             with dg.DagsterInstance.from_config(str(self.home)) as instance:
                 return dg.execute_job(dg.reconstructable(drafter_job), instance,
                                       asset_selection=[dg.AssetKey("drafter_checkpoint")],
                                       run_config=dict(run_config or {}), raise_on_error=False)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
 
     @contextmanager
     def instance(self) -> Iterator[dg.DagsterInstance]:
