@@ -12,7 +12,9 @@ a run already finished is read back, not trained again), then prints one table:
   config, by prompt-length band), greedy and sampled at each of `--temperatures` with SGLang's lossless
   rule (default: the profile's `bench.temperatures` and 1, where Kimi-K2.5 thinks);
 - optimizer steps, tokens per optimizer step, and training CPU seconds (user + system of the whole
-  torchrun process tree, start-up included, so ranks × threads are all counted).
+  torchrun process tree, start-up included, so ranks × threads are all counted);
+- draft KV bytes per token: what the drafter's KV cache holds per token served, in the export's dtype
+  (GQA: K and V of every KV head; MLA, `drafter.attention: mla`: the latent and the shared rotary key).
 
 Variants are run interleaved by seed (every variant at seed 0, then every variant at seed 1, …) so
 that a drift in machine load spreads over all of them; the table gives each figure's median over
@@ -45,7 +47,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 # Overrides of the profile's `train` section (and, under "drafter", of its `drafter` section). "profile"
 # is the profile as it is; the others name what they change, from a plain EAGLE-3 drafter (PLAIN_DRAFTER)
 # whatever the profile trains, so a name means the same recipe when the profile's default moves.
-PLAIN_DRAFTER = {"fc_norm": False, "norm_output": False}
+PLAIN_DRAFTER = {"attention": "gqa", "fc_norm": False, "norm_output": False}
 VARIANTS: dict[str, dict] = {
     "profile": {},
     # the demo's recipe before issue 19: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
@@ -71,6 +73,13 @@ VARIANTS: dict[str, dict] = {
     # the demo's recipe (EAGLE 3.1) with the old recipe's beta2: betas alone
     "one_sample_6ep_eagle31_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                    "betas": (0.9, 0.95), "drafter": {"fc_norm": True, "norm_output": True}},
+    # the demo's recipe with multi-latent attention (drafter.attention: mla, the dimensions the target's), plain
+    # EAGLE-3 and EAGLE 3.1: the drafter Kimi's serving recipes ship
+    "one_sample_6ep_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
+                           "drafter": {"attention": "mla"}},
+    "one_sample_6ep_eagle31_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
+                                   "betas": (0.9, 0.999),
+                                   "drafter": {"attention": "mla", "fc_norm": True, "norm_output": True}},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -206,7 +215,8 @@ def table(rows: list[dict], ttt_steps: int) -> str:
     specs = list(dict.fromkeys(s for r in rows for s in r["acceptance"]))
     bands = list(dict.fromkeys(b for r in rows for s in r["acceptance"].values() for b in s))
     head = (["variant", "seeds", "steps", "tokens/step"] + [f"acc_{j}" for j in range(ttt_steps)]
-            + ["sim. acceptance"] + [f"accept {s} {b}" for s in specs for b in bands] + ["train CPU s"])
+            + ["sim. acceptance"] + [f"accept {s} {b}" for s in specs for b in bands] + ["train CPU s"]
+            + ["draft KV B/token"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         group = [r for r in rows if r["variant"] == name]
@@ -216,6 +226,7 @@ def table(rows: list[dict], ttt_steps: int) -> str:
         cells.append(_spread([r["heldout"]["sim_accept_length"] for r in group], 3))
         cells += [_spread([r["acceptance"].get(s, {}).get(b) for r in group], 3) for s in specs for b in bands]
         cells.append(_spread([r["train_cpu_s"] for r in group], 0))
+        cells.append(_spread([r.get("draft_kv_bytes_per_token") for r in group], 0))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -251,6 +262,7 @@ def main() -> None:
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
     from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.stages.hidden import draft_kv_cache
 
     base = load_profile(args.profile)
     layout = ArtifactLayout.from_profile(base)
@@ -269,6 +281,7 @@ def main() -> None:
             profile = variant_profile(base, VARIANTS[name], seed)
             print(f"==> {name} seed {seed}: {json.dumps(VARIANTS[name])}", flush=True)
             m = train_variant(profile, layout, plan, lambda line: print(line, flush=True))
+            kv = draft_kv_cache(profile, acceptance.target_path)
             heldout = m["final_eval"]
             if heldout.get("scope") != "heldout":
                 raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")
@@ -277,7 +290,9 @@ def main() -> None:
             rows.append({"variant": name, "seed": seed, "overrides": VARIANTS[name], "steps": steps,
                          "tokens_per_step": m["tokens_seen"] / max(steps, 1), "heldout": heldout,
                          "acceptance": acc, "train_cpu_s": m["train_cpu_s"], "train_wall_s": m["train_wall_s"],
-                         "load_avg_1m": m.get("load_avg_1m"), "run_dir": m["run_dir"]})
+                         "load_avg_1m": m.get("load_avg_1m"), "run_dir": m["run_dir"],
+                         "draft_attention": kv["draft_attention"],
+                         "draft_kv_bytes_per_token": kv["draft_kv_bytes_per_token"]})
             print(f"    {steps} steps, held-out acc_0 {heldout['acc_0']:.3f} sim {heldout['sim_accept_length']:.3f}, "
                   f"acceptance {json.dumps(acc)}, {m['train_cpu_s']} CPU s", flush=True)
             if args.json:
