@@ -11,6 +11,12 @@ computed in the same run, then one table:
    `extract_all_hf` on CUDA in fp32 and bf16 against CPU fp32, within fp32 / bf16 tolerance.
 3. training: `torchrun` of the demo drafter for 50 steps on the CUDA extraction's shards
    (backend nccl, bf16 autocast; one rank per GPU), plus an NCCL all-reduce through torchrun.
+4. the MLA drafter (`drafter.attention: mla`): trained like 3, exported as SGLang's
+   `Eagle3DeepseekV2ForCausalLM` and accepted by `check_export`; the simulator drafts with its MLA
+   cache on the device and gives the target's greedy output; and SGLang's own server (of
+   `--sglang-python`, or this interpreter where it imports sglang) loads it beside the target and
+   serves that output with the simulator's verify steps, prompt by prompt. Without SGLang the last
+   row reads NOT RUN (it is not counted as passed).
 
 `--device cpu` runs the same code on CPU (gloo, no autocast): the dry run that proves the
 script end to end where there is no GPU. What the GPU machine lacks is brought as wheel
@@ -249,7 +255,9 @@ def run_group(argv: list[str], timeout_s: float) -> tuple[int | None, str]:
 
 
 def check_training(device: str, work: Path, target: Path, merged: Path, vocab_size: int, hidden_dir: Path,
-                   steps: int, timeout_s: float) -> list[dict]:
+                   steps: int, timeout_s: float, attention: str = "gqa", probe_allreduce: bool = True) -> list[dict]:
+    """torchrun of the demo drafter (with `attention`) for `steps` steps; a row per check. The export lands in
+    `work/train-<attention>/export`."""
     import torch
 
     from eagle3_dagster.data.vocab import build_vocab_mapping
@@ -259,7 +267,45 @@ def check_training(device: str, work: Path, target: Path, merged: Path, vocab_si
     profile = demo_profile()  # the demo drafter and its training settings, for `steps` steps
     nproc = torch.cuda.device_count() if cuda else 1
     backend = "nccl" if cuda else "gloo"
-    rows = []
+    rows: list[dict] = []
+    if probe_allreduce:
+        rows.append(check_allreduce(cuda, nproc, work, timeout_s))
+    mapping = work / "vocab_mapping.safetensors"
+    if not mapping.exists():
+        build_vocab_mapping([merged], mapping, target_vocab_size=vocab_size, draft_vocab_size=vocab_size // 4)
+    out = work / f"train-{attention}"
+    job = TrainJobConfig(hidden_version_dir=str(hidden_dir), target_dir=str(target), vocab_mapping=str(mapping),
+                         out_dir=str(out), serving_context=profile.target.serving_context,
+                         drafter=profile.drafter.model_copy(update={"attention": attention}),
+                         train=profile.train.model_copy(update={"max_steps": steps, "backend": backend,
+                                                                "nproc_per_node": nproc, "checkpoint_every": 25}))
+    config = job.write(work / f"train_job-{attention}.json")
+    start = time.perf_counter()
+    code, said = run_group(build_torchrun_command(config, nproc), timeout_s)
+    seconds = time.perf_counter() - start
+    metrics_path = out / "metrics.json"
+    what = f"torchrun training {attention.upper()} drafter"
+    if code != 0 or not metrics_path.exists():
+        tail = [line for line in said.strip().splitlines() if line.strip()][-12:]
+        rows.append({"check": f"{what} {steps} steps", "ok": False, "detail": f"exit {code}: " + " | ".join(tail)})
+        return rows
+    metrics = json.loads(metrics_path.read_text())
+    losses = metrics["curves"]["loss"]
+    import math
+
+    finite = all(math.isfinite(x) for x in losses)
+    exported = (out / "export" / "config.json").exists()
+    ok = metrics["steps"] == steps and finite and losses[-1] < losses[0] and exported
+    rows.append({"check": f"{what} ({backend}{', bf16 autocast' if cuda else ''}, {nproc} rank"
+                          f"{'s' if nproc > 1 else ''})", "ok": ok,
+                 "detail": f"{metrics['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                           f"acc_0 {metrics['final']['acc_0']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
+                           f"export {'written' if exported else 'MISSING'}, {seconds:.0f}s wall"})
+    return rows
+
+
+def check_allreduce(cuda: bool, nproc: int, work: Path, timeout_s: float) -> dict:
+    backend = "nccl" if cuda else "gloo"
     probe = work / "allreduce.py"
     probe.write_text(
         "import os, torch, torch.distributed as dist\n"
@@ -273,39 +319,104 @@ def check_training(device: str, work: Path, target: Path, merged: Path, vocab_si
         "dist.destroy_process_group()\n")
     code, said = run_group([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
                             str(probe)], timeout_s)
-    rows.append({"check": f"torchrun {backend} all-reduce (bf16)", "ok": code == 0 and "ALLREDUCE_OK" in said,
-                 "detail": next((l for l in said.splitlines() if "ALLREDUCE_OK" in l), said.strip()[-300:])})
+    return {"check": f"torchrun {backend} all-reduce (bf16)", "ok": code == 0 and "ALLREDUCE_OK" in said,
+            "detail": next((line for line in said.splitlines() if "ALLREDUCE_OK" in line), said.strip()[-300:])}
 
-    mapping = work / "vocab_mapping.safetensors"
-    build_vocab_mapping([merged], mapping, target_vocab_size=vocab_size, draft_vocab_size=vocab_size // 4)
-    out = work / "train"
-    job = TrainJobConfig(hidden_version_dir=str(hidden_dir), target_dir=str(target), vocab_mapping=str(mapping),
-                         out_dir=str(out), serving_context=profile.target.serving_context, drafter=profile.drafter,
-                         train=profile.train.model_copy(update={"max_steps": steps, "backend": backend,
-                                                                "nproc_per_node": nproc, "checkpoint_every": 25}))
-    config = job.write(work / "train_job.json")
-    start = time.perf_counter()
-    code, said = run_group(build_torchrun_command(config, nproc), timeout_s)
-    seconds = time.perf_counter() - start
-    metrics_path = out / "metrics.json"
-    if code != 0 or not metrics_path.exists():
-        tail = [line for line in said.strip().splitlines() if line.strip()][-12:]
-        rows.append({"check": f"torchrun training {steps} steps", "ok": False,
-                     "detail": f"exit {code}: " + " | ".join(tail)})
-        return rows
-    metrics = json.loads(metrics_path.read_text())
-    losses = metrics["curves"]["loss"]
-    import math
 
-    finite = all(math.isfinite(x) for x in losses)
-    exported = (out / "export" / "config.json").exists()
-    ok = metrics["steps"] == steps and finite and losses[-1] < losses[0] and exported
-    rows.append({"check": f"torchrun training ({backend}{', bf16 autocast' if cuda else ''}, {nproc} rank"
-                          f"{'s' if nproc > 1 else ''})", "ok": ok,
-                 "detail": f"{metrics['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                           f"acc_0 {metrics['final']['acc_0']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
-                           f"export {'written' if exported else 'MISSING'}, {seconds:.0f}s wall"})
+# -- 4. the MLA drafter's export, drafted on the device and served by SGLang ----------------------------------------
+
+
+def check_mla_export(device: str, work: Path, target: Path, merged: Path, sglang_python: str | None,
+                     sglang_args: list[str], sglang_env: dict[str, str], num_prompts: int = 6,
+                     max_new_tokens: int = 32) -> list[dict]:
+    """The MLA drafter torchrun trained (`work/train-mla/export`): `check_export` accepts it as SGLang's
+    `Eagle3DeepseekV2ForCausalLM`; the simulator drafts with its MLA cache on `device` and its output is the
+    target's greedy output; and, where an SGLang interpreter is given (or this one imports sglang), that release's
+    own server loads it beside the target (`--speculative-algorithm EAGLE3`) and serves the same output with the
+    simulator's verify steps, prompt by prompt."""
+    import torch
+
+    from eagle3_dagster.bench.proposers import Eagle3Proposer
+    from eagle3_dagster.bench.specdec import SpecConfig, TargetRunner, generate_greedy, generate_speculative
+    from eagle3_dagster.drafter.export import check_export
+    from eagle3_dagster.drafter.imported import load_any_drafter
+    from eagle3_dagster.drafter.mla_export import is_mla
+    from transformers import AutoModelForCausalLM
+
+    export = work / "train-mla" / "export"
+    config = json.loads((export / "config.json").read_text())
+    check = check_export(export)
+    rows = [{"check": "MLA export: check_export", "ok": check.ok and is_mla(config),
+             "detail": f"architectures {config.get('architectures')}, kv_lora_rank {config.get('kv_lora_rank')}, "
+                       f"releases {(config.get('eagle3_dagster_sglang') or {}).get('releases')}; "
+                       + ("; ".join(check.problems) if not check.ok else "ok")}]
+    spec = SpecConfig.parse((3, 1, 4))
+    prompts = []
+    with open(merged) as f:
+        for line in f:
+            prompts.append(json.loads(line)["input_ids"][:48])
+            if len(prompts) == num_prompts:
+                break
+    dev = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(dev).eval()
+    proposer = Eagle3Proposer(load_any_drafter(export, target).model.float().to(dev))
+    greedy, simulated = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            greedy.append(generate_greedy(TargetRunner(model), ids, max_new_tokens).output_ids)
+            simulated.append(generate_speculative(TargetRunner(model, proposer.aux_layers), proposer, ids, spec,
+                                                  max_new_tokens))
+    same = sum(g == s.output_ids for g, s in zip(greedy, simulated))
+    rows.append({"check": f"MLA drafter simulated on {device} = greedy", "ok": same == len(prompts),
+                 "detail": f"{same}/{len(prompts)} prompts equal; verify steps "
+                           f"{[s.verify_ct for s in simulated]}"})
+    rows.append(_served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_tokens, sglang_python,
+                            sglang_args, sglang_env))
     return rows
+
+
+def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_tokens, python, args, env) -> dict:
+    import dataclasses
+    import socket
+
+    import httpx
+
+    from eagle3_dagster.gpu_host import GpuHost
+    from eagle3_dagster.host_config import HostConfig
+    from eagle3_dagster.sglang.server import sglang_server
+    from eagle3_dagster.stages.bench import serving_spec
+
+    what = "MLA export served by SGLang = simulated"
+    python = python or sys.executable
+    found = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"], capture_output=True, text=True)
+    if found.returncode != 0:
+        return {"check": what, "ok": None, "detail": f"not run: {python} cannot import sglang (carry its wheels, "
+                                                      "or pass --sglang-python)"}
+    installed = found.stdout.strip().splitlines()[-1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = serving_spec(demo_profile(), target, export, installed, spec, port=port)
+    server = dataclasses.replace(server, extra_args=(*server.extra_args, *args), env={**server.env, **env},
+                                 health_timeout_s=1200)
+    host = GpuHost(HostConfig(transport="local", python=python, workdir=str(work / "sglang-host")))
+    log = open(work / "sglang.log", "w")
+    served = []
+    try:
+        with sglang_server(host, server, on_log=lambda line: print(line, file=log, flush=True)) as running:
+            for ids in prompts:
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+                r = httpx.post(f"{running.base_url}/generate", json=body, timeout=600)
+                r.raise_for_status()
+                served.append(r.json())
+    finally:
+        log.close()
+    same_out = sum(s["output_ids"] == g for s, g in zip(served, greedy))
+    verify = [s["meta_info"].get("spec_verify_ct") for s in served]
+    same_steps = sum(v == sim.verify_ct for v, sim in zip(verify, simulated))
+    return {"check": what, "ok": same_out == len(prompts) and same_steps == len(prompts),
+            "detail": f"SGLang {installed}: output = greedy on {same_out}/{len(prompts)}, verify steps = simulator's "
+                      f"on {same_steps}/{len(prompts)} ({verify}); log {work / 'sglang.log'}"}
 
 
 def main() -> int:
@@ -316,6 +427,12 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--timeout-s", type=float, default=300, help="per torchrun launch")
     parser.add_argument("--wheels", type=Path, default=WHEELS, help="wheels for what the interpreter lacks")
+    parser.add_argument("--sglang-python", default=None,
+                        help="an interpreter with SGLang for check 4's server (default: this one, where it imports sglang)")
+    parser.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for that server (repeat; e.g. a CPU host's --device cpu)")
+    parser.add_argument("--sglang-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more environment variable for that server (repeat)")
     args = parser.parse_args()
     unpacked = bring_wheels(args.wheels)
     import torch
@@ -359,12 +476,22 @@ def main() -> int:
     if hidden_dir:
         step("torchrun", lambda: check_training(args.device, work, target, merged, vocab_size, hidden_dir[0], args.steps,
                                                 args.timeout_s))
+        trained = step("torchrun MLA", lambda: check_training(args.device, work, target, merged, vocab_size,
+                                                              hidden_dir[0], args.steps, args.timeout_s,
+                                                              attention="mla", probe_allreduce=False))
+        if all(r["ok"] for r in trained):
+            env = dict(kv.split("=", 1) for kv in args.sglang_env)
+            step("MLA export", lambda: check_mla_export(args.device, work, target, merged, args.sglang_python,
+                                                         args.sglang_arg, env))
     width = max(len(r["check"]) for r in rows)
     print(f"\n{'check'.ljust(width)}  result  detail")
     for r in rows:
-        print(f"{r['check'].ljust(width)}  {'PASS' if r['ok'] else 'FAIL':6}  {r['detail']}")
-    failed = sum(not r["ok"] for r in rows)
-    print(f"\n{len(rows) - failed}/{len(rows)} passed in {time.perf_counter() - started:.0f}s")
+        result = "NOT RUN" if r["ok"] is None else "PASS" if r["ok"] else "FAIL"
+        print(f"{r['check'].ljust(width)}  {result:6}  {r['detail']}")
+    failed = sum(r["ok"] is False for r in rows)
+    not_run = sum(r["ok"] is None for r in rows)
+    print(f"\n{len(rows) - failed - not_run}/{len(rows)} passed, {failed} failed, {not_run} not run, in "
+          f"{time.perf_counter() - started:.0f}s")
     return 1 if failed else 0
 
 
