@@ -147,13 +147,15 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "path": "the target's folder (tokenizer, chat template, weights)",
         "num_parameters": "parameters of the tiny target",
         "tokens_seen": "tokens of pre-training the tiny target saw",
-        "final_loss": "the tiny target's pre-training loss at its last step (its training batch)",
+        "final_loss": "mean pre-training loss of the tiny target's last 20 steps (of the last tenth of its steps when "
+                      "it ran fewer than 200), on its training batches",
         "build_seconds": "seconds the build took (tokenizer, pre-training, verified save)",
         "tokenizer_vocab_size": "tokens in the target's tokenizer",
         "identity": "the target's identity: a hash of its config, weights and code files (its data version)",
         "code_files": "the target folder's Python files (what trust_remote_code runs): name → sha256",
         "loss_curve": "the pre-training loss curve (loss_curve.png)",
-        "loss_by_step": "pre-training loss by step (its training batches), as a sparkline",
+        "loss_by_step": "pre-training loss on its training batches over the steps (means of windows of steps), as a "
+                        "sparkline",
     },
     "extraction_plan": {
         "version": "hidden-state version: a hash of everything that changes the shard bytes (target, merged_train, "
@@ -212,7 +214,8 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "inspection, never benchmarked or published",
         "export_location": "where the export was published (train.export_location)",
         "steps": "optimizer steps trained",
-        "tokens_per_s": "training throughput: tokens per second over the run",
+        "tokens_per_s": "training throughput: tokens trained per second of this run's training loop, all ranks "
+                        "together (steps resumed from a checkpoint not counted)",
         "eval_scope": "what the final figures were measured on: heldout (samples never trained on) or "
                       "train_batches (training batches, which flatter the drafter)",
         "heldout_loss": "final evaluation loss (forward KL to the target) on held-out samples never trained on",
