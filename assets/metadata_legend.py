@@ -180,7 +180,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "superseded_bytes": "bytes the superseded versions take",
         "aux_layers_canonical": "the target layers whose input is captured, in canonical numbering",
         "merged_train_sha256": "sha256 of the merged_train file the plan was made for",
-        "plan_contract": "the plan file the shard runs read (never recomputed by them)",
+        "plan_path": "the plan file the shard runs read (never recomputed by them)",
         "train_schedule": "what training makes of these shards: optimizer steps and tokens per step",
         "draft_attention": "the drafter's attention (drafter.attention): gqa or mla",
         "draft_kv_dtype": "dtype of the drafter's served KV cache (the export's)",

@@ -103,14 +103,14 @@ def variant_profile(base, overrides: dict, seed: int):
                                    "drafter": type(base.drafter).model_validate(drafter.model_dump())})
 
 
-def train_variant(profile, layout, plan, log) -> dict:
+def train_variant(profile, layout, plan_path, log) -> dict:
     """Train (or read back) one variant; returns metrics.json plus the CPU seconds of its torchrun tree."""
     from eagle3_dagster.io import atomic_write_json
     from eagle3_dagster.storage import read_json
     from eagle3_dagster.stages.train import prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
-    job = prepare_training(profile, layout, contract=plan)
+    job = prepare_training(profile, layout, plan_path=plan_path)
     cost_path = job.out_dir / "quality_bench_cost.json"
     if (job.out_dir / "metrics.json").exists() and cost_path.exists():
         log(f"    reusing {job.out_dir}")
@@ -261,12 +261,12 @@ def main() -> None:
 
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
-    from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
     from eagle3_dagster.stages.hidden import draft_kv_cache
 
     base = load_profile(args.profile)
     layout = ArtifactLayout.from_profile(base)
-    plan = write_plan(hidden_context(base, layout))
+    plan_path = write_plan(build_plan(base, layout))
     names = [v for v in (args.variants or "before,profile").split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
@@ -280,7 +280,7 @@ def main() -> None:
         for name in names:
             profile = variant_profile(base, VARIANTS[name], seed)
             print(f"==> {name} seed {seed}: {json.dumps(VARIANTS[name])}", flush=True)
-            m = train_variant(profile, layout, plan, lambda line: print(line, flush=True))
+            m = train_variant(profile, layout, plan_path, lambda line: print(line, flush=True))
             kv = draft_kv_cache(profile, acceptance.target_path)
             heldout = m["final_eval"]
             if heldout.get("scope") != "heldout":

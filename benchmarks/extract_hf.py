@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eagle3_dagster.hidden.extract_hf import extract_shard_hf, length_buckets, load_target_hf, pad_batch
-from eagle3_dagster.hidden.plan import actual_bytes
+from eagle3_dagster.hidden.estimate import actual_bytes
 from eagle3_dagster.hidden.sharding import plan_shards, read_shard_records
 from eagle3_dagster.io import write_jsonl
 from eagle3_dagster.layers import default_aux_layers

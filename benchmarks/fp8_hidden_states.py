@@ -31,21 +31,21 @@ FP8 = "float8_e4m3fn"
 
 
 def run_one(profile, layout, log) -> dict:
-    from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
     from eagle3_dagster.stages.bench import benchmark_stage
-    from eagle3_dagster.hidden.plan import actual_bytes
+    from eagle3_dagster.hidden.estimate import actual_bytes
     from eagle3_dagster.stages.hidden import extract_stage
     from eagle3_dagster.stages.train import finish_training, prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
     dtype = profile.hidden.dtype
     t0 = time.monotonic()
-    ctx = hidden_context(profile, layout)
-    plan = write_plan(ctx)
-    keys = [s.key for s in ctx.shards]
-    extract_stage(profile, plan, keys, progress=log)
+    plan = build_plan(profile, layout)
+    plan_path = write_plan(plan)
+    keys = [s.key for s in plan.shards]
+    extract_stage(profile, plan_path, keys, progress=log)
     t_extract = time.monotonic() - t0
-    job = prepare_training(profile, layout, contract=plan)
+    job = prepare_training(profile, layout, plan_path=plan_path)
     # The plain worker (no Pipes session outside Dagster), with the asset's own torchrun settings.
     command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node,
                                      python=sys.executable)
@@ -59,8 +59,8 @@ def run_one(profile, layout, log) -> dict:
     meta = report.metadata
     scope = "heldout" if meta["eval_scope"] == "heldout" else "train_batches"
     return {
-        "dtype": dtype, "version": ctx.version, "bytes": actual_bytes(ctx.version_dir, keys),
-        "num_tokens": sum(s.num_tokens for s in ctx.shards), "steps": meta["steps"],
+        "dtype": dtype, "version": plan.version, "bytes": actual_bytes(plan.version_dir, keys),
+        "num_tokens": sum(s.num_tokens for s in plan.shards), "steps": meta["steps"],
         "acc": [meta[f"{scope}_acc_{j}"] for j in range(profile.train.ttt_steps)], "eval_scope": scope,
         "sim_accept_length": meta[f"{scope}_sim_accept_length"], "final_loss": meta[f"{scope}_loss"],
         "bench_acceptance_length": bench.metadata.get("acceptance_length"),

@@ -224,31 +224,31 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
         load_final_norm_weight,
         specforge_target_dir,
     )
-    from eagle3_dagster.hidden.context import hidden_context
+    from eagle3_dagster.hidden.extraction_plan import build_plan
     from eagle3_dagster.hidden.shards import ShardCorruptError
 
-    ctx = hidden_context(profile, layout)
-    if not ctx.version_dir.exists():
-        raise UserError(f"hidden-state version {ctx.version} has no shards at {ctx.version_dir}; extract first")
+    plan = build_plan(profile, layout)
+    if not plan.version_dir.exists():
+        raise UserError(f"hidden-state version {plan.version} has no shards at {plan.version_dir}; extract first")
     if dtype is not None and fmt != "specforge":
         raise UserError("--dtype applies to --format specforge only")
     try:
-        with tqdm(total=1, desc=f"export {ctx.version} → {fmt}") as bar:
+        with tqdm(total=1, desc=f"export {plan.version} → {fmt}") as bar:
             if fmt == "specforge":
-                export_specforge(ctx.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
+                export_specforge(plan.version_dir, out, dtype=getattr(torch, dtype) if dtype else SPECFORGE_DTYPE)
             else:
-                export_speculators(ctx.version_dir, out, final_norm_weight=load_final_norm_weight(ctx.target.path))
+                export_speculators(plan.version_dir, out, final_norm_weight=load_final_norm_weight(plan.target.path))
             bar.update(1)
     except ShardCorruptError as e:  # a failed check: the shards training would refuse are not exported either
         print(f"eagle3 export-shards: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED_CHECK
     except ExportFolderError as e:  # --out holds someone else's files
         raise UserError(_one_line(e)) from None
-    print(f"exported {ctx.version_dir} to {out} ({fmt})")
+    print(f"exported {plan.version_dir} to {out} ({fmt})")
     if fmt == "specforge":
         from eagle3_dagster.drafter.target_head import SUFFIXES, _find, _weight_map
 
-        target = specforge_target_dir(ctx.target.path, out)
+        target = specforge_target_dir(plan.target.path, out)
         lm_head = _find(_weight_map(Path(target)), SUFFIXES["lm_head"])
         # SpecForge 0.2.0 config/schema.py: model.target_model_path, data.hidden_states_path, model.lm_head_key
         print(f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"

@@ -2,7 +2,7 @@
 
 Stages never guess paths from the file system: the asset layer builds an
 `ArtifactLayout` from the profile and hands each engine function the explicit
-upstream paths it needs. The plan contract carries `PLAN_CONTRACT_VERSION`; a
+upstream paths it needs. The extraction plan (plan.json) carries `PLAN_FORMAT_VERSION`; a
 shard carries the backend code version below (and `hidden.shards.SHARD_FORMAT_VERSION`).
 """
 
@@ -22,13 +22,15 @@ HF_BACKEND_CODE_VERSION = "hf-1"
 SGLANG_BACKEND_CODE_VERSION = "sglang-1"
 BACKEND_CODE_VERSIONS = {"hf": HF_BACKEND_CODE_VERSION, "sglang": SGLANG_BACKEND_CODE_VERSION}
 
-# extraction_plan's output contract, written once into the version folder it plans: the version, the shard
-# specs, the shard format (code version included) and the inputs it was computed from. hidden_states
-# partitions, training and cleanup read it (found through extraction_plan's materialization metadata under
-# PLAN_CONTRACT_KEY) instead of re-parsing and re-hashing merged_train.
-PLAN_CONTRACT = "plan.json"
-PLAN_CONTRACT_KEY = "plan_contract"
-PLAN_CONTRACT_VERSION = 1
+# The extraction plan (`hidden.extraction_plan.ExtractionPlan`), extraction_plan's output, written once as
+# PLAN_FILE into the version folder it plans: the version, the shard specs, the shard format (code version
+# included) and the inputs it was computed from. hidden_states partitions, training and cleanup read it (its
+# path is extraction_plan's materialization metadata under PLAN_PATH_KEY) instead of re-parsing and re-hashing
+# merged_train. The file records PLAN_FORMAT_VERSION under its key "contract_version", kept so that plans
+# already written still load.
+PLAN_FILE = "plan.json"
+PLAN_PATH_KEY = "plan_path"
+PLAN_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)

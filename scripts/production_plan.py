@@ -1,7 +1,7 @@
 """The extraction plan of a profile for a corpus of a given size, without the corpus: bytes and hours.
 
-`eagle3 plan` needs the profile's merged_train; this runs the same plan function
-(`hidden.plan.plan_extraction`: exact shard and manifest bytes, hours on 1, 2, 4
+`eagle3 plan` needs the profile's merged_train; this runs the same estimate function
+(`hidden.estimate.estimate_extraction`: exact shard and manifest bytes, hours on 1, 2, 4
 and the profile's hosts in whole shards) on samples of equal length adding up
 to `--tokens`, at the profile's hidden size, layers, shard size and throughput,
 in bf16 and fp8, and the training schedule the profile's `train` makes of them
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3_dagster.config import load_profile  # noqa: E402
-from eagle3_dagster.hidden.plan import TIB, plan_extraction  # noqa: E402
+from eagle3_dagster.hidden.estimate import TIB, estimate_extraction  # noqa: E402
 from eagle3_dagster.hidden.sharding import ShardSpec, shard_key  # noqa: E402
 from eagle3_dagster.hidden.shards import ShardFormat  # noqa: E402
 from eagle3_dagster.train.schedule import train_schedule  # noqa: E402
@@ -54,11 +54,11 @@ def main() -> int:
     for dtype in ("bfloat16", "float8_e4m3fn"):
         fmt = ShardFormat(hidden_size=args.hidden_size, dtype=dtype, aux_layers=aux, target_identity="planned",
                           code_version="planned")
-        plan = plan_extraction(specs, fmt, "/nonexistent", "hs-000000000000", free_bytes=0,
+        estimate = estimate_extraction(specs, fmt, "/nonexistent", "hs-000000000000", free_bytes=0,
                                throughput_tokens_per_s=h.throughput_tokens_per_s,
                                num_hosts=len(profile.gpu_host.hosts))
-        hours = "  ".join(f"{n} host{'s' * (n > 1)}: {x:.1f} h" for n, x in plan.hours_by_hosts.items())
-        print(f"{dtype:<14} {plan.total_bytes:,} bytes = {plan.total_bytes / TIB:.2f} TiB   {hours}")
+        hours = "  ".join(f"{n} host{'s' * (n > 1)}: {x:.1f} h" for n, x in estimate.hours_by_hosts.items())
+        print(f"{dtype:<14} {estimate.total_bytes:,} bytes = {estimate.total_bytes / TIB:.2f} TiB   {hours}")
     world = profile.train.nproc_per_node * profile.train.nnodes
     lengths = [n for s in specs for n in s.lengths]
     ids = [sid for s in specs for sid in s.sample_ids]

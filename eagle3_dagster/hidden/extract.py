@@ -92,7 +92,7 @@ def extract_shard(
 
     `fmt` and `vocab_size` may be callables, asked only when the shard has to be computed (a complete
     shard is skipped without reading the model directory). `staging_dir` is the local folder shards are
-    written in before they are published, one subfolder per version (`HiddenContext.staging_dir`); a
+    written in before they are published, one subfolder per version (`ExtractionPlan.staging_dir`); a
     version on a store needs it."""
     start = time.perf_counter()
     version_dir = storage.location(version_dir)

@@ -11,7 +11,7 @@ shard is committed.
 
 The driver must see the same file system as the server's `SGLANG_HS_DUMP_DIR`
 (`dump_folder`), so on a remote GPU host it runs there: `stages/hidden.py`
-launches it on the host with the plan contract and a shard key, as it does the hf
+launches it on the host with the plan's path and a shard key, as it does the hf
 backend's `hidden/hf_driver.py`. It needs the server launched as
 `sglang.server.ServerSpec` launches it for extraction: radix cache off (a cached
 prefix produces no states; `cached_tokens > 0` is an error here), and CUDA
@@ -35,7 +35,7 @@ from safetensors import safe_open
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
-from eagle3_dagster.hidden.context import HiddenContext, load_plan
+from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, load_plan
 from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
 from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec
 from eagle3_dagster.hidden.shards import ShardFormat
@@ -197,24 +197,24 @@ def extract_shard_sglang(
                          progress=progress, log=log, staging_dir=staging_dir, force=force)
 
 
-def dump_folder(ctx: HiddenContext) -> Path:
+def dump_folder(plan: ExtractionPlan) -> Path:
     """The server's `SGLANG_HS_DUMP_DIR` for the plan's version: on the local disk its shards are written to,
     so the chunk files never cross a network. The stage launches the server with it, the driver reads it."""
-    return ctx.staging_dir / ".dumps" / ctx.version
+    return plan.staging_dir / ".dumps" / plan.version
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m eagle3_dagster.sglang.driver --plan PLAN --shard KEY --base-url URL`: one shard of the plan,
     run on the GPU host beside the dump folder.
 
-    Everything about the shard comes from the plan contract (extraction_plan's plan.json, on storage the host
+    Everything about the shard comes from the plan (extraction_plan's plan.json, on storage the host
     sees): its samples, merged_train, the version folder and staging folder, the aux layers, hidden size, dtype,
     target identity and code version of the shard format, and the dump folder derived from them. Progress and
     the summary go to stdout, which the hidden-states stage streams into the run log."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m eagle3_dagster.sglang.driver")
-    p.add_argument("--plan", required=True, help="the plan contract (plan.json) of extraction_plan")
+    p.add_argument("--plan", required=True, help="the plan (plan.json) extraction_plan wrote")
     p.add_argument("--shard", required=True, help="a shard key of the plan, e.g. shard-00003")
     # Not in the plan, so flags: the server is this run's (launched for it, on the port the profile names today,
     # and gone when the run ends); how many requests are in flight changes no byte of a shard, so neither the
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="hidden.sglang_concurrency: prefills in flight")
     p.add_argument("--force", action="store_true", help="extract the shard again even when its manifest says complete")
     a = p.parse_args(argv)
-    ctx = load_plan(a.plan)
-    by_key = {s.key: s for s in ctx.shards}
+    plan = load_plan(a.plan)
+    by_key = {s.key: s for s in plan.shards}
     if a.shard not in by_key:
         print(f"shard {a.shard!r} is not in the plan {a.plan} ({len(by_key)} shards)", file=sys.stderr)
         return 2
@@ -232,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     def progress(done: int, total: int) -> None:
         print(f"{a.shard}: {done}/{total} tokens", flush=True)
 
-    fmt = ctx.fmt
+    fmt = plan.fmt
     result = extract_shard_sglang(
-        DriverSettings(a.base_url, dump_folder(ctx), concurrency=a.concurrency), ctx.merged_train, by_key[a.shard],
-        ctx.version_dir, aux_layers=list(fmt.aux_layers), hidden_size=fmt.hidden_size, dtype=fmt.dtype,
+        DriverSettings(a.base_url, dump_folder(plan), concurrency=a.concurrency), plan.merged_train, by_key[a.shard],
+        plan.version_dir, aux_layers=list(fmt.aux_layers), hidden_size=fmt.hidden_size, dtype=fmt.dtype,
         target_identity=fmt.target_identity, code_version=fmt.code_version, progress=progress,
-        log=lambda line: print(line, flush=True), staging_dir=ctx.staging_dir, force=a.force,
+        log=lambda line: print(line, flush=True), staging_dir=plan.staging_dir, force=a.force,
     )
     print(orjson.dumps({
         "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,

@@ -78,14 +78,14 @@ def test_sglang_stage_extracts_shards_with_the_plans_bytes_through_dagster(setup
     with dg.instance_for_test() as instance:
         plan = _materialize(defs, instance, ["extraction_plan"])
         assert plan.success
-        # from here on the plan contract is read, never recomputed: merged_train is not parsed or hashed again
-        from eagle3_dagster.hidden import context as hidden_context_module
+        # from here on the plan file is read, never recomputed: merged_train is not parsed or hashed again
+        from eagle3_dagster.hidden import extraction_plan as extraction_plan_module
 
         def recomputed(*args, **kwargs):
             raise AssertionError("a shard run re-parsed or re-hashed merged_train instead of reading the plan")
 
-        monkeypatch.setattr(hidden_context_module, "sha256_file", recomputed)
-        monkeypatch.setattr(hidden_context_module, "plan_shards", recomputed)
+        monkeypatch.setattr(extraction_plan_module, "sha256_file", recomputed)
+        monkeypatch.setattr(extraction_plan_module, "plan_shards", recomputed)
         instance.add_dynamic_partitions("hidden_state_shards", ["shard-00000", "shard-00001"])
         result = _materialize(defs, instance, ["hidden_states"], partition_key="shard-00001")
         assert result.success, [e.message for e in result.all_events if e.is_failure]
@@ -119,16 +119,16 @@ def test_driver_failure_brings_sglang_log_tail_and_traceback(setup, monkeypatch)
     # a plan whose hidden size the dumps do not have: the driver fails on the host, naming the sample
     import dataclasses
 
-    from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
     from eagle3_dagster.stages import hidden as hidden_stage
 
-    ctx = hidden_context(profile, layout)
-    wrong = dataclasses.replace(ctx, version_dir=tmp / "broken",
-                                target=dataclasses.replace(ctx.target, hidden_size=ctx.target.hidden_size + 1),
-                                fmt=dataclasses.replace(ctx.fmt, hidden_size=ctx.fmt.hidden_size + 1))
-    plan = write_plan(wrong)
+    plan = build_plan(profile, layout)
+    wrong = dataclasses.replace(plan, version_dir=tmp / "broken",
+                                target=dataclasses.replace(plan.target, hidden_size=plan.target.hidden_size + 1),
+                                fmt=dataclasses.replace(plan.fmt, hidden_size=plan.fmt.hidden_size + 1))
+    plan_path = write_plan(wrong)
     with pytest.raises(RuntimeError) as err:
-        hidden_stage.extract_stage(profile, plan, ["shard-00000"],
+        hidden_stage.extract_stage(profile, plan_path, ["shard-00000"],
                                    gpu_host=build_definitions(profile).resources["gpu_host"].host())
     text = str(err.value)
     assert "the SGLang driver exited" in text and "Traceback" in text and "DumpError" in text

@@ -112,7 +112,7 @@ def sha256s(folder: Path) -> dict[str, str]:
 def two_host_extraction(tmp_path_factory, micro_target) -> dict:
     import dagster as dg
 
-    from assets.hidden_states import current_contract
+    from assets.hidden_states import current_plan_path
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.host_lease import history, who_holds
@@ -157,16 +157,16 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         with dg.DagsterInstance.from_config(str(home)) as instance:
             registered = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
-            plan = Path(current_contract(instance))
+            plan_path = Path(current_plan_path(instance))
         assert len(registered) >= SHARDS, registered
         keys = registered[:SHARDS]
 
         # The reference: the same plan extracted without interruption on host B, into another folder.
-        contract = json.loads(plan.read_text())
+        plan = json.loads(plan_path.read_text())
         reference = root / "reference"
-        contract["version_dir"] = str(reference)
+        plan["version_dir"] = str(reference)
         reference.mkdir()
-        (reference / "plan.json").write_text(json.dumps(contract))
+        (reference / "plan.json").write_text(json.dumps(plan))
         host_b = GpuHost(HostConfig(**hosts[1]))
         host_b.run([sys.executable, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(reference / "plan.json"),
                     "--batch-tokens", str(raw["hidden"]["batch_tokens"]),

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from eagle3_dagster.hidden.plan import shard_bytes
+from eagle3_dagster.hidden.estimate import shard_bytes
 from eagle3_dagster.hidden.shards import load_manifest
 from tests.real_sglang.support import CHUNK, OLD_VERSION, PLAIN_SERVER_GROUP, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
 

@@ -187,9 +187,9 @@ def cli_export(tmp_path, monkeypatch):
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(raw))
     target = _weights_target(tmp_path / "target", 0)
     version_dir = _version(tmp_path / "hidden" / "hs-0123456789ab", 24)
-    ctx = types.SimpleNamespace(version="hs-0123456789ab", version_dir=storage.location(version_dir),
+    plan = types.SimpleNamespace(version="hs-0123456789ab", version_dir=storage.location(version_dir),
                                 target=types.SimpleNamespace(path=target))
-    monkeypatch.setattr("eagle3_dagster.hidden.context.hidden_context", lambda profile, layout: ctx)
+    monkeypatch.setattr("eagle3_dagster.hidden.extraction_plan.build_plan", lambda profile, layout: plan)
     return lambda *args: main(["--profile", str(tmp_path / "profile.yaml"), "export-shards", *args]), version_dir
 
 

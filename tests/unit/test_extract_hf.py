@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3_dagster.hidden.extract_hf import extract_all_hf, extract_shard_hf, length_buckets, load_target_hf
-from eagle3_dagster.hidden.plan import actual_bytes, plan_extraction
+from eagle3_dagster.hidden.estimate import actual_bytes, estimate_extraction
 from eagle3_dagster.hidden.sharding import SampleRecord, plan_shards
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import ShardFormat, load_manifest, verify_shard
@@ -91,13 +91,13 @@ def test_plan_predicts_the_bytes_the_hf_backend_writes_exactly(micro_target, ext
     specs = plan_shards(merged, SAMPLES_PER_SHARD)
     fmt = ShardFormat(hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro", code_version="hf-1")
     fresh_root = version_dir.parent.parent / "empty_root"
-    plan = plan_extraction(specs, fmt, fresh_root, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=10**9)
+    estimate = estimate_extraction(specs, fmt, fresh_root, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=10**9)
     written = actual_bytes(version_dir, [s.key for s in specs])
-    assert plan.total_bytes == written
-    assert plan.shard_bytes == sum(r.num_bytes for r in results)
-    assert plan.estimated_hours == pytest.approx(sum(LENGTHS) / 100.0 / 3600.0)
+    assert estimate.total_bytes == written
+    assert estimate.shard_bytes == sum(r.num_bytes for r in results)
+    assert estimate.estimated_hours == pytest.approx(sum(LENGTHS) / 100.0 / 3600.0)
     # against the real version folder, nothing remains to be written
-    done = plan_extraction(specs, fmt, version_dir.parent, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=0)
+    done = estimate_extraction(specs, fmt, version_dir.parent, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=0)
     assert done.remaining_bytes == 0 and done.fits
 
 

@@ -147,9 +147,9 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
     host = GpuHost(HostConfig(python=str(_site_with_version(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage.extraction_preflight(profile, host, tmp_path)
-    ctx = type("Ctx", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
+    plan = type("Plan", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
-        hidden_stage._extract_sglang(profile, tmp_path / "v" / "plan.json", ctx, [], host, {"sglang_version": "0.5.13"},
+        hidden_stage._extract_sglang(profile, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"},
                                      lambda _m: None)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from eagle3_dagster.config import ProfileError, load_profile, load_profile_file
 from eagle3_dagster.gpu_host import GpuHost, PreflightError
-from eagle3_dagster.hidden.plan import hours_on_hosts
+from eagle3_dagster.hidden.estimate import hours_on_hosts
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.host_lease import (
     NoHostError, history, lease_host, lease_hosts, lease_path, pool_limits, try_lock, who_holds,
@@ -244,18 +244,18 @@ def test_pool_limits_command_prints_one_gpu_host_slot_per_host(tmp_path):
 
 def test_the_plan_gives_hours_on_the_profiles_hosts_and_on_1_2_4_in_whole_shards(tmp_path):
     from eagle3_dagster.cli import hours_table
-    from eagle3_dagster.hidden.plan import plan_extraction
+    from eagle3_dagster.hidden.estimate import estimate_extraction
     from eagle3_dagster.hidden.sharding import ShardSpec, shard_key
     from eagle3_dagster.hidden.shards import ShardFormat
 
     fmt = ShardFormat(hidden_size=8, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
     specs = [ShardSpec(key=shard_key(i), index=i, first_record=i, num_records=1, num_tokens=3600, byte_offset=0,
                        sample_ids=(f"d/{i}",), lengths=(3600,)) for i in range(5)]
-    plan = plan_extraction(specs, fmt, tmp_path, "hs-000000000000", throughput_tokens_per_s=1.0, free_bytes=1 << 40,
+    estimate = estimate_extraction(specs, fmt, tmp_path, "hs-000000000000", throughput_tokens_per_s=1.0, free_bytes=1 << 40,
                            num_hosts=3)
-    assert plan.hours_by_hosts == {1: 5.0, 2: 3.0, 3: 2.0, 4: 2.0}
-    assert plan.estimated_hours == 2.0 and plan.num_hosts == 3
-    assert hours_table({str(n): h for n, h in plan.hours_by_hosts.items()}, 3).splitlines() == [
+    assert estimate.hours_by_hosts == {1: 5.0, 2: 3.0, 3: 2.0, 4: 2.0}
+    assert estimate.estimated_hours == 2.0 and estimate.num_hosts == 3
+    assert hours_table({str(n): h for n, h in estimate.hours_by_hosts.items()}, 3).splitlines() == [
         "hours   1 host  2 hosts  3 hosts (profile)  4 hosts",
         "         5.0 h    3.0 h              2.0 h    2.0 h"]
 

@@ -15,7 +15,7 @@ import torch
 
 from eagle3_dagster import storage
 from eagle3_dagster.hidden.extract import publish_shard, verified_complete
-from eagle3_dagster.hidden.plan import cleanup_superseded, find_versions, plan_extraction
+from eagle3_dagster.hidden.estimate import cleanup_superseded, find_versions, estimate_extraction
 from eagle3_dagster.hidden.sharding import plan_shards
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import (
@@ -99,16 +99,16 @@ def test_plan_of_a_store_checks_the_staging_space_for_one_shard_in_flight(refere
     specs = plan_shards(merged, SAMPLES_PER_SHARD)
     fmt = ShardFormat(hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro",
                       code_version="hf-1")
-    fresh = plan_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
+    fresh = estimate_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
                             staging_dir=tmp_path, free_bytes=10**9)
     sizes = storage.location(url).file_sizes()
     largest = max(sizes[f"{s.key}.safetensors"] + sizes[f"{s.key}.manifest.json"] for s in specs)
     assert fresh.needed_bytes == largest < fresh.remaining_bytes == fresh.total_bytes
     assert fresh.free_at == str(tmp_path) and fresh.fits
-    short = plan_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
+    short = estimate_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
                             staging_dir=tmp_path, free_bytes=largest - 1)
     assert not short.fits and "staging folder" in short.message
-    done = plan_extraction(specs, fmt, storage.location(url).parent, VERSION, throughput_tokens_per_s=100.0,
+    done = estimate_extraction(specs, fmt, storage.location(url).parent, VERSION, throughput_tokens_per_s=100.0,
                            staging_dir=tmp_path, free_bytes=0)
     assert done.remaining_bytes == 0 and done.needed_bytes == 0 and done.fits
 
@@ -269,7 +269,7 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     import shutil
 
     from eagle3_dagster.config import load_profile
-    from eagle3_dagster.contracts import PLAN_CONTRACT_KEY, ArtifactLayout
+    from eagle3_dagster.contracts import PLAN_PATH_KEY, ArtifactLayout
     from eagle3_dagster.stages.hidden import cleanup_stage, extract_stage, plan_stage
 
     merged, _ = reference
@@ -282,16 +282,16 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     report, fits, message = plan_stage(profile, layout, free_bytes=None)
     meta = report.metadata
     assert fits and meta["free_at"] == str(layout.staging_dir) == str(tmp_path / "run" / "hidden_staging")
-    contract = meta[PLAN_CONTRACT_KEY]
-    assert contract == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.location(contract).exists()
+    plan_path = meta[PLAN_PATH_KEY]
+    assert plan_path == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.location(plan_path).exists()
     keys = [f"shard-0000{i}" for i in range(meta["num_shards"])]
-    extracted, checks = extract_stage(profile, contract, keys)
+    extracted, checks = extract_stage(profile, plan_path, keys)
     assert all(passed for passed, _ in checks.values()), checks
     assert extracted.metadata["bytes_written"] == meta["total_bytes"]
-    again, _ = extract_stage(profile, contract, keys)
+    again, _ = extract_stage(profile, plan_path, keys)
     assert again.metadata["resumed_shards"] == len(keys)
     storage.location("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors").write_bytes(b"old")
-    cleaned = cleanup_stage(profile, layout, dry_run=False, contract=contract, log=lambda _line: None)
+    cleaned = cleanup_stage(profile, layout, dry_run=False, plan_path=plan_path, log=lambda _line: None)
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
     assert storage.location("s3://eagle3-test/stages").subfolders() == [meta["version"]]
 
@@ -350,7 +350,7 @@ def test_the_sglang_driver_publishes_to_the_store_the_bytes_it_writes_to_a_local
     """The SGLang backend with hidden.root on S3, through the driver's command line as the GPU host runs it
     (loopback server running the real dump hook): the store holds the bytes the same driver writes to a local
     folder, only the shard asked for, and the staging folder is emptied once it is uploaded."""
-    from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.hidden.extraction_plan import load_plan
     from eagle3_dagster.sglang.driver import dump_folder, main
     from tests.unit.test_sglang_driver import FakeSGLang, write_driver_plan
 

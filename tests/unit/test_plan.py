@@ -1,4 +1,4 @@
-"""The extraction plan: exact bytes, time, free space, superseded versions and their opt-in cleanup."""
+"""The extraction estimate: exact bytes, time, free space, superseded versions and their opt-in cleanup."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-from eagle3_dagster.hidden.plan import (
+from eagle3_dagster.hidden.estimate import (
     TIB,
     actual_bytes,
     cleanup_superseded,
     find_versions,
-    plan_extraction,
+    estimate_extraction,
 )
 from eagle3_dagster.hidden.sharding import ShardSpec, shard_key
 from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
@@ -49,14 +49,14 @@ def test_production_scale_is_four_point_six_tib():
     lengths = [tokens // num_samples] * num_samples
     lengths[-1] += tokens - sum(lengths)
     specs = _specs(lengths, 128)
-    plan = plan_extraction(specs, fmt, "/nonexistent/root", CURRENT, throughput_tokens_per_s=350, free_bytes=0)
-    assert plan.num_tokens == tokens and plan.num_shards == 168
-    assert round(plan.total_bytes / TIB, 1) == 4.6
+    estimate = estimate_extraction(specs, fmt, "/nonexistent/root", CURRENT, throughput_tokens_per_s=350, free_bytes=0)
+    assert estimate.num_tokens == tokens and estimate.num_shards == 168
+    assert round(estimate.total_bytes / TIB, 1) == 4.6
     per_token = 4 * 7168 * 2 + 8 + 1  # 3 aux + last states in bf16 (56 KiB), an int64 id, a uint8 mask
-    per_shard_overhead = (plan.total_bytes - tokens * per_token) / plan.num_shards
+    per_shard_overhead = (estimate.total_bytes - tokens * per_token) / estimate.num_shards
     assert 0 < per_shard_overhead < 64 * 1024  # header, offsets and manifest: small next to the states
-    assert plan.estimated_hours == pytest.approx(tokens / 350 / 3600)
-    assert not plan.fits and "short by 4.6 TiB" in plan.message
+    assert estimate.estimated_hours == pytest.approx(tokens / 350 / 3600)
+    assert not estimate.fits and "short by 4.6 TiB" in estimate.message
 
 
 def test_predicted_bytes_equal_bytes_written(tmp_path):
@@ -64,25 +64,25 @@ def test_predicted_bytes_equal_bytes_written(tmp_path):
     specs = _specs([3, 1, 7, 2, 5, 11, 4], 3)
     for spec in specs:
         _write(tmp_path / CURRENT, spec, fmt)
-    plan = plan_extraction(specs, fmt, tmp_path / "elsewhere", CURRENT, throughput_tokens_per_s=1.0, free_bytes=10**9)
-    assert plan.total_bytes == actual_bytes(tmp_path / CURRENT, [s.key for s in specs])
+    estimate = estimate_extraction(specs, fmt, tmp_path / "elsewhere", CURRENT, throughput_tokens_per_s=1.0, free_bytes=10**9)
+    assert estimate.total_bytes == actual_bytes(tmp_path / CURRENT, [s.key for s in specs])
 
 
 def test_completed_shards_are_not_counted_as_remaining(tmp_path):
     fmt = ShardFormat(hidden_size=4, dtype="float32", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
     specs = _specs([4, 4, 4, 4], 2)
     _write(tmp_path / CURRENT, specs[0], fmt)
-    plan = plan_extraction(specs, fmt, tmp_path, CURRENT, throughput_tokens_per_s=2.0, free_bytes=10**9)
-    assert plan.remaining_tokens == 8
-    assert plan.remaining_bytes == plan.total_bytes - actual_bytes(tmp_path / CURRENT, [specs[0].key])
-    assert plan.estimated_hours == pytest.approx(8 / 2.0 / 3600)
+    estimate = estimate_extraction(specs, fmt, tmp_path, CURRENT, throughput_tokens_per_s=2.0, free_bytes=10**9)
+    assert estimate.remaining_tokens == 8
+    assert estimate.remaining_bytes == estimate.total_bytes - actual_bytes(tmp_path / CURRENT, [specs[0].key])
+    assert estimate.estimated_hours == pytest.approx(8 / 2.0 / 3600)
 
 
 def test_free_space_is_measured_where_the_shards_go(tmp_path):
     fmt = ShardFormat(hidden_size=4, dtype="float32", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
-    plan = plan_extraction(_specs([4], 1), fmt, tmp_path / "not" / "yet", CURRENT, throughput_tokens_per_s=1.0)
-    assert plan.free_bytes == os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    assert plan.fits
+    estimate = estimate_extraction(_specs([4], 1), fmt, tmp_path / "not" / "yet", CURRENT, throughput_tokens_per_s=1.0)
+    assert estimate.free_bytes == os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    assert estimate.fits
 
 
 def _version(root, name, size):
@@ -96,10 +96,10 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_what_could_be_freed(tmp_p
     fmt = ShardFormat(hidden_size=4, dtype="float32", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
     _version(tmp_path, OLD, 20000)
     specs = _specs([100], 1)
-    plan = plan_extraction(specs, fmt, tmp_path, CURRENT, throughput_tokens_per_s=1.0, free_bytes=1000)
-    assert not plan.fits
-    assert [v.version for v in plan.superseded] == [OLD] and plan.superseded_bytes == 20000
-    assert f"short by {(plan.remaining_bytes - 1000) / 1024:.1f} KiB" in plan.message and OLD in plan.message and "(enough)" in plan.message
+    estimate = estimate_extraction(specs, fmt, tmp_path, CURRENT, throughput_tokens_per_s=1.0, free_bytes=1000)
+    assert not estimate.fits
+    assert [v.version for v in estimate.superseded] == [OLD] and estimate.superseded_bytes == 20000
+    assert f"short by {(estimate.remaining_bytes - 1000) / 1024:.1f} KiB" in estimate.message and OLD in estimate.message and "(enough)" in estimate.message
 
 
 def test_find_versions_lists_only_superseded_version_folders(tmp_path):
@@ -136,7 +136,7 @@ def test_cleanup_deletes_only_superseded_versions_and_never_follows_links(tmp_pa
 
 
 def test_byte_counts_read_in_binary_units_from_bytes_to_pib():
-    from eagle3_dagster.hidden.plan import human_bytes
+    from eagle3_dagster.hidden.estimate import human_bytes
 
     assert [human_bytes(n) for n in (None, 512, 1536, 87_800_000 * 4 * 7168 * 2, 5 * 2**50)] == \
         ["unknown", "512 B", "1.5 KiB", "4.6 TiB", "5.0 PiB"]

@@ -132,9 +132,9 @@ def test_missing_dump_fails_naming_the_sample_and_commits_nothing(tmp_path, merg
 
 
 def write_driver_plan(merged_train: Path, version_dir, staging_dir: Path | None = None):
-    """A plan contract as extraction_plan writes it, for a target of hidden size 8 dumped at LAYERS, 3 samples
+    """A plan file as extraction_plan writes it, for a target of hidden size 8 dumped at LAYERS, 3 samples
     per shard; returns its path (the driver reads everything about a shard from it)."""
-    from eagle3_dagster.hidden.context import HiddenContext, write_plan
+    from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, write_plan
     from eagle3_dagster.hidden.shards import ShardFormat
     from eagle3_dagster.target import TargetFacts
 
@@ -143,19 +143,19 @@ def write_driver_plan(merged_train: Path, version_dir, staging_dir: Path | None 
     target = TargetFacts(path=Path("/unused"), identity="t", num_layers=5, hidden_size=8, vocab_size=50,
                          aux_layers=tuple(LAYERS))
     version_dir = str(version_dir)
-    ctx = HiddenContext(target, plan_shards(merged_train, samples_per_shard=3), fmt, version_dir.rsplit("/", 1)[-1],
-                        version_dir, merged_train, staging_dir=staging_dir)
-    return write_plan(ctx)
+    plan = ExtractionPlan(target, plan_shards(merged_train, samples_per_shard=3), fmt, version_dir.rsplit("/", 1)[-1],
+                          version_dir, merged_train, staging_dir=staging_dir)
+    return write_plan(plan)
 
 
 def test_cli_extracts_the_named_shard_of_the_plan(tmp_path, merged_train):
-    from eagle3_dagster.hidden.context import load_plan
+    from eagle3_dagster.hidden.extraction_plan import load_plan
     from eagle3_dagster.sglang.driver import dump_folder, main
 
-    plan = write_driver_plan(merged_train, tmp_path / "v1")
-    server = FakeSGLang(dump_folder(load_plan(plan)))
+    plan_path = write_driver_plan(merged_train, tmp_path / "v1")
+    server = FakeSGLang(dump_folder(load_plan(plan_path)))
     try:
-        rc = main(["--plan", str(plan), "--shard", "shard-00001", "--base-url", server.url])
+        rc = main(["--plan", str(plan_path), "--shard", "shard-00001", "--base-url", server.url])
     finally:
         server.close()
     assert rc == 0
@@ -164,7 +164,7 @@ def test_cli_extracts_the_named_shard_of_the_plan(tmp_path, merged_train):
     ds = HiddenStatesDataset(tmp_path / "v1")
     assert ds.metadata["aux_layers"] == LAYERS and ds.metadata["dtype"] == "bfloat16"
     assert ds.metadata["target_identity"] == "t"
-    assert main(["--plan", str(plan), "--shard", "shard-00009", "--base-url", server.url]) == 2
+    assert main(["--plan", str(plan_path), "--shard", "shard-00009", "--base-url", server.url]) == 2
 
 
 def test_shard_failing_its_checksum_is_extracted_again_not_trusted(tmp_path, merged_train):

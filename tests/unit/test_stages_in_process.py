@@ -259,19 +259,19 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
 
 def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path, micro_target):
     """The UI's "Add partition" cannot be hidden (Dagster 1.13): such a key's run names the plan's shards."""
-    from eagle3_dagster.hidden.context import hidden_context, write_plan
+    from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
     from eagle3_dagster.stages.hidden import extract_stage
 
     profile, layout = _merged_corpus(tmp_path, micro_target, vocab=False)
-    ctx = hidden_context(profile, layout)
-    plan = write_plan(ctx)
+    plan = build_plan(profile, layout)
+    plan_path = write_plan(plan)
     with pytest.raises(KeyError, match=r"partitions \['my-shard'\] are not shards of the plan .*\(4 shards\)"):
-        extract_stage(profile, plan, ["shard-00000", "my-shard"])
-    assert not [p for p in Path(ctx.version_dir).iterdir() if p.name != "plan.json"]  # nothing extracted
+        extract_stage(profile, plan_path, ["shard-00000", "my-shard"])
+    assert not [p for p in Path(plan.version_dir).iterdir() if p.name != "plan.json"]  # nothing extracted
 
 
 def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp_path, micro_target):
-    from eagle3_dagster.hidden.context import hidden_context
+    from eagle3_dagster.hidden.extraction_plan import build_plan
     from eagle3_dagster.stages.hidden import plan_stage
     from eagle3_dagster.train.schedule import TrainSchedule, is_heldout_sample, plan_epoch
 
@@ -279,7 +279,7 @@ def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp
                                                                      "eval_fraction": 0.1})
     report, _, _ = plan_stage(profile, layout, free_bytes=None)
     schedule = TrainSchedule(**report.metadata["train_schedule"])
-    shards = hidden_context(profile, layout).shards
+    shards = build_plan(profile, layout).shards
     kept = [n for s in shards for sid, n in zip(s.sample_ids, s.lengths) if not is_heldout_sample(sid, 0.1)]
     batches = plan_epoch(kept, 128, profile.train.seed, 0, profile.train.nproc_per_node)
     assert schedule.num_train_samples == len(kept)

@@ -43,9 +43,9 @@ def test_training_refuses_to_start_when_a_shard_does_not_match_its_manifest(tmp_
     data = bytearray(path.read_bytes())
     data[-2] ^= 0x01  # one flipped bit: same size, so "complete" by size
     path.write_bytes(bytes(data))
-    ctx = SimpleNamespace(version="v", version_dir=version_dir,
+    plan = SimpleNamespace(version="v", version_dir=version_dir,
                           shards=[SimpleNamespace(key="shard-00000"), SimpleNamespace(key="shard-00001")])
-    monkeypatch.setattr(train_stage, "hidden_context", lambda profile, layout: ctx)
+    monkeypatch.setattr(train_stage, "build_plan", lambda profile, layout: plan)
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run")})
     with pytest.raises(ShardCorruptError) as err:
         train_stage.prepare_training(profile, ArtifactLayout.from_profile(profile))

@@ -1,6 +1,7 @@
-"""The extraction plan: exact bytes, estimated hours, free space, superseded versions, and their cleanup.
+"""The extraction estimate: exact bytes, estimated hours, free space, superseded versions, and their cleanup.
 
-Owns the numbers the `extraction_plan` asset shows and its blocking check uses.
+Owns the numbers the `extraction_plan` asset shows and its blocking check uses (the plan itself, the shards
+and where they go, is `hidden.extraction_plan.ExtractionPlan`).
 Bytes are exact, not estimated: a shard's size is fully determined by its
 samples and header (see `shards.encode_header`), and manifests are written
 deterministically, so both are computed with the writer's own code. Deleting
@@ -52,7 +53,9 @@ class VersionInfo:
 
 
 @dataclass(frozen=True)
-class ExtractionPlan:
+class ExtractionEstimate:
+    """What extracting a plan's version costs and whether it fits: `estimate_extraction`'s answer."""
+
     version: str
     version_dir: storage.Location
     num_shards: int
@@ -136,7 +139,7 @@ def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, 
     return max(finish) / throughput_tokens_per_s / 3600.0
 
 
-def plan_extraction(
+def estimate_extraction(
     shards: Sequence[ShardSpec],
     fmt: ShardFormat,
     root: storage.Location,
@@ -146,7 +149,7 @@ def plan_extraction(
     free_bytes: int | None = None,
     num_hosts: int = 1,
     staging_dir: Path | None = None,
-) -> ExtractionPlan:
+) -> ExtractionEstimate:
     """Bytes and time for the whole version and for what is still missing, and whether it fits.
 
     `free_bytes` (or a measurement) is that of the folder shards are written in (`root.local_folder`). Where
@@ -185,7 +188,7 @@ def plan_extraction(
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {human_bytes(reclaim)} ({enough}): {names}"
     hours = {n: hours_on_hosts(remaining_shard_tokens, throughput_tokens_per_s, n) for n in sorted({1, 2, 4, num_hosts})}
-    return ExtractionPlan(
+    return ExtractionEstimate(
         version=version, version_dir=version_dir, num_shards=len(shards),
         num_samples=sum(s.num_records for s in shards), num_tokens=sum(s.num_tokens for s in shards),
         shard_bytes=total_shard, manifest_bytes=total_manifest, total_bytes=total_shard + total_manifest,
@@ -196,7 +199,7 @@ def plan_extraction(
 
 
 def actual_bytes(version_dir: storage.Location, shard_keys: Sequence[str]) -> int:
-    """Bytes on disk (or on the store) of these shards and their manifests, to compare with the plan's prediction."""
+    """Bytes on disk (or on the store) of these shards and their manifests, to compare with the estimate's prediction."""
     sizes = storage.location(version_dir).file_sizes()
     return sum(sizes.get(p.name, 0) for key in shard_keys
                for p in (shard_path(version_dir, key), manifest_path(version_dir, key)))
