@@ -1,6 +1,12 @@
 # Sourced by scripts/demo.sh and scripts/ui.sh from the repository root, once .venv exists: the local
 # Dagster instance in ./dagster_home for the profile in EAGLE3_PROFILE (default demo), with its pool limits.
-export DAGSTER_HOME="$PWD/dagster_home"
+# EAGLE3_DAGSTER_HOME names another instance folder holding a dagster.yaml (the tests' own instances);
+# a DAGSTER_HOME set for other projects is not used.
+export DAGSTER_HOME="${EAGLE3_DAGSTER_HOME:-$PWD/dagster_home}"
+if [ ! -f "$DAGSTER_HOME/dagster.yaml" ]; then
+  echo "no dagster.yaml in $DAGSTER_HOME (copy dagster_home/dagster.yaml there)" >&2
+  exit 1
+fi
 export EAGLE3_PROFILE="${EAGLE3_PROFILE:-demo}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The queue daemon reads a pool's limit only once it is set; a fresh instance would let the
