@@ -134,6 +134,7 @@ def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> 
 
 RESULT_COLUMNS = {  # column → what it means, with its unit
     "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
+    "temperature": "sampling temperature of the decode (0: greedy)",
     "acceptance_length": "tokens per verify step, bonus included",
     "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), on the set",
     "speedup_min": "the lowest round's speed-up", "speedup_max": "the highest round's speed-up",
@@ -147,9 +148,10 @@ RESULT_COLUMNS = {  # column → what it means, with its unit
 def results_metadata(results_path) -> dict:
     """Every result row as a table with a schema: the numbers visible on the asset page, not in markdown.
     The headline (which configuration, which band) is the stage's (`bench.report.headline`)."""
+    from eagle3_dagster.bench.report import temperature_of
     from eagle3_dagster.storage import read_json
 
-    rows = read_json(results_path)["rows"]
+    rows = [r | {"temperature": temperature_of(r)} for r in read_json(results_path)["rows"]]
     return {"results": table([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], RESULT_COLUMNS)}
 
 
