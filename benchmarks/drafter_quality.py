@@ -73,13 +73,14 @@ VARIANTS: dict[str, dict] = {
     # the demo's recipe (EAGLE 3.1) with the old recipe's beta2: betas alone
     "one_sample_6ep_eagle31_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                    "betas": (0.9, 0.95), "drafter": {"fc_norm": True, "norm_output": True}},
-    # the demo's recipe with multi-latent attention (drafter.attention: mla, the dimensions the target's), plain
-    # EAGLE-3 and EAGLE 3.1: the drafter Kimi's serving recipes ship
+    # the demo's recipe with multi-latent attention (drafter.attention: mla, the dimensions the target's; MLA has
+    # no key/value heads of its own), plain EAGLE-3 and EAGLE 3.1: the drafter Kimi's serving recipes ship
     "one_sample_6ep_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
-                           "drafter": {"attention": "mla"}},
+                           "drafter": {"attention": "mla", "num_key_value_heads": None}},
     "one_sample_6ep_eagle31_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
                                    "betas": (0.9, 0.999),
-                                   "drafter": {"attention": "mla", "fc_norm": True, "norm_output": True}},
+                                   "drafter": {"attention": "mla", "num_key_value_heads": None, "fc_norm": True,
+                                               "norm_output": True}},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -267,10 +268,14 @@ def main() -> None:
     base = load_profile(args.profile)
     layout = ArtifactLayout.from_profile(base)
     plan_path = write_plan(build_plan(base, layout))
+    from benchmarks import specforge_variant
+
+    # "specforge": SpecForge's own trainer on the same shards and recipe (benchmarks/specforge_variant.py)
+    known = {**VARIANTS, specforge_variant.NAME: specforge_variant.OVERRIDES}
     names = [v for v in (args.variants or "before,profile").split(",") if v]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in known]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     temperatures = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
                     else [*base.bench.temperatures, 1.0])
@@ -278,16 +283,17 @@ def main() -> None:
     rows = []
     for seed in seeds:
         for name in names:
-            profile = variant_profile(base, VARIANTS[name], seed)
-            print(f"==> {name} seed {seed}: {json.dumps(VARIANTS[name])}", flush=True)
-            m = train_variant(profile, layout, plan_path, lambda line: print(line, flush=True))
+            profile = variant_profile(base, known[name], seed)
+            print(f"==> {name} seed {seed}: {json.dumps(known[name])}", flush=True)
+            train = specforge_variant.train_specforge if name == specforge_variant.NAME else train_variant
+            m = train(profile, layout, plan_path, lambda line: print(line, flush=True))
             kv = draft_kv_cache(profile, acceptance.target_path)
             heldout = m["final_eval"]
             if heldout.get("scope") != "heldout":
                 raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")
             acc = acceptance.measure_once(Path(m["run_dir"]))
             steps = m["steps"]
-            rows.append({"variant": name, "seed": seed, "overrides": VARIANTS[name], "steps": steps,
+            rows.append({"variant": name, "seed": seed, "overrides": known[name], "steps": steps,
                          "tokens_per_step": m["tokens_seen"] / max(steps, 1), "heldout": heldout,
                          "acceptance": acc, "train_cpu_s": m["train_cpu_s"], "train_wall_s": m["train_wall_s"],
                          "load_avg_1m": m.get("load_avg_1m"), "run_dir": m["run_dir"],

@@ -276,7 +276,8 @@ def check_training(device: str, work: Path, target: Path, merged: Path, vocab_si
     out = work / f"train-{attention}"
     job = TrainJobConfig(hidden_version_dir=str(hidden_dir), target_dir=str(target), vocab_mapping=str(mapping),
                          out_dir=str(out), serving_context=profile.target.serving_context,
-                         drafter=profile.drafter.model_copy(update={"attention": attention}),
+                         drafter=type(profile.drafter).model_validate(profile.drafter.model_dump() | {
+                             "attention": attention, **({"num_key_value_heads": None} if attention == "mla" else {})}),
                          train=profile.train.model_copy(update={"max_steps": steps, "backend": backend,
                                                                 "nproc_per_node": nproc, "checkpoint_every": 25}))
     config = job.write(work / f"train_job-{attention}.json")
