@@ -25,7 +25,7 @@ ASSET_MODULES = [target_model, raw_responses, tokenized_dataset, merged_train, h
 def build_definitions(profile: Profile) -> dg.Definitions:
     storage.configure(profile.storage)  # every store call of this code location and its run workers
     parts = dg.Definitions.merge(*(module.build(profile) for module in ASSET_MODULES))
-    assets = settings.versioned(described(list(parts.assets)), profile)
+    assets = settings.with_code_versions(described(list(parts.assets)))
     specs = [spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs]
     jobs = automation.build_jobs(profile)
     check, status_sensor = shard_status.build(next(s for s in specs if s.key == shard_status.ASSET))

@@ -1,18 +1,18 @@
 """Which settings each asset's output depends on, and how an edit to them reaches the UI.
 
-Each asset declares here the settings its output depends on (`READS`) and those its stage only runs with
-(`RUNS_WITH`: where, how fast, how often); the asset hands its engine stage the profile restricted to those
-two (`given`), so a stage that comes to use any other setting fails at once, naming it, instead of drifting
-from what its code version hashes.
+An asset hands its engine stage one typed settings object (`eagle3_dagster.stages.settings`), built from the
+profile, and declares that object's `content()` (the settings that change what the stage writes) as its
+definition metadata with `stage_settings_metadata`: what a code version covers is derived from what the stage
+is given, never listed a second time.
 
 Dagster marks an asset stale when its own code version changes or when an
 input's data version changed since it was materialized; a stale parent does not
 make its children stale. An edit to `data.max_seq_len` invalidates everything
 below merged_train long before merged_train is rebuilt, so each asset's code
-version hashes the settings it reads *and* those of every asset whose content it
-consumes: its deps in the built graph (`inputs`), but for a dep marked as a gate (`gate`), whose verdict
+version hashes the settings its stage is given *and* those of every asset whose content it
+consumes: its deps in the built graph (`content_inputs`), but for a dep made with `gating_dep`, whose verdict
 it waits for but whose content it does not read. The edit marks every invalidated asset stale at the next
-reload, and only those (an edit to `hidden.backfill_cron` invalidates nothing). `versioned` writes the
+reload, and only those (an edit to `hidden.backfill_cron` invalidates nothing). `with_code_versions` writes the
 code versions, and the settings they hash as each asset's definition metadata, once the graph is built.
 
 Every materialization records the settings it was built with; the
@@ -28,95 +28,42 @@ from typing import Any
 
 import dagster as dg
 
-from eagle3_dagster.config import Profile, restricted
+from eagle3_dagster.stages import StageSettings
 
 CODE_VERSION = "2"
 SETTINGS_KEY = "settings"
 CHANGED_KEY = "changed_settings"
 GATE_KEY = "eagle3/gate"
 
-# The settings (dotted paths into the profile) that change an asset's own output.
-READS: dict[str, tuple[str, ...]] = {
-    "target_model": ("target.kind", "target.path", "target.dtype", "target.tiny"),
-    "raw_responses": ("datasets", "generation.backend", "generation.base_url", "generation.model",
-                      "generation.max_new_tokens", "generation.temperature", "generation.reasoning",
-                      "generation.reasoning_style", "generation.extra_body", "data.max_seq_len",
-                      "data.heldout_fraction", "target.dtype"),
-    # the answers' producer (generation.backend, model) is recorded in every tokenized record
-    "tokenized_dataset": ("datasets", "data.max_seq_len", "data.heldout_fraction", "data.bad_fraction_threshold",
-                          "generation.backend", "generation.model"),
-    "merged_train": ("datasets", "data.max_seq_len", "data.shuffle_seed", "data.drop_datasets",
-                     "hidden.samples_per_shard"),
-    "vocab_mapping": ("data.draft_vocab_size",),
-    # a plan is its prediction: the hours (throughput) and the training schedule (train.*) it prints
-    "extraction_plan": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype", "data.max_seq_len",
-                        "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.throughput_tokens_per_s",
-                        "train.batch_tokens", "train.epochs", "train.eval_fraction", "train.grad_accum",
-                        "train.max_steps", "train.nnodes", "train.nproc_per_node", "train.seed", "train.warmup_ratio"),
-    "hidden_states": ("hidden.root", "hidden.backend", "hidden.aux_layers", "hidden.dtype", "data.max_seq_len",
-                      "hidden.samples_per_shard", "hidden.batch_tokens", "hidden.tp_size"),
-    # the export's aux ids and EAGLE 3.1 options are written for the SGLang release that will serve it
-    "drafter_checkpoint": ("train", "drafter", "target.serving_context", "target.dtype", "gpu_host.sglang_version"),
-    # the held-out prompts are the data split's; the served drafter runs on the captured layers
-    "benchmark_report": ("bench", "data.heldout_fraction", "data.max_seq_len", "hidden.aux_layers",
-                         "target.serving_context", "gpu_host.sglang_version"),
-}
-# The settings a stage is also given that do not change what it writes, and why.
-_TARGET_FILES = ("target.kind", "target.path", "target.trust_remote_code", "target.reviewed_code")  # where the
-# target's files are, and whether its own code may run, and which (it loads, or the stage fails: it never loads
-# something else)
-_HOSTS = ("gpu_host",)  # which machines run it, and the SGLang release they must have
-RUNS_WITH: dict[str, tuple[str, ...]] = {
-    "target_model": (),
-    # what regeneration costs and how it is paced: money limits, concurrency, retries, tolerated failures; the
-    # share of a source file's lines that may be unusable before anything is sent (a refusal, not content)
-    "raw_responses": (*_TARGET_FILES, "generation.api_key_env", "generation.concurrency", "generation.max_retries",
-                      "generation.timeout_s", "generation.budget_usd", "generation.price_usd_per_completion_token",
-                      "generation.price_usd_per_prompt_token", "generation.max_failure_fraction",
-                      "generation.resend_interrupted", "data.bad_fraction_threshold"),
-    "tokenized_dataset": _TARGET_FILES,
-    "merged_train": (),
-    "vocab_mapping": _TARGET_FILES,
-    # the hours for the hosts configured now; its table also gives them for 1..N hosts; the draft KV cache of the
-    # drafter the profile describes (a figure it reports, not part of the plan)
-    "extraction_plan": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir", "drafter", "target.serving_context",
-                        "target.dtype"),
-    # the server's port, its extra flags (one that would change a row is refused at launch), parallel requests,
-    # where shards are staged, how long a run may take
-    "hidden_states": (*_TARGET_FILES, *_HOSTS, "hidden.staging_dir", "hidden.sglang_port", "hidden.sglang_server_args",
-                      "hidden.sglang_concurrency", "hidden.max_runtime_s"),
-    "drafter_checkpoint": (*_TARGET_FILES, *_HOSTS),
-    "benchmark_report": (*_TARGET_FILES, *_HOSTS, "hidden.sglang_port", "hidden.sglang_server_args", "hidden.tp_size"),
-}
+
+def stage_settings_metadata(*given: StageSettings) -> dict[str, dg.MetadataValue]:
+    """Definition metadata naming the settings the asset's stage is given that change what it writes (the
+    asset's own part of its code version; `with_code_versions` adds those of its inputs)."""
+    content: dict[str, Any] = {}
+    for settings in given:
+        content |= settings.content()
+    return {SETTINGS_KEY: dg.MetadataValue.json(dict(sorted(content.items())))}
 
 
-def gate(asset: str, why: str) -> dg.AssetDep:
+def gating_dep(asset: str, why: str) -> dg.AssetDep:
     """A dep whose verdict the asset waits for and whose content it does not read (`why` says so)."""
     return dg.AssetDep(asset, metadata={GATE_KEY: why})
 
 
-def inputs(specs: Iterable[dg.AssetSpec]) -> dict[str, tuple[str, ...]]:
+def content_inputs(specs: Iterable[dg.AssetSpec]) -> dict[str, tuple[str, ...]]:
     """The assets whose content each asset reads: its deps in the graph, but for gates."""
     return {spec.key.to_user_string(): tuple(dep.asset_key.to_user_string() for dep in spec.deps
                                               if GATE_KEY not in (dep.metadata or {}))
             for spec in specs}
 
 
-def given(profile: Profile, asset: str) -> Profile:
-    """The profile as the asset's stage gets it: the settings it reads and those it runs with, nothing else."""
-    return restricted(profile, (*READS[asset], *RUNS_WITH[asset]), asset)
-
-
-def setting_paths(asset: str, graph: Mapping[str, tuple[str, ...]]) -> list[str]:
+def _with_inputs(asset: str, own: Mapping[str, dict[str, Any]], graph: Mapping[str, tuple[str, ...]]
+                 ) -> dict[str, Any]:
     """The asset's own settings and, transitively, those of every asset whose content it reads."""
-    paths: set[str] = set(READS[asset])
+    settings = dict(own.get(asset, {}))
     for parent in graph.get(asset, ()):  # an observed source asset has no inputs
-        paths.update(setting_paths(parent, graph))
-    return sorted(paths)
-
-
-def settings_for(profile: Profile, asset: str, graph: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
-    return {path: _value(profile, path) for path in setting_paths(asset, graph)}
+        settings.update(_with_inputs(parent, own, graph))
+    return dict(sorted(settings.items()))
 
 
 def code_version(settings: Mapping[str, Any]) -> str:
@@ -125,15 +72,21 @@ def code_version(settings: Mapping[str, Any]) -> str:
     return f"{CODE_VERSION}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
 
 
-def versioned(assets: list, profile: Profile) -> list:
+def with_code_versions(assets: list) -> list:
     """The assets with their code versions and the settings these hash (definition metadata `settings`).
 
     Computed from the built graph: an asset's code version cannot be known before its inputs'.
     """
-    graph = inputs(spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs)
+    specs = [spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs]
+    own = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
+           if SETTINGS_KEY in spec.metadata}
+    # an observed source asset (the production target) has settings and no code version of its own
+    own |= {a.key.to_user_string(): a.metadata[SETTINGS_KEY].data for a in assets
+            if isinstance(a, dg.SourceAsset) and SETTINGS_KEY in a.metadata}
+    graph = content_inputs(specs)
 
     def with_settings(spec: dg.AssetSpec) -> dg.AssetSpec:
-        settings = settings_for(profile, spec.key.to_user_string(), graph)
+        settings = _with_inputs(spec.key.to_user_string(), own, graph)
         return spec.replace_attributes(code_version=code_version(settings),
                                        metadata={**spec.metadata, SETTINGS_KEY: dg.MetadataValue.json(settings)})
 
@@ -156,15 +109,6 @@ def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> list[
     return rows
 
 
-def _value(profile: Profile, path: str) -> Any:
-    value: Any = profile
-    for part in path.split("."):
-        value = getattr(value, part)
-    if isinstance(value, list):
-        return [v.model_dump(mode="json") if hasattr(v, "model_dump") else v for v in value]
-    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
-
-
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
@@ -177,7 +121,7 @@ CHANGED_SCHEMA = dg.TableSchema(columns=[
 
 
 def build_sensor(specs: Iterable[dg.AssetSpec]) -> dg.SensorDefinition:
-    """`specs`: the built graph's, carrying the settings `versioned` wrote."""
+    """`specs`: the built graph's, carrying the settings `with_code_versions` wrote."""
     current = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
                if SETTINGS_KEY in spec.metadata}
 

@@ -15,8 +15,9 @@ import dagster as dg
 
 from assets._common import accepted, layout, materialize_result, progress_logger, tag_run
 from assets.automation import target_observation_condition
-from assets.settings import given
+from assets.settings import stage_settings_metadata
 from eagle3_dagster.config import Profile
+from eagle3_dagster.stages.target import ExternalTargetSettings, TinyTargetSettings
 
 GROUP = "target"
 
@@ -28,10 +29,13 @@ def build(profile: Profile) -> dg.Definitions:
 
 
 def _tiny_target_asset(profile: Profile):
+    settings = TinyTargetSettings.from_profile(profile)
+
     @dg.asset(
         name="target_model",
         group_name=GROUP,
         kinds={"pytorch"},
+        metadata=stage_settings_metadata(settings),
         description="The tiny DeepSeek-V3 target (MLA, MoE, first layer dense) pre-trained on ShareGPT, "
         "with a byte-level BPE carrying Kimi's special tokens and chat template.",
     )
@@ -39,7 +43,7 @@ def _tiny_target_asset(profile: Profile):
         from eagle3_dagster.stages.target import build_target
 
         tag_run(context, profile)
-        report = build_target(given(profile, "target_model"), layout(profile), progress=progress_logger(context))
+        report = build_target(settings, layout(profile), progress=progress_logger(context))
         return materialize_result(context, report)
 
     return target_model
@@ -58,6 +62,7 @@ def _observed_target(profile: Profile):
         description=f"The target model directory on the GPU host: {profile.target.path}. "
         "Observed, never built: its data version is the hash of config.json + the weight index + its Python files.",
         required_resource_keys={"gpu_host"},
+        metadata=stage_settings_metadata(ExternalTargetSettings.from_profile(profile)),
         # observed by the automation sensor: the shards wait for a first observation (an unobserved source is
         # missing), and a later tick sees a swapped checkpoint
         automation_condition=target_observation_condition(profile.hidden.backfill_cron),

@@ -10,19 +10,23 @@ import dagster as dg
 
 from assets._common import file_version, layout, materialize_result, progress_logger, tag_run
 from assets.partitions import dataset_partitions
-from assets.settings import given
+from assets.settings import stage_settings_metadata
 from eagle3_dagster.config import Profile
+from eagle3_dagster.stages.data import TokenizeSettings
 
 GROUP = "data"
 
 
 def build(profile: Profile) -> dg.Definitions:
+    settings = TokenizeSettings.from_profile(profile)
+
     @dg.asset(
         name="tokenized_dataset",
         group_name=GROUP,
         partitions_def=dataset_partitions(profile),
         deps=["raw_responses", "target_model"],
         kinds={"json"},
+        metadata=stage_settings_metadata(settings),
         description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
         "rendered with the target's chat template; quarantine.jsonl beside it.",
     )
@@ -30,7 +34,8 @@ def build(profile: Profile) -> dg.Definitions:
         from eagle3_dagster.stages.data import tokenize_partition
 
         tag_run(context, profile)
-        report = tokenize_partition(given(profile, "tokenized_dataset"), context.partition_key, layout(profile), progress=progress_logger(context))
+        report = tokenize_partition(settings, context.partition_key, layout(profile),
+                                    progress=progress_logger(context))
         return materialize_result(context, report,
                                   data_version=file_version(layout(profile).tokenized(context.partition_key)))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -220,13 +220,17 @@ def target_dir(profile: "Profile", layout: "ArtifactLayout") -> Path:
 
 
 def target_facts(profile: "Profile", layout: "ArtifactLayout") -> TargetFacts:
-    """What every later stage needs about the profile's target: where, which (identity), its sizes and the
-    canonical aux layers (the profile's, else EAGLE-3's default for its depth)."""
-    path = target_dir(profile, layout)
+    """What every later stage needs about the profile's target (`target_facts_at`)."""
+    return target_facts_at(target_dir(profile, layout), profile.hidden.aux_layers)
+
+
+def target_facts_at(path: Path, aux_layers: Sequence[int] | None) -> TargetFacts:
+    """What every later stage needs about the target in `path`: where, which (identity), its sizes and the
+    canonical aux layers (`aux_layers`, hidden.aux_layers, else EAGLE-3's default for its depth)."""
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"target_model: {path}/config.json not found; materialize target_model first")
     summary = target_summary(path)
-    layers = profile.hidden.aux_layers or default_aux_layers(summary["num_layers"])
+    layers = aux_layers or default_aux_layers(summary["num_layers"])
     return TargetFacts(
         path=path,
         identity=target_identity(path),

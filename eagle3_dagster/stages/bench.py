@@ -12,18 +12,42 @@ the same shape, and against the previous report.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_dagster.config import Profile
+from eagle3_dagster.config import BenchConfig
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from eagle3_dagster.storage import read_json
 from eagle3_dagster.stages import Progress, StageReport, no_progress
-from eagle3_dagster.target import target_facts
+from eagle3_dagster.stages import TARGET_FILES_RUN_WITH, StageSettings, TargetFiles, group, setting
+from eagle3_dagster.target import TargetFacts, target_facts_at
 
 
-def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
+@dataclass(frozen=True)
+class BenchSettings(StageSettings):
+    """benchmark_report: which prompts, how they are decoded and measured, and the server that serves them."""
+
+    bench: BenchConfig = setting("bench")
+    heldout_fraction: float = setting("data.heldout_fraction")  # the held-out prompts are the data split's
+    max_seq_len: int = setting("data.max_seq_len")  # acceptance is split at the training length
+    serving_context: int = setting("target.serving_context")  # prompts are capped to fit it
+    # the release that serves the drafter, and reads another trainer's aux ids
+    sglang_version: str | None = setting("gpu_host.sglang_version")
+    aux_layers: list[int] | None = setting("hidden.aux_layers")  # the layers the served drafter is fed
+    target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
+    sglang_port: int = setting("hidden.sglang_port", runs_with="where the server listens")
+    sglang_server_args: list[str] = setting("hidden.sglang_server_args", runs_with="the host's own server options "
+                                            "(its device, memory fraction, attention backend)")
+    tp_size: int = setting("hidden.tp_size", runs_with="how many GPUs serve the target; the verify steps are "
+                           "the same")
+
+    def target_facts(self, layout: ArtifactLayout) -> TargetFacts:
+        return target_facts_at(self.target.model_dir(layout), self.aux_layers)
+
+
+def benchmark_stage(settings: BenchSettings, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
                     run_id: str, gpu_host: Any = None, progress: Progress = no_progress,
                     out_dir: Path | None = None) -> StageReport:
     """Benchmark the drafter exported in `export_dir`: the path drafter_checkpoint's materialization names,
@@ -33,10 +57,10 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
     """
     from eagle3_dagster.bench.report import headline, render_report
 
-    if profile.bench.mode == "served":
-        results = _served(profile, layout, Path(export_dir), gpu_host, progress)
+    if settings.bench.mode == "served":
+        results = _served(settings, layout, Path(export_dir), gpu_host, progress)
     else:
-        results = _inprocess(profile, layout, Path(export_dir), progress)
+        results = _inprocess(settings, layout, Path(export_dir), progress)
     previous = read_json(previous_results) if previous_results and Path(previous_results).exists() else None
     markdown, results_json, pngs = render_report(results, previous)
     out = Path(out_dir) if out_dir is not None else layout.bench_dir
@@ -52,7 +76,7 @@ def benchmark_stage(profile: Profile, layout: ArtifactLayout, *, export_dir: Pat
     )
 
 
-def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, progress: Progress) -> dict:
+def _served(settings: BenchSettings, layout: ArtifactLayout, export: Path, host: Any, progress: Progress) -> dict:
     """SGLang with the exported drafter at each configuration, and without it, on the GPU host.
 
     The client runs on the host beside each server (`run_on_host`), so the code location may be
@@ -66,11 +90,11 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
 
     if host is None:
         raise ValueError("benchmark_report: the served benchmark (bench.mode 'served') needs the gpu_host resource")
-    installed = _serving_release(profile, export, host)
-    target = target_facts(profile, layout)
-    tokenizer = load_tokenizer(target.path, trust_remote_code=profile.target.trust_remote_code,
-                               reviewed_code=profile.target.reviewed_code)
-    context, bench = profile.target.serving_context, profile.bench
+    installed = _serving_release(settings, export, host)
+    target = settings.target_facts(layout)
+    tokenizer = load_tokenizer(target.path, trust_remote_code=settings.target.trust_remote_code,
+                               reviewed_code=settings.target.reviewed_code)
+    context, bench = settings.serving_context, settings.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
     sets, described = {}, {}
     for name in bench.sets:
@@ -80,19 +104,19 @@ def _served(profile: Profile, layout: ArtifactLayout, export: Path, host: Any, p
             "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
             "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
 
-    drafter_meta = _served_drafter_notes(profile, export, target, progress, installed)
+    drafter_meta = _served_drafter_notes(settings, export, target, progress, installed)
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
-        server = serving_spec(profile, target.path, export, installed, spec,
-                              port=host.spec.server_port(profile.hidden.sglang_port))
+        server = serving_spec(settings, target.path, export, installed, spec,
+                              port=host.spec.server_port(settings.sglang_port))
         rows += run_on_host(host, server, sets, method=method, spec=spec.label if spec else None,
                             max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
     return results_document(attach_speedups(rows), "served", described,
                             meta={"target_identity": target.identity, **drafter_meta})
 
 
-def serving_spec(profile: Profile, target_path: Path, export: Path, installed: str | None, spec: Any, *,
+def serving_spec(settings: BenchSettings, target_path: Path, export: Path, installed: str | None, spec: Any, *,
                  port: int | None = None) -> Any:
     """The served benchmark's server: the target, and with `spec` (a `SpecConfig`) the exported drafter under
     `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`.
@@ -108,18 +132,19 @@ def serving_spec(profile: Profile, target_path: Path, export: Path, installed: s
                  "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
     # the host's own options (its device, memory fraction, attention backend) after the drafter's, as extraction
     # passes them: without them a host that needs them (a CPU host: --device cpu) cannot serve the benchmark
-    return ServerSpec(model_path=str(target_path), port=port or profile.hidden.sglang_port,
-                      tp_size=profile.hidden.tp_size,
-                      context_length=profile.target.serving_context,
-                      extra_args=(*extra, *profile.hidden.sglang_server_args), sglang_version=installed,
-                      trust_remote_code=profile.target.trust_remote_code, reviewed_code=profile.target.reviewed_code)
+    return ServerSpec(model_path=str(target_path), port=port or settings.sglang_port,
+                      tp_size=settings.tp_size,
+                      context_length=settings.serving_context,
+                      extra_args=(*extra, *settings.sglang_server_args), sglang_version=installed,
+                      trust_remote_code=settings.target.trust_remote_code,
+                      reviewed_code=settings.target.reviewed_code)
 
 
-def _serving_release(profile: Profile, export: Path, host: Any) -> str:
+def _serving_release(settings: BenchSettings, export: Path, host: Any) -> str:
     """The SGLang release installed on the host, refused unless it is `gpu_host.sglang_version` (when set) and
     one the export's aux ids are right on (config.json `eagle3_dagster_sglang.releases`): releases read a draft
     config's ids differently, so another one would feed the drafter other layers than it was trained on."""
-    installed = host.preflight(".", sglang_version=profile.gpu_host.sglang_version)["sglang_version"]
+    installed = host.preflight(".", sglang_version=settings.sglang_version)["sglang_version"]
     _check_export_release(export, installed, host.where())
     return installed
 
@@ -136,7 +161,7 @@ def _check_export_release(export: Path, installed: str, where: str) -> None:
             f"gpu_host.sglang_version: {installed}")
 
 
-def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress: Progress,
+def _served_drafter_notes(settings: BenchSettings, export: Path, target: Any, progress: Progress,
                           installed: str | None = None) -> dict:
     """What the serving release will capture for another trainer's export (SGLang reads the export itself)."""
     import json
@@ -147,7 +172,7 @@ def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress:
     if is_own_export(export):
         return {"drafter_source": "eagle3_dagster"}
     cfg = json.loads((export / "config.json").read_text())
-    version = installed or profile.gpu_host.sglang_version or REFERENCE_SGLANG  # the release that will serve it
+    version = installed or settings.sglang_version or REFERENCE_SGLANG  # the release that will serve it
     aux, origin, notes = resolve_aux_layers(cfg, target_summary(target.path)["architecture"], target.num_layers,
                                             version)
     for note in notes:
@@ -156,7 +181,7 @@ def _served_drafter_notes(profile: Profile, export: Path, target: Any, progress:
             "drafter_notes": notes}
 
 
-def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress: Progress) -> dict:
+def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, progress: Progress) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,10 +195,10 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     from eagle3_dagster.threads import stage_threads
 
     threads = stage_threads(load_aware=True)
-    target = target_facts(profile, layout)
+    target = settings.target_facts(layout)
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
-    imported = load_any_drafter(export, target.path, sglang_version=profile.gpu_host.sglang_version)
+    imported = load_any_drafter(export, target.path, sglang_version=settings.sglang_version)
     for note in imported.notes:
         progress(f"drafter {export}: {note}")
     drafter = imported.model.float()
@@ -181,15 +206,15 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
                               drafter.d2t.clone(), drafter.t2d.clone()).float().eval()
     # Prompts fit the serving context with room for the answer; acceptance is split at the training length.
-    context, bench = profile.target.serving_context, profile.bench
+    context, bench = settings.serving_context, settings.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
-    bands = LengthBands.for_training(profile.data.max_seq_len, context)
+    bands = LengthBands.for_training(settings.max_seq_len, context)
     sets, described = {}, {}
-    for name in profile.bench.sets:
+    for name in bench.sets:
         if name == "heldout_sharegpt":
-            prompt_set = heldout_sharegpt(profile.bench.num_prompts, profile.data.heldout_fraction)
+            prompt_set = heldout_sharegpt(bench.num_prompts, settings.heldout_fraction)
         else:
-            prompt_set = load_prompt_set(name, profile.bench.num_prompts, profile.bench.set_paths.get(name))
+            prompt_set = load_prompt_set(name, bench.num_prompts, bench.set_paths.get(name))
         sets[name] = render_prompts(tokenizer, prompt_set, limit)
         described[name] = prompt_set.describe() | {
             "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
@@ -197,21 +222,21 @@ def _inprocess(profile: Profile, layout: ArtifactLayout, export: Path, progress:
     proposers = {
         "eagle3": Eagle3Proposer(drafter, name="eagle3"),
         "eagle3_untrained": Eagle3Proposer(untrained, name="eagle3_untrained"),
-        "ngram": NgramProposer(name="ngram", max_ngram=profile.bench.ngram_max),
+        "ngram": NgramProposer(name="ngram", max_ngram=bench.ngram_max),
     }
     eos = [i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None]
     with torch.inference_mode():
         rows = run_inprocess_benchmark(
-            model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in profile.bench.spec_configs],
-            profile.bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress, rounds=DEFAULT_ROUNDS,
-            bands=bands, temperatures=profile.bench.temperatures, sampled_proposers={"eagle3"},
+            model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in bench.spec_configs],
+            bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress, rounds=DEFAULT_ROUNDS,
+            bands=bands, temperatures=bench.temperatures, sampled_proposers={"eagle3"},
             # the untrained drafter is a control for acceptance (about 1.0); drafting k tokens that all fail, it
             # is the slowest method to run, and nobody compares its speed, so it runs in round 0 only
             timed_proposers={"eagle3", "ngram"},
         )
     return results_document(rows, "inprocess", described, meta={
-        "target_identity": target.identity, "training_max_seq_len": profile.data.max_seq_len,
-        "serving_context": context, "rounds": DEFAULT_ROUNDS, "temperatures": list(profile.bench.temperatures),
+        "target_identity": target.identity, "training_max_seq_len": settings.max_seq_len,
+        "serving_context": context, "rounds": DEFAULT_ROUNDS, "temperatures": list(bench.temperatures),
         "torch_threads": threads,
         "sampling_rule": "SGLang tree_speculative_sampling_target_only (topk 1: one-hot draft), thresholds 1.0",
         **imported.metadata()})

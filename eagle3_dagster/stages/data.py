@@ -14,17 +14,100 @@ import orjson
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from eagle3_dagster.config import DatasetConfig, Profile
+from dataclasses import dataclass
+
+from eagle3_dagster.config import DatasetConfig
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.io import sha256_file
 from eagle3_dagster.stages import Progress, StageReport, no_progress
-from eagle3_dagster.target import target_dir
+from eagle3_dagster.stages import TARGET_FILES_RUN_WITH, StageSettings, TargetFiles, group, setting
+
+# data.bad_fraction_threshold is a refusal, not content: a partition within it is written the same whatever its
+# value. raw_responses is given it to refuse a source file before anything is paid for, and only runs with it:
+# a threshold raised or lowered later does not make its paid answers stale. tokenized_dataset hashes it: its
+# materialization certifies that the bad share (raw_responses' rejects counted) is within the threshold, so a
+# tightened threshold marks it, and what is built from it, stale until it is checked again.
+THRESHOLD_REFUSES_BEFORE_PAYING = ("a refusal before anything is paid for; tokenized_dataset, which counts these "
+                                   "rejects too, hashes it")
 
 
-def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=None,
-                  on_reject: Callable | None = None) -> Iterator[Conversation]:
-    """The dataset's conversations (training split only), cut to the turns that fit the context.
+def _dataset(datasets: list[DatasetConfig], name: str) -> DatasetConfig:
+    for ds in datasets:
+        if ds.name == name:
+            return ds
+    raise KeyError(f"no dataset named {name!r} (datasets: {[d.name for d in datasets]})")
+
+
+@dataclass(frozen=True)
+class RegenerateSettings(StageSettings):
+    """raw_responses: what the target is asked, how its answers are kept, and how the requests are paced."""
+
+    datasets: list[DatasetConfig] = setting("datasets")
+    backend: str = setting("generation.backend")
+    base_url: str | None = setting("generation.base_url")
+    model: str | None = setting("generation.model")
+    max_new_tokens: int = setting("generation.max_new_tokens")
+    temperature: float = setting("generation.temperature")
+    reasoning: bool = setting("generation.reasoning")
+    reasoning_style: str = setting("generation.reasoning_style")
+    extra_body: dict = setting("generation.extra_body")
+    max_seq_len: int = setting("data.max_seq_len")
+    heldout_fraction: float = setting("data.heldout_fraction")
+    dtype: str = setting("target.dtype")  # the in-process backend generates in it
+    target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
+    # what regeneration costs and how it is paced: the answers are the same at any of these
+    concurrency: int = setting("generation.concurrency", runs_with="requests in flight")
+    max_retries: int = setting("generation.max_retries", runs_with="retries of a failed request")
+    timeout_s: float = setting("generation.timeout_s", runs_with="how long one request may take")
+    budget_usd: float | None = setting("generation.budget_usd", runs_with="a spend cap")
+    price_usd_per_completion_token: float | None = setting("generation.price_usd_per_completion_token",
+                                                           runs_with="what a request reserves of the cap")
+    price_usd_per_prompt_token: float = setting("generation.price_usd_per_prompt_token",
+                                                runs_with="what a request reserves of the cap")
+    max_failure_fraction: float = setting("generation.max_failure_fraction", runs_with="tolerated failures")
+    resend_interrupted: bool = setting("generation.resend_interrupted", runs_with="whether lost requests are "
+                                       "sent again")
+    bad_fraction_threshold: float = setting("data.bad_fraction_threshold", runs_with=THRESHOLD_REFUSES_BEFORE_PAYING)
+
+
+@dataclass(frozen=True)
+class TokenizeSettings(StageSettings):
+    """tokenized_dataset: which records, cut to what length, and whose answers are accepted."""
+
+    datasets: list[DatasetConfig] = setting("datasets")
+    max_seq_len: int = setting("data.max_seq_len")
+    heldout_fraction: float = setting("data.heldout_fraction")
+    bad_fraction_threshold: float = setting("data.bad_fraction_threshold")  # see THRESHOLD_REFUSES_BEFORE_PAYING
+    # the answers' producer is recorded in every tokenized record, and answers of another are not tokenized
+    backend: str = setting("generation.backend")
+    model: str | None = setting("generation.model")
+    target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
+
+
+@dataclass(frozen=True)
+class MergeSettings(StageSettings):
+    """merged_train: which partitions, cut to what length, in which order; the shard count it reports."""
+
+    datasets: list[DatasetConfig] = setting("datasets")
+    max_seq_len: int = setting("data.max_seq_len")
+    shuffle_seed: int = setting("data.shuffle_seed")
+    drop_datasets: list[str] = setting("data.drop_datasets")
+    samples_per_shard: int = setting("hidden.samples_per_shard")
+
+
+@dataclass(frozen=True)
+class VocabSettings(StageSettings):
+    """vocab_mapping: how many tokens the draft vocabulary keeps."""
+
+    draft_vocab_size: int = setting("data.draft_vocab_size")
+    target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
+
+
+def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Callable | None = None, *,
+                  max_seq_len: int, answer_room: int, heldout_fraction: float) -> Iterator[Conversation]:
+    """The dataset's conversations (training split only), cut to the turns whose prompt plus `answer_room`
+    tokens fits `max_seq_len`.
 
     A turn to regenerate is kept when its prompt plus `generation.max_new_tokens` fits `data.max_seq_len`: a
     longer one would be generated and then truncated away by merged_train. A turn used as it is (nothing is
@@ -38,15 +121,14 @@ def conversations(profile: Profile, ds: DatasetConfig, stats: dict, tokenizer=No
     if ds.source == "sharegpt":
         from eagle3_dagster.data.sharegpt import ShareGPTReader
 
-        reader = ShareGPTReader(split="train", heldout_fraction=profile.data.heldout_fraction)
+        reader = ShareGPTReader(split="train", heldout_fraction=heldout_fraction)
         source: Iterator[Conversation] = iter(reader)
     else:
         from eagle3_dagster.data.prompts import LoadStats, load_conversations
 
         load = LoadStats()
         source = load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=on_reject)
-    answer_room = profile.generation.max_new_tokens if ds.regenerate else 1
-    budget = profile.data.max_seq_len - answer_room
+    budget = max_seq_len - answer_room
     kept = too_long = turns_cut = template_failed = 0
     for conv in source:
         if ds.max_conversations is not None and kept >= ds.max_conversations:
@@ -96,41 +178,48 @@ def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> tuple[Convers
     return Conversation(id=conv.id, messages=tuple(messages[:end])), sum(m["role"] == "assistant" for m in messages[end:])
 
 
-def regenerate_partition(profile: Profile, name: str, layout: ArtifactLayout, *, api_key: str | None,
+def regenerate_partition(settings: RegenerateSettings, name: str, layout: ArtifactLayout, *, api_key: str | None,
                          progress: Progress = no_progress) -> StageReport:
-    ds = profile.dataset(name)
+    ds = _dataset(settings.datasets, name)
     if ds.source == "pretokenized_jsonl" or not ds.regenerate:
         return _registered_source(ds)
     from eagle3_dagster.generate import GenerationSettings, regenerate_dataset_sync
 
-    gen = profile.generation
-    settings = GenerationSettings(
-        model=gen.model or "local-target", max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-        reasoning=gen.reasoning, max_turns=ds.max_turns, concurrency=gen.concurrency, budget_usd=gen.budget_usd,
-        price_per_completion_token=gen.price_usd_per_completion_token,
-        price_per_prompt_token=gen.price_usd_per_prompt_token, max_failure_fraction=gen.max_failure_fraction,
-        resend_interrupted=gen.resend_interrupted, producer=answer_producer_of(profile, layout),
+    generation = GenerationSettings(
+        model=settings.model or "local-target", max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, reasoning=settings.reasoning, max_turns=ds.max_turns,
+        concurrency=settings.concurrency, budget_usd=settings.budget_usd,
+        price_per_completion_token=settings.price_usd_per_completion_token,
+        price_per_prompt_token=settings.price_usd_per_prompt_token,
+        max_failure_fraction=settings.max_failure_fraction,
+        resend_interrupted=settings.resend_interrupted,
+        producer=answer_producer_of(settings.backend, settings.model, settings.target, layout),
     )
-    if gen.backend == "local":
+    if settings.backend == "local":
         from eagle3_dagster.generate.local_backend import LocalChatBackend
         from eagle3_dagster.threads import stage_threads
 
         stage_threads()
-        backend = LocalChatBackend(target_dir(profile, layout), dtype=profile.target.dtype)
+        backend = LocalChatBackend(settings.target.model_dir(layout), dtype=settings.dtype)
     else:
         from eagle3_dagster.generate import OpenAIChatBackend
 
-        backend = OpenAIChatBackend(gen.base_url, gen.model, api_key=api_key, timeout_s=gen.timeout_s,
-                                    max_retries=gen.max_retries, extra_body=gen.extra_body or None,
-                                    reasoning_style=gen.reasoning_style)
+        backend = OpenAIChatBackend(settings.base_url, settings.model, api_key=api_key, timeout_s=settings.timeout_s,
+                                    max_retries=settings.max_retries, extra_body=settings.extra_body or None,
+                                    reasoning_style=settings.reasoning_style)
     source_stats: dict = {}
     out = layout.raw_responses(name)
-    tokenizer = _tokenizer(profile, layout)
-    num_rejected = _quarantine_source(profile, ds, source_rejects_path(layout, name)) if ds.path else 0
+    tokenizer = _tokenizer(settings.target, layout)
+    num_rejected = (_quarantine_source(ds, source_rejects_path(layout, name), settings.bad_fraction_threshold)
+                    if ds.path else 0)
     template_rejects: list = []  # conversations the chat template cannot render: tokenized_dataset counts them
     try:
-        stats = regenerate_dataset_sync(conversations(profile, ds, source_stats, tokenizer, template_rejects.append),
-                                        out, backend, settings, dataset=name, total=ds.max_conversations,
+        # a turn is kept when its prompt leaves room for a whole generated answer
+        conversation_iter = conversations(ds, source_stats, tokenizer, template_rejects.append,
+                                          max_seq_len=settings.max_seq_len, answer_room=settings.max_new_tokens,
+                                          heldout_fraction=settings.heldout_fraction)
+        stats = regenerate_dataset_sync(conversation_iter, out, backend, generation, dataset=name,
+                                        total=ds.max_conversations,
                                         progress=progress)
     finally:
         _write_rejects(template_rejects_path(layout, name), template_rejects)
@@ -160,7 +249,7 @@ def _write_rejects(path: Path, rejects: list) -> None:
             f.write(orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")
 
 
-def _quarantine_source(profile: Profile, ds: DatasetConfig, path: Path) -> int:
+def _quarantine_source(ds: DatasetConfig, path: Path, threshold: float) -> int:
     """Read the whole source file once before anything is sent: quarantine every line that cannot be used,
     and refuse (spending nothing) when more of it is bad than `data.bad_fraction_threshold`."""
     import orjson
@@ -174,7 +263,6 @@ def _quarantine_source(profile: Profile, ds: DatasetConfig, path: Path) -> int:
         for _ in load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=lambda r: f.write(
                 orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")):
             pass
-    threshold = profile.data.bad_fraction_threshold
     if load.lines and load.num_rejected / load.lines > threshold:
         raise BadDataError(
             f"raw_responses[{ds.name}]: {load.num_rejected}/{load.lines} lines of {ds.path} cannot be used "
@@ -194,30 +282,29 @@ def _registered_source(ds: DatasetConfig) -> StageReport:
     return StageReport(metadata=meta, data_version=meta.get("sha256"))
 
 
-def answer_producer_of(profile: Profile, layout: ArtifactLayout) -> dict:
-    """The producer every answer of this profile is recorded under: the target (in-process) or the served
-    model, with the target's tokenizer, which renders and reads every answer."""
+def answer_producer_of(backend: str, model: str | None, target: TargetFiles, layout: ArtifactLayout) -> dict:
+    """The producer every answer is recorded under (`generation.backend`, `generation.model`): the target
+    (in-process) or the served model, with the target's tokenizer, which renders and reads every answer."""
     from eagle3_dagster.target import answer_producer
 
-    gen = profile.generation
-    return answer_producer(gen.backend, target_dir(profile, layout), served_model=gen.model)
+    return answer_producer(backend, target.model_dir(layout), served_model=model)
 
 
-def _tokenizer(profile: Profile, layout: ArtifactLayout):
+def _tokenizer(target: TargetFiles, layout: ArtifactLayout):
     from eagle3_dagster.target import load_tokenizer
 
-    return load_tokenizer(target_dir(profile, layout), trust_remote_code=profile.target.trust_remote_code,
-                          reviewed_code=profile.target.reviewed_code)
+    return load_tokenizer(target.model_dir(layout), trust_remote_code=target.trust_remote_code,
+                          reviewed_code=target.reviewed_code)
 
 
-def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
+def tokenize_partition(settings: TokenizeSettings, name: str, layout: ArtifactLayout,
                        progress: Progress = no_progress) -> StageReport:
     from eagle3_dagster.data import tokenize as tk
 
-    ds = profile.dataset(name)
+    ds = _dataset(settings.datasets, name)
     out, quarantine = layout.tokenized(name), layout.quarantine(name)
-    threshold = profile.data.bad_fraction_threshold
-    tokenizer = _tokenizer(profile, layout)
+    threshold = settings.bad_fraction_threshold
+    tokenizer = _tokenizer(settings.target, layout)
     source_stats: dict = {}
     if ds.source == "pretokenized_jsonl":
         stats = tk.normalize_pretokenized(Path(ds.path), out, quarantine, dataset=name,
@@ -227,10 +314,15 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
                                         bad_fraction_threshold=threshold,
                                         source_rejects_path=[source_rejects_path(layout, name),
                                                              template_rejects_path(layout, name)],
-                                        producer=answer_producer_of(profile, layout))
+                                        producer=answer_producer_of(settings.backend, settings.model,
+                                                                    settings.target, layout))
     else:
         rejects: deque = deque()
-        stats = tk.tokenize_conversations(conversations(profile, ds, source_stats, tokenizer, rejects.append),
+        # nothing is generated: a turn is kept when its prompt leaves room for one answer token
+        conversation_iter = conversations(ds, source_stats, tokenizer, rejects.append,
+                                          max_seq_len=settings.max_seq_len, answer_room=1,
+                                          heldout_fraction=settings.heldout_fraction)
+        stats = tk.tokenize_conversations(conversation_iter,
                                           tokenizer, out, quarantine, dataset=name, source=ds.source,
                                           max_turns=ds.max_turns, bad_fraction_threshold=threshold,
                                           source_rejects=rejects)
@@ -250,29 +342,29 @@ def tokenize_partition(profile: Profile, name: str, layout: ArtifactLayout,
     return StageReport(metadata=meta)
 
 
-def merge_partitions(profile: Profile, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:
+def merge_partitions(settings: MergeSettings, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:
     from eagle3_dagster.data.merge import merge_and_shuffle, plot_length_histogram
 
-    inputs = {name: layout.tokenized(name) for name in profile.dataset_names}
-    missing = [f"{n} ({p})" for n, p in inputs.items() if n not in profile.data.drop_datasets and not p.exists()]
+    inputs = {ds.name: layout.tokenized(ds.name) for ds in settings.datasets}
+    missing = [f"{n} ({p})" for n, p in inputs.items() if n not in settings.drop_datasets and not p.exists()]
     if missing:
         raise FileNotFoundError(f"merged_train: tokenized_dataset partitions not materialized: {', '.join(missing)}")
     inputs = {n: p for n, p in inputs.items() if p.exists()}
     out = layout.merged_train
-    stats = merge_and_shuffle(inputs, out, max_seq_len=profile.data.max_seq_len, seed=profile.data.shuffle_seed,
-                              drop_datasets=profile.data.drop_datasets)
+    stats = merge_and_shuffle(inputs, out, max_seq_len=settings.max_seq_len, seed=settings.shuffle_seed,
+                              drop_datasets=settings.drop_datasets)
     histogram = plot_length_histogram(stats.lengths, out.with_name("sequence_lengths.png"),
-                                      max_seq_len=profile.data.max_seq_len)
+                                      max_seq_len=settings.max_seq_len)
     progress(f"merged {stats.num_records} records, {stats.num_tokens} tokens")
     if stats.num_records == 0:
         raise ValueError(f"merged_train: no record left after the drop list and truncation ({stats.as_dict()['before']})")
-    num_shards = math.ceil(stats.num_records / profile.hidden.samples_per_shard)
+    num_shards = math.ceil(stats.num_records / settings.samples_per_shard)
     sha = sha256_file(out)
     return StageReport(
         metadata={"path": out, "sha256": sha, "num_shards": num_shards, **stats.as_dict()},
         images={"sequence_lengths": histogram},
-        series={"records_by_length": (length_counts(stats.lengths, profile.data.max_seq_len),
-                                      f"tokens per record, 48 bins up to {profile.data.max_seq_len}")},
+        series={"records_by_length": (length_counts(stats.lengths, settings.max_seq_len),
+                                      f"tokens per record, 48 bins up to {settings.max_seq_len}")},
         data_version=sha,
     )
 
@@ -285,15 +377,15 @@ def length_counts(lengths, max_seq_len: int, bins: int = 48) -> list[float]:
     return [float(c) for c in counts]
 
 
-def build_vocab(profile: Profile, layout: ArtifactLayout) -> StageReport:
+def build_vocab(settings: VocabSettings, layout: ArtifactLayout) -> StageReport:
     from eagle3_dagster.data.vocab import build_vocab_mapping
     from eagle3_dagster.target import load_target_config
 
-    vocab_size = int(load_target_config(target_dir(profile, layout))["vocab_size"])
+    vocab_size = int(load_target_config(settings.target.model_dir(layout))["vocab_size"])
     stats = build_vocab_mapping([layout.merged_train], layout.vocab_mapping, target_vocab_size=vocab_size,
-                                draft_vocab_size=profile.data.draft_vocab_size)
+                                draft_vocab_size=settings.draft_vocab_size)
     meta = {"path": layout.vocab_mapping, **stats.as_dict()}
     if stats.draft_vocab_covers_target:
         meta["note"] = (f"target vocab ({vocab_size}) is not larger than data.draft_vocab_size "
-                        f"({profile.data.draft_vocab_size}): the draft vocab is the whole target vocab")
+                        f"({settings.draft_vocab_size}): the draft vocab is the whole target vocab")
     return StageReport(metadata=meta)

@@ -21,15 +21,28 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eagle3_dagster import storage
-from eagle3_dagster.config import PROJECT_ROOT, Profile
+from eagle3_dagster.config import PROJECT_ROOT, DrafterOverrides, TrainConfig
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.provenance import provenance
 from eagle3_dagster.stages import StageReport
 from eagle3_dagster.threads import thread_env
-from eagle3_dagster.hidden.extraction_plan import build_plan, load_plan
+from eagle3_dagster.hidden.extraction_plan import load_plan
+from eagle3_dagster.stages import StageSettings, setting
 
 # The engine's own torchrun worker; a caller may run a wrapper taking the same arguments instead.
 ENGINE_WORKER = "eagle3_dagster.train"
+
+
+@dataclass(frozen=True)
+class TrainSettings(StageSettings):
+    """drafter_checkpoint: how the drafter is shaped and trained, and what its export is written for."""
+
+    train: TrainConfig = setting("train")
+    drafter: DrafterOverrides = setting("drafter")
+    serving_context: int = setting("target.serving_context")  # the export's max_position_embeddings
+    target_dtype: str = setting("target.dtype")  # the export's dtype
+    # the export's aux ids and EAGLE 3.1 options are written for the SGLang release that will serve it
+    sglang_version: str | None = setting("gpu_host.sglang_version")
 
 
 @dataclass(frozen=True)
@@ -42,16 +55,16 @@ class TrainLaunch:
     worker: str = ENGINE_WORKER  # the module torchrun runs on every rank
 
 
-def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan_path: Path | str | None = None,
+def prepare_training(settings: TrainSettings, layout: ArtifactLayout, *, plan_path: Path | str,
                      python: str | None = None, worker: str = ENGINE_WORKER) -> TrainLaunch:
-    """The torchrun job for the shards of extraction_plan's plan at `plan_path` (planned afresh when None).
+    """The torchrun job for the shards of extraction_plan's plan at `plan_path`.
 
     `worker`: the module torchrun runs, the engine's own or a wrapper with its arguments (the caller's
     choice: the asset passes its Dagster Pipes child)."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 
-    plan = load_plan(plan_path) if plan_path is not None else build_plan(profile, layout)
+    plan = load_plan(plan_path)
     done = load_manifest(plan.version_dir)  # empty when the version folder does not exist
     missing = [s.key for s in plan.shards if s.key not in done]
     if missing:
@@ -67,12 +80,12 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan_path: Pat
         target_dir=str(plan.target.path),
         vocab_mapping=str(layout.vocab_mapping),
         out_dir="",
-        serving_context=profile.target.serving_context,
-        train=profile.train,
-        drafter=profile.drafter,
+        serving_context=settings.serving_context,
+        train=settings.train,
+        drafter=settings.drafter,
         aux_layers=plan.target.aux_layers,
-        export_dtype="bfloat16" if profile.target.dtype == "bfloat16" else "float32",
-        sglang_versions=(profile.gpu_host.sglang_version,) if profile.gpu_host.sglang_version else None,
+        export_dtype="bfloat16" if settings.target_dtype == "bfloat16" else "float32",
+        sglang_versions=(settings.sglang_version,) if settings.sglang_version else None,
     )
     run_id = hashlib.sha256(job.to_json().encode()).hexdigest()[:12]
     out_dir = layout.drafter_dir / f"run-{run_id}"
@@ -80,7 +93,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan_path: Pat
     job_path = out_dir / "job.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     job.write(job_path)
-    t = profile.train
+    t = settings.train
     # drafter_checkpoint builds each leased host's own command (train/nodes.py); this one, for this interpreter,
     # exists when the job needs no launch-time choice: one node, or a fixed rendezvous endpoint
     command = build_torchrun_command(
@@ -89,7 +102,7 @@ def prepare_training(profile: Profile, layout: ArtifactLayout, *, plan_path: Pat
     ) if t.nnodes == 1 or t.rdzv_endpoint else []
     # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
     # the workers read shards from the store as the profile says
-    env = {**thread_env(profile.train.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
+    env = {**thread_env(t.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
     return TrainLaunch(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir,
                        worker=worker)
 
@@ -117,7 +130,7 @@ def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict],
             f"re-extracts a shard failing its checksum):\n  " + "\n  ".join(problems))
 
 
-def finish_training(profile: Profile, layout: ArtifactLayout, launch: TrainLaunch) -> tuple[StageReport, bool, str]:
+def finish_training(settings: TrainSettings, layout: ArtifactLayout, launch: TrainLaunch) -> tuple[StageReport, bool, str]:
     """Read back what training wrote: the report, whether the export passed `check_export` and what it found.
 
     An export that fails its check (a missing, misshaped or non-finite weight) is named only as
@@ -133,10 +146,10 @@ def finish_training(profile: Profile, layout: ArtifactLayout, launch: TrainLaunc
         detail, named = "ok", {"export_dir": export_dir}
     else:
         detail, named = f"the export in {export_dir} is refused: {check}", {"refused_export_dir": export_dir}
-    if check.ok and profile.train.export_location:
+    if check.ok and settings.train.export_location:
         from eagle3_dagster.drafter.publish import publish_export
 
-        dest = storage.location(profile.train.export_location, PROJECT_ROOT).join(launch.out_dir.name)
+        dest = storage.location(settings.train.export_location, PROJECT_ROOT).join(launch.out_dir.name)
         publish_export(export_dir, dest, log=lambda _line: None)
         named["export_location"] = str(dest)
     report = StageReport(

@@ -103,20 +103,37 @@ def test_an_edit_invalidates_every_asset_built_from_what_it_changes_and_only_tho
     assert invalidated(gpu_host={"lease_wait_s": 5.0}, generation={"concurrency": 2}) == set()
 
 
-def test_a_stage_using_a_setting_its_asset_does_not_hash_fails_at_once_naming_it(monkeypatch, tmp_path) -> None:
-    """The settings an asset's code version hashes are the ones its stage is given: no silent drift."""
-    from assets import settings
+def test_each_code_version_hashes_what_its_stage_is_given_and_nothing_it_only_runs_with() -> None:
+    """The settings an asset's code version hashes are derived from the settings object its stage is given:
+    its content is hashed; a setting the stage only runs with (`runs_with=`) is hashed only where an input's
+    stage reads it as content."""
+    from assets.settings import SETTINGS_KEY, code_version
+    from eagle3_dagster.stages.bench import BenchSettings
+    from eagle3_dagster.stages.data import MergeSettings, RegenerateSettings, TokenizeSettings, VocabSettings
+    from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings
+    from eagle3_dagster.stages.target import ExternalTargetSettings, TinyTargetSettings
+    from eagle3_dagster.stages.train import TrainSettings
 
-    reads = tuple(p for p in settings.READS["merged_train"] if p != "data.drop_datasets")
-    monkeypatch.setitem(settings.READS, "merged_train", reads)
-    profile = load_profile("micro", overrides={"run_root": str(tmp_path), "hidden": {"root": str(tmp_path / "h")}})
-    with dg.instance_for_test() as instance:
-        result = build_definitions(profile).resolve_job_def("corpus_job").execute_in_process(
-            instance=instance, raise_on_error=False)
-    [failure] = [e for e in result.all_events if e.is_step_failure]
-    error = failure.step_failure_data.error
-    messages = [error.message] + ([error.cause.message] if error.cause else [])
-    assert any("merged_train uses data.drop_datasets, a setting it is not given" in m for m in messages), messages
+    stages = {"raw_responses": RegenerateSettings, "tokenized_dataset": TokenizeSettings,
+              "merged_train": MergeSettings, "vocab_mapping": VocabSettings, "extraction_plan": PlanSettings,
+              "hidden_states": ExtractSettings, "drafter_checkpoint": TrainSettings,
+              "benchmark_report": BenchSettings}
+    for name, target in [("micro", TinyTargetSettings), ("production", ExternalTargetSettings)]:
+        profile = load_profile(name)
+        defs = build_definitions(profile)
+        hashed = {a: defs.resolve_asset_graph().get(dg.AssetKey(a)).code_version for a in GRAPH}
+        settings = {s.key.to_user_string(): s.metadata[SETTINGS_KEY].data for s in defs.resolve_all_asset_specs()
+                    if SETTINGS_KEY in s.metadata}
+        for asset, kind in {**stages, "target_model": target}.items():
+            given = kind.from_profile(profile)
+            assert given.content().items() <= settings[asset].items(), (name, asset)
+        for asset in set(GRAPH) - {"target_model"} if name == "production" else GRAPH:
+            assert hashed[asset] == code_version(settings[asset]), (name, asset)
+    micro = {s.key.to_user_string(): s.metadata[SETTINGS_KEY].data
+             for s in build_definitions(load_profile("micro")).resolve_all_asset_specs()}
+    assert "generation.concurrency" not in micro["raw_responses"]  # pacing, declared runs_with
+    assert "data.bad_fraction_threshold" not in micro["raw_responses"]  # a refusal before anything is paid
+    assert "data.bad_fraction_threshold" in micro["tokenized_dataset"]  # its verdict certifies the partition
 
 
 def test_the_pipeline_runs_the_jobs_in_the_graphs_order() -> None:

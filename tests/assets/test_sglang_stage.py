@@ -28,6 +28,7 @@ from eagle3_dagster.hidden.shards import load_manifest
 from eagle3_dagster.sglang import patch
 from tests import sglang_wheels
 from tests.sshd_server import free_port
+from eagle3_dagster.stages.hidden import ExtractSettings
 
 pytestmark = pytest.mark.slow  # a patched SGLang site and stand-in servers on the host
 
@@ -128,7 +129,7 @@ def test_driver_failure_brings_sglang_log_tail_and_traceback(setup, monkeypatch)
                                 fmt=dataclasses.replace(plan.fmt, hidden_size=plan.fmt.hidden_size + 1))
     plan_path = write_plan(wrong)
     with pytest.raises(RuntimeError) as err:
-        hidden_stage.extract_stage(profile, plan_path, ["shard-00000"],
+        hidden_stage.extract_stage(ExtractSettings.from_profile(profile), plan_path, ["shard-00000"],
                                    gpu_host=build_definitions(profile).resources["gpu_host"].host())
     text = str(err.value)
     assert "the SGLang driver exited" in text and "Traceback" in text and "DumpError" in text

@@ -42,6 +42,7 @@ from eagle3_dagster.sglang.server import LogTail, sglang_server
 from tests.real_sglang.support import VERSION
 from tests.sshd_server import free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
+from eagle3_dagster.stages.bench import BenchSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
@@ -211,7 +212,7 @@ def served_against_simulated(sglang_python, target_dir: Path, profile, export: P
             greedy[pid] = generate_greedy(plain, ids, MAX_NEW_TOKENS, eos).output_ids
             simulated[pid] = generate_speculative(target, proposer, ids, spec_cfg, MAX_NEW_TOKENS, eos)
 
-    served_spec = serving_spec(profile, served_target or target_dir, export, VERSION, spec_cfg)
+    served_spec = serving_spec(BenchSettings.from_profile(profile), served_target or target_dir, export, VERSION, spec_cfg)
     served_spec = dataclasses.replace(served_spec, port=free_port(), health_timeout_s=1800,
                                       extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
                                       env={**served_spec.env, **(env or server_env(sglang_python))},

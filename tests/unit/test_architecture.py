@@ -146,7 +146,7 @@ def test_the_hidden_states_steps_and_the_shard_format_import_no_torch() -> None:
         from eagle3_dagster.hidden.sharding import ShardSpec
         from eagle3_dagster.stages.hidden import training_schedule
         shard = ShardSpec("shard-00000", 0, 0, 40, 4000, 0, tuple(f"s{i}" for i in range(40)), (100,) * 40)
-        schedule = training_schedule(load_profile("micro"), types.SimpleNamespace(shards=[shard]))
+        schedule = training_schedule(load_profile("micro").train, types.SimpleNamespace(shards=[shard]))
         assert schedule.num_train_samples + schedule.num_heldout_samples == 40 and schedule.total_steps > 0
         print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))
     """)

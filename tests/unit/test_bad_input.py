@@ -13,6 +13,7 @@ import pytest
 from eagle3_dagster.data.prompts import LoadStats, load_conversations
 from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.data.tokenize import BadDataError, tokenize_conversations
+from eagle3_dagster.stages.data import RegenerateSettings
 
 GOOD = {"id": "good", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -107,7 +108,7 @@ def test_raw_responses_quarantines_bad_prompt_lines_and_spends_nothing_above_the
             "data": {"bad_fraction_threshold": 0.5}})
         layout = ArtifactLayout.from_profile(profile)
         with pytest.raises(BadDataError, match="5/6") as err:
-            regenerate_partition(profile, "p", layout, api_key="sk-test")
+            regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key="sk-test")
         assert server.received == []
     assert "data.bad_fraction_threshold" in str(err.value)
     quarantined = [orjson.loads(line) for line in source_rejects_path(layout, "p").read_bytes().splitlines()]

@@ -1,11 +1,13 @@
-"""Every dataset kind the profile schema accepts, through every data stage, under exactly what its asset gives it.
+"""Every dataset kind the profile schema accepts, through every stage up to the plan, under exactly what its
+asset gives it.
 
 Each combination of `source` × `regenerate` × `generation.backend` runs raw_responses, tokenized_dataset,
-merged_train and vocab_mapping with the profile restricted to the settings the asset declares
-(`assets.settings.given`), as the Dagster assets run them: a stage that uses a setting its asset does not
-hand it fails here with `UndeclaredSetting`, not in a user's first production run. (The production profile's
-`prompts_jsonl` datasets with a path once failed that way at raw_responses, on data.bad_fraction_threshold,
-and `conversations_jsonl` with `regenerate: false` at tokenized_dataset, on generation.max_new_tokens.)
+merged_train, vocab_mapping and extraction_plan with the settings object each asset hands its stage
+(`XSettings.from_profile`, whose content is what the asset's code version hashes): a stage reads only what
+that object declares, so one that comes to use another setting fails here, not in a user's first production
+run. (The production profile's `prompts_jsonl` datasets with a path once failed at raw_responses, on
+data.bad_fraction_threshold, and `conversations_jsonl` with `regenerate: false` at tokenized_dataset, on
+generation.max_new_tokens, when the declaration was a hand-kept list beside the stage.)
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from assets.settings import given
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
+from eagle3_dagster.stages.data import MergeSettings, RegenerateSettings, TokenizeSettings, VocabSettings
+from eagle3_dagster.stages.hidden import PlanSettings
 from eagle3_dagster.io import iter_jsonl
 from test_chat_client import SECRET, FakeOpenRouter
 
@@ -57,9 +60,10 @@ def _source_file(tmp_path: Path, source: str, tokenizer) -> str | None:
 
 @pytest.mark.parametrize("source,regenerate,backend", COMBINATIONS,
                          ids=[f"{s}-{'regen' if r else 'as_is'}-{b}" for s, r, b in COMBINATIONS])
-def test_every_dataset_kind_runs_every_data_stage_under_what_its_asset_gives_it(
+def test_every_dataset_kind_runs_every_stage_to_the_plan_under_what_its_asset_gives_it(
         tmp_path, micro_target, source, regenerate, backend) -> None:
     from eagle3_dagster.stages.data import build_vocab, merge_partitions, regenerate_partition, tokenize_partition
+    from eagle3_dagster.stages.hidden import plan_stage
     from eagle3_dagster.target import load_tokenizer
 
     path = _source_file(tmp_path, source, load_tokenizer(micro_target, trust_remote_code=False))
@@ -75,20 +79,22 @@ def test_every_dataset_kind_runs_every_data_stage_under_what_its_asset_gives_it(
             "generation": generation, "data": {"heldout_fraction": 0.0, "draft_vocab_size": 64},
         })
         layout = ArtifactLayout.from_profile(profile)
-        raw = regenerate_partition(given(profile, "raw_responses"), "d", layout, api_key=SECRET).metadata
+        raw = regenerate_partition(RegenerateSettings.from_profile(profile), "d", layout, api_key=SECRET).metadata
         regenerated = regenerate and source != "pretokenized_jsonl"
         assert raw.get("regenerated", True) is regenerated
         assert len(server.received) == (N if regenerated and backend == "openai" else 0)
-    tokenized = tokenize_partition(given(profile, "tokenized_dataset"), "d", layout).metadata
+    tokenized = tokenize_partition(TokenizeSettings.from_profile(profile), "d", layout).metadata
     assert tokenized["num_inputs"] == N and tokenized["num_quarantined"] == 0
     # the tiny target runs past the length limit on some prompts: those answers are dropped and counted
     cut = tokenized["num_dropped_length"] if regenerated and backend == "local" else 0
     assert tokenized["num_records"] == N - cut > 0
-    merged = merge_partitions(given(profile, "merged_train"), layout).metadata
+    merged = merge_partitions(MergeSettings.from_profile(profile), layout).metadata
     assert merged["num_records"] == N - cut
-    build_vocab(given(profile, "vocab_mapping"), layout)
+    build_vocab(VocabSettings.from_profile(profile), layout)
     records = list(iter_jsonl(layout.merged_train))
     assert all(sum(r["loss_mask"]) > 0 for r in records)
+    plan, fits, _ = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
+    assert fits and plan.metadata["num_samples"] == N - cut
 
 
 def test_a_finished_conversation_keeps_the_generation_length_for_its_answer(tmp_path, micro_target) -> None:
@@ -112,5 +118,5 @@ def test_a_finished_conversation_keeps_the_generation_length_for_its_answer(tmp_
         # the prompt fits the sequence length, but not beside a generation budget nothing will use
         "data": {"max_seq_len": prompt_len + 16}, "generation": {"max_new_tokens": 64},
     })
-    meta = tokenize_partition(given(profile, "tokenized_dataset"), "c", ArtifactLayout.from_profile(profile)).metadata
+    meta = tokenize_partition(TokenizeSettings.from_profile(profile), "c", ArtifactLayout.from_profile(profile)).metadata
     assert meta["num_records"] == 1

@@ -14,6 +14,7 @@ from eagle3_dagster.drafter.export import SGLANG_EAGLE3_WEIGHTS, check_export, e
 from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
+from eagle3_dagster.stages.bench import BenchSettings
 
 V, H, DV = 40, 16, 10
 
@@ -158,9 +159,9 @@ def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one
     profile = load_profile("micro")
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
     with pytest.raises(ValueError, match=r"SGLang 0\.5\.23, but the export .* right on SGLang 0\.5\.12 only"):
-        serving_spec(profile, target_dir, export, "0.5.23", SpecConfig(3))
-    assert "--speculative-algorithm" in serving_spec(profile, target_dir, export, "0.5.12", SpecConfig(3)).extra_args
-    assert serving_spec(profile, target_dir, export, "0.5.23", None).extra_args == ()  # no drafter, nothing to read
+        serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.23", SpecConfig(3))
+    assert "--speculative-algorithm" in serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    assert serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.23", None).extra_args == ()  # no drafter, nothing to read
 
 
 def test_the_served_benchmark_runs_with_the_hosts_server_options(tmp_path, target_dir):
@@ -174,6 +175,6 @@ def test_the_served_benchmark_runs_with_the_hosts_server_options(tmp_path, targe
     host_args = ["--device", "cpu", "--mem-fraction-static", "0.5"]
     profile = load_profile("micro", overrides={"hidden": {"sglang_server_args": host_args}})
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
-    assert serving_spec(profile, target_dir, export, "0.5.12", None).extra_args == tuple(host_args)
-    with_drafter = serving_spec(profile, target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    assert serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", None).extra_args == tuple(host_args)
+    with_drafter = serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)).extra_args
     assert with_drafter[:2] == ("--speculative-algorithm", "EAGLE3") and with_drafter[-4:] == tuple(host_args)

@@ -141,15 +141,17 @@ def test_preflight_refuses_an_installed_sglang_other_than_gpu_host_sglang_versio
 def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path):
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.stages import hidden as hidden_stage
+    from eagle3_dagster.stages.hidden import ExtractSettings
 
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"), "hidden": {"backend": "sglang"},
                                                "gpu_host": {"sglang_version": "0.5.12"}})
     host = GpuHost(HostConfig(python=str(_site_with_version(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
+    settings = ExtractSettings.from_profile(profile)
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
-        hidden_stage.extraction_preflight(profile, host, tmp_path)
+        hidden_stage.extraction_preflight(settings, host, tmp_path)
     plan = type("Plan", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
-        hidden_stage._extract_sglang(profile, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"},
+        hidden_stage._extract_sglang(settings, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"},
                                      lambda _m: None)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.host_config import HostConfig
+from eagle3_dagster.stages.bench import BenchSettings
 
 
 def test_a_host_serves_on_its_own_port_or_the_profiles():
@@ -27,5 +28,5 @@ def test_the_served_benchmark_launches_on_the_hosts_port(tmp_path):
     from eagle3_dagster.stages.bench import serving_spec
 
     profile = load_profile("micro")
-    assert serving_spec(profile, tmp_path, tmp_path, None, None, port=31002).port == 31002
-    assert serving_spec(profile, tmp_path, tmp_path, None, None).port == profile.hidden.sglang_port
+    assert serving_spec(BenchSettings.from_profile(profile), tmp_path, tmp_path, None, None, port=31002).port == 31002
+    assert serving_spec(BenchSettings.from_profile(profile), tmp_path, tmp_path, None, None).port == profile.hidden.sglang_port

@@ -13,6 +13,7 @@ from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.imported import load_any_drafter, resolve_aux_layers
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from tests.specforge_format import draft_config, write_specforge_export
+from eagle3_dagster.stages.bench import BenchSettings
 
 V, H, DV, L = 48, 16, 12, 8
 
@@ -176,7 +177,7 @@ def test_benchmark_stage_measures_a_specforge_export_and_records_how_it_read_it(
     export = write_specforge_export(drafter, tmp_path / "specforge", draft_config(drafter, eagle_aux_ids=[0, 1, 2]),
                                     to="hf", embed=target.embed)
     lines: list[str] = []
-    report = benchmark_stage(profile, ArtifactLayout.from_profile(profile), export_dir=export,
+    report = benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=export,
                              previous_results=None, run_id="sf", progress=lines.append, out_dir=tmp_path / "out")
     meta = report.metadata
     assert meta["drafter_source"] == "external" and meta["drafter_aux_layers"] == [1, 2, 3]

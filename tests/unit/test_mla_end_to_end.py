@@ -14,6 +14,7 @@ from eagle3_dagster.config import DrafterOverrides, TrainConfig
 from eagle3_dagster.drafter.export import check_export
 from eagle3_dagster.train import TrainJobConfig
 from test_train import _torchrun, _why, workspace  # noqa: F401  (fixture)
+from eagle3_dagster.stages.bench import BenchSettings
 
 
 def _mla_job(ws: Path, out: str) -> Path:
@@ -84,7 +85,7 @@ def test_the_inprocess_benchmark_measures_a_kimi_mla_drafter_folder(tmp_path, mi
                                         "rope_scaling")},
         "max_position_embeddings": 512, "tie_word_embeddings": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}))
-    report = benchmark_stage(profile, ArtifactLayout.from_profile(profile), export_dir=folder, previous_results=None,
+    report = benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=folder, previous_results=None,
                              run_id="mla", progress=lambda _line: None, out_dir=tmp_path / "out")
     meta = report.metadata
     assert meta["drafter_source"] == "external" and meta["drafter_aux_layers"] == [1, 2, 3]

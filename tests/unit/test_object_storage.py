@@ -28,6 +28,8 @@ from eagle3_dagster.hidden.shards import (
 from tests.child_process import kill_when_it_says
 from tests.unit import test_extract_hf as extract_hf_test
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
+from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings, ShardSettings
+from eagle3_dagster.stages.train import TrainSettings
 
 AUX, BATCH_TOKENS, LENGTHS, SAMPLES_PER_SHARD = (extract_hf_test.AUX, extract_hf_test.BATCH_TOKENS,
                                                  extract_hf_test.LENGTHS, extract_hf_test.SAMPLES_PER_SHARD)
@@ -279,19 +281,19 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     shutil.copytree(micro_target, layout.target_dir)
     layout.merged_train.parent.mkdir(parents=True)
     shutil.copyfile(merged, layout.merged_train)
-    report, fits, message = plan_stage(profile, layout, free_bytes=None)
+    report, fits, message = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
     meta = report.metadata
     assert fits and meta["free_at"] == str(layout.staging_dir) == str(tmp_path / "run" / "hidden_staging")
     plan_path = meta[PLAN_PATH_KEY]
     assert plan_path == f"s3://eagle3-test/stages/{meta['version']}/plan.json" and storage.location(plan_path).exists()
     keys = [f"shard-0000{i}" for i in range(meta["num_shards"])]
-    extracted, checks = extract_stage(profile, plan_path, keys)
+    extracted, checks = extract_stage(ExtractSettings.from_profile(profile), plan_path, keys)
     assert all(passed for passed, _ in checks.values()), checks
     assert extracted.metadata["bytes_written"] == meta["total_bytes"]
-    again, _ = extract_stage(profile, plan_path, keys)
+    again, _ = extract_stage(ExtractSettings.from_profile(profile), plan_path, keys)
     assert again.metadata["resumed_shards"] == len(keys)
     storage.location("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors").write_bytes(b"old")
-    cleaned = cleanup_stage(profile, layout, dry_run=False, plan_path=plan_path, log=lambda _line: None)
+    cleaned = cleanup_stage(ShardSettings.from_profile(profile), layout, dry_run=False, plan_path=plan_path, log=lambda _line: None)
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
     assert storage.location("s3://eagle3-test/stages").subfolders() == [meta["version"]]
 
@@ -340,7 +342,7 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     (run / "metrics.json").write_bytes(orjson.dumps({"final": final, "steps": 3, "tokens_per_s": 10.0,
                                                      "curves": {"loss": [1.0], "acc_0": [0.5]}}))
     plan = TrainLaunch(command=[], env={}, cwd=str(tmp_path), job_path=run / "job.json", out_dir=run)
-    report, ok, _ = finish_training(profile, ArtifactLayout.from_profile(profile), plan)
+    report, ok, _ = finish_training(TrainSettings.from_profile(profile), ArtifactLayout.from_profile(profile), plan)
     assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
     back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in (run / "export").iterdir()}

@@ -101,12 +101,13 @@ def test_code_shipped_with_an_external_target_runs_only_when_the_profile_says_so
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
     from eagle3_dagster.stages.data import _tokenizer
+    from eagle3_dagster.stages import TargetFiles
 
     model, ran = _model_with_code(tmp_path)
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(model)}})
     assert profile.target.trust_remote_code is False
     with pytest.raises(ValueError, match="target.trust_remote_code"):
-        _tokenizer(profile, ArtifactLayout.from_profile(profile))
+        _tokenizer(TargetFiles.from_profile(profile), ArtifactLayout.from_profile(profile))
     assert not ran.exists()
 
 

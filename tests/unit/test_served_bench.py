@@ -25,6 +25,7 @@ from eagle3_dagster.sglang.server import ServerError, ServerSpec
 from tests.loopback_http import LoopbackHTTPServer
 from tests.sshd_server import free_port
 from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_dir is a fixture)
+from eagle3_dagster.stages.bench import BenchSettings
 
 pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host
 
@@ -294,7 +295,7 @@ def test_served_benchmark_refuses_a_host_release_the_export_or_profile_does_not_
     want = (r"SGLang 0\.5\.13\b.*0\.5\.12" if case == "export"
             else r"SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12")
     with pytest.raises((ValueError, PreflightError), match=want):
-        benchmark_stage(profile, ArtifactLayout.from_profile(profile), export_dir=export, previous_results=None,
+        benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=export, previous_results=None,
                         run_id="r1", gpu_host=host, progress=logs.append)
     assert not any(line.startswith("[sglang]") for line in logs), "a server was launched anyway"
 
@@ -328,7 +329,7 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     host = GpuHost(HostConfig(python=str(python), workdir=str(tmp_path / "work")))
     logs: list[str] = []
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096)  # the project's own
-    report = benchmark_stage(profile, layout, export_dir=export, previous_results=None, run_id="r1",
+    report = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=None, run_id="r1",
                              gpu_host=host, progress=logs.append)
     assert report.metadata["drafter_source"] == "eagle3_dagster"
     results = json.loads(Path(report.metadata["results_json"]).read_text())

@@ -20,6 +20,10 @@ from safetensors.torch import load_file, save_file
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import iter_jsonl, sha256_file
+from eagle3_dagster.stages.bench import BenchSettings
+from eagle3_dagster.stages.data import MergeSettings, TokenizeSettings, VocabSettings
+from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings
+from eagle3_dagster.stages.train import TrainSettings
 
 # eagle3_dagster.progress: "label: done/total unit (pct), rate unit/s, ETA h:mm:ss"
 PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+) \4/s, ETA \d+:\d\d:\d\d")
@@ -65,10 +69,10 @@ def _merged_corpus(tmp_path: Path, target: Path, *, vocab: bool = True, **overri
 
     profile, layout = _two_partitions(tmp_path, target, **overrides)
     for name in ("a", "b"):
-        tokenize_partition(profile, name, layout)
-    merge_partitions(profile, layout)
+        tokenize_partition(TokenizeSettings.from_profile(profile), name, layout)
+    merge_partitions(MergeSettings.from_profile(profile), layout)
     if vocab:
-        build_vocab(profile, layout)
+        build_vocab(VocabSettings.from_profile(profile), layout)
     return profile, layout
 
 
@@ -78,7 +82,7 @@ def test_tokenize_partition_writes_the_records_and_counts_the_quarantine(tmp_pat
 
     profile, layout = _two_partitions(tmp_path, micro_target)
     lines: list[str] = []
-    report = tokenize_partition(profile, "a", layout, progress=lines.append)
+    report = tokenize_partition(TokenizeSettings.from_profile(profile), "a", layout, progress=lines.append)
     meta = report.metadata
     assert meta["path"] == layout.tokenized("a") and meta["quarantine_path"] == layout.quarantine("a")
     records = list(iter_jsonl(layout.tokenized("a")))
@@ -104,7 +108,7 @@ def test_tokenize_partition_with_no_usable_record_fails_naming_the_quarantine(tm
                        data={"bad_fraction_threshold": 1.0})
     layout = ArtifactLayout.from_profile(profile)
     with pytest.raises(ValueError, match=r"tokenized_dataset\[p\]: no usable record out of 1 inputs") as err:
-        tokenize_partition(profile, "p", layout)
+        tokenize_partition(TokenizeSettings.from_profile(profile), "p", layout)
     assert str(layout.quarantine("p")) in str(err.value)
     assert "input_ids outside [0, 512)" in layout.quarantine("p").read_text()
 
@@ -113,11 +117,11 @@ def test_merge_partitions_shuffles_every_record_once_and_names_a_missing_partiti
     from eagle3_dagster.stages.data import merge_partitions, tokenize_partition
 
     profile, layout = _two_partitions(tmp_path, micro_target)
-    tokenize_partition(profile, "a", layout)
+    tokenize_partition(TokenizeSettings.from_profile(profile), "a", layout)
     with pytest.raises(FileNotFoundError, match=r"not materialized: b \("):
-        merge_partitions(profile, layout)
-    tokenize_partition(profile, "b", layout)
-    report = merge_partitions(profile, layout)
+        merge_partitions(MergeSettings.from_profile(profile), layout)
+    tokenize_partition(TokenizeSettings.from_profile(profile), "b", layout)
+    report = merge_partitions(MergeSettings.from_profile(profile), layout)
     merged = list(iter_jsonl(layout.merged_train))
     inputs = [r for name in ("a", "b") for r in iter_jsonl(layout.tokenized(name))]
     assert sorted(r["id"] for r in merged) == sorted(r["id"] for r in inputs)
@@ -132,7 +136,7 @@ def test_merge_partitions_shuffles_every_record_once_and_names_a_missing_partiti
     assert sum(bars) == len(merged) and len(bars) == 48
 
     dropped = profile.model_copy(update={"data": profile.data.model_copy(update={"drop_datasets": ["b"]})})
-    merge_partitions(dropped, layout)
+    merge_partitions(MergeSettings.from_profile(dropped), layout)
     assert sorted(r["id"] for r in iter_jsonl(layout.merged_train)) == sorted(
         r["id"] for r in iter_jsonl(layout.tokenized("a")))
 
@@ -141,7 +145,7 @@ def test_build_vocab_keeps_the_most_frequent_supervised_tokens(tmp_path, micro_t
     from eagle3_dagster.stages.data import build_vocab
 
     profile, layout = _merged_corpus(tmp_path, micro_target, vocab=False)
-    report = build_vocab(profile, layout)
+    report = build_vocab(VocabSettings.from_profile(profile), layout)
     mapping = load_file(str(report.metadata["path"]))
     t2d, d2t = mapping["t2d"], mapping["d2t"]
     assert t2d.shape == (512,) and int(t2d.sum()) == d2t.shape[0] == 64
@@ -199,7 +203,7 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_i
 
     profile, layout = _merged_corpus(tmp_path, micro_target, train={"export_location": str(tmp_path / "published")})
 
-    report, ok, _ = finish_training(profile, layout, _finished_run(profile, layout, "run-good"))
+    report, ok, _ = finish_training(TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, "run-good"))
     meta = report.metadata
     assert ok and meta["export_dir"] == layout.drafter_dir / "run-good" / "export"
     # every figure is named for what it was measured on: the held-out samples, or the last training step
@@ -214,7 +218,7 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_i
 
     # a failing export is the failed check's to report: named only as refused, never as the export, nor published
     for run, bad in [("run-nan", {"poison": True}), ("run-incomplete", {"drop": "midlayer.mlp.down_proj.weight"})]:
-        report, ok, detail = finish_training(profile, layout, _finished_run(profile, layout, run, **bad))
+        report, ok, detail = finish_training(TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, run, **bad))
         assert not ok and re.search(rf"export in .*{run}/export is refused.*(fc|down_proj).weight", detail)
         assert report.metadata["refused_export_dir"] == layout.drafter_dir / run / "export"
         assert not {"export_dir", "export_location"} & set(report.metadata)
@@ -230,7 +234,7 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
     export = _export_for(profile, layout, tmp_path / "drafter")
 
     lines: list[str] = []
-    first = benchmark_stage(profile, layout, export_dir=export, previous_results=None, run_id="r1",
+    first = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=None, run_id="r1",
                             progress=lines.append)
     results = orjson.loads(Path(first.metadata["results_json"]).read_bytes())
     rows = {r["method"]: r for r in results["rows"]}
@@ -249,7 +253,7 @@ def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previou
     progress = [m for m in map(PROGRESS.match, lines) if m]  # within each method, by the shared contract
     assert progress and progress[-1].group(2) == progress[-1].group(3), lines
 
-    second = benchmark_stage(profile, layout, export_dir=export, previous_results=str(first.metadata["results_json"]),
+    second = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=str(first.metadata["results_json"]),
                              run_id="r2")
     compared = second.markdown["report"].split("## Compared with the previous run")[1]
     assert "| heldout_sharegpt | eagle3 | 2,1,3 | acceptance_length |" in compared
@@ -266,7 +270,7 @@ def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path
     plan = build_plan(profile, layout)
     plan_path = write_plan(plan)
     with pytest.raises(KeyError, match=r"partitions \['my-shard'\] are not shards of the plan .*\(4 shards\)"):
-        extract_stage(profile, plan_path, ["shard-00000", "my-shard"])
+        extract_stage(ExtractSettings.from_profile(profile), plan_path, ["shard-00000", "my-shard"])
     assert not [p for p in Path(plan.version_dir).iterdir() if p.name != "plan.json"]  # nothing extracted
 
 
@@ -277,7 +281,7 @@ def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp
 
     profile, layout = _merged_corpus(tmp_path, micro_target, train={"batch_tokens": 128, "epochs": 3,
                                                                      "eval_fraction": 0.1})
-    report, _, _ = plan_stage(profile, layout, free_bytes=None)
+    report, _, _ = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
     schedule = TrainSchedule(**report.metadata["train_schedule"])
     shards = build_plan(profile, layout).shards
     kept = [n for s in shards for sid, n in zip(s.sample_ids, s.lengths) if not is_heldout_sample(sid, 0.1)]

@@ -15,6 +15,7 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.data.tokenize import BadDataError
 from test_chat_client import SECRET, FakeOpenRouter
+from eagle3_dagster.stages.data import RegenerateSettings, TokenizeSettings
 
 POISON = ("{%- for m in messages -%}{%- if m.get('content') is string and 'POISON' in m['content'] -%}"
           "{{ raise_exception('this template cannot render POISON') }}{%- endif -%}{%- endfor -%}")
@@ -56,7 +57,7 @@ def test_finished_conversations_one_of_which_the_template_cannot_render(tmp_path
     profile = _profile(tmp_path, target, {"name": "c", "source": "conversations_jsonl", "path": str(path),
                                           "regenerate": False})
     layout = ArtifactLayout.from_profile(profile)
-    meta = tokenize_partition(profile, "c", layout).metadata
+    meta = tokenize_partition(TokenizeSettings.from_profile(profile), "c", layout).metadata
     assert meta["num_records"] == 39 and meta["num_quarantined"] == 1
     (bad,) = [orjson.loads(line) for line in layout.quarantine("c").read_bytes().splitlines()]
     assert "c7" in bad["where"] and "this template cannot render POISON" in bad["reason"]
@@ -71,10 +72,10 @@ def test_regenerated_prompts_one_of_which_the_template_cannot_render(tmp_path, m
         profile = _profile(tmp_path, target, {"name": "p", "source": "prompts_jsonl", "path": str(path)},
                            backend="openai", base_url=server.url, model="m", timeout_s=5)
         layout = ArtifactLayout.from_profile(profile)
-        raw = regenerate_partition(profile, "p", layout, api_key=SECRET).metadata
+        raw = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=SECRET).metadata
         assert len(server.received) == 39
     assert raw["num_conversations_quarantined_chat_template"] == 1
-    meta = tokenize_partition(profile, "p", layout).metadata
+    meta = tokenize_partition(TokenizeSettings.from_profile(profile), "p", layout).metadata
     assert meta["num_records"] == 39 and meta["num_quarantined"] == 1 and meta["num_inputs"] == 40
     (bad,) = [orjson.loads(line) for line in layout.quarantine("p").read_bytes().splitlines()]
     assert "conversation c3" in bad["where"] and "this template cannot render POISON" in bad["reason"]
@@ -89,5 +90,5 @@ def test_more_unrenderable_conversations_than_the_threshold_fail_the_dataset_nam
     profile = _profile(tmp_path, target, {"name": "c", "source": "conversations_jsonl", "path": str(path),
                                           "regenerate": False})
     with pytest.raises(BadDataError, match="3/40 inputs are bad") as err:
-        tokenize_partition(profile, "c", ArtifactLayout.from_profile(profile))
+        tokenize_partition(TokenizeSettings.from_profile(profile), "c", ArtifactLayout.from_profile(profile))
     assert "this template cannot render POISON" in str(err.value)

@@ -17,6 +17,7 @@ from eagle3_dagster.train.schedule import BucketedSampler
 from eagle3_dagster.train.loop import LoopConfig, NonFiniteTrainingError, Trainer, TTTObjective
 from test_export import _drafter, target_dir  # noqa: F401  (fixture)
 from test_shards import SAMPLES, _write
+from eagle3_dagster.stages.train import TrainSettings
 
 
 def test_an_export_with_a_non_finite_weight_is_refused(tmp_path, target_dir):  # noqa: F811
@@ -45,10 +46,11 @@ def test_training_refuses_to_start_when_a_shard_does_not_match_its_manifest(tmp_
     path.write_bytes(bytes(data))
     plan = SimpleNamespace(version="v", version_dir=version_dir,
                           shards=[SimpleNamespace(key="shard-00000"), SimpleNamespace(key="shard-00001")])
-    monkeypatch.setattr(train_stage, "build_plan", lambda profile, layout: plan)
+    monkeypatch.setattr(train_stage, "load_plan", lambda path: plan)
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run")})
     with pytest.raises(ShardCorruptError) as err:
-        train_stage.prepare_training(profile, ArtifactLayout.from_profile(profile))
+        train_stage.prepare_training(TrainSettings.from_profile(profile), ArtifactLayout.from_profile(profile),
+                                     plan_path=tmp_path / "plan.json")
     assert "shard-00001" in str(err.value) and "sha256" in str(err.value)
     assert "shard-00000" not in str(err.value)
     assert not list((tmp_path / "run").rglob("job.json"))  # nothing launched
