@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,8 @@ from typing import IO
 ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 30  # dagster dev stops its services in ~5 s on this 2-core machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Written in $DAGSTER_HOME while scripts/ui.sh serves that instance: scripts/run_pipeline.py submits through it.
+UI_URL_FILE = "ui_url"
 
 
 def start(host: str, port: int, workspace: Path = ROOT / "workspace.yaml", env: dict[str, str] | None = None,
@@ -82,13 +85,28 @@ def stop_signals() -> Iterator[list[int]]:
             signal.signal(s, handler)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def serve(host: str, port: int, workspace: Path) -> int:
-    """`dagster dev` in the foreground until it exits or a stop signal arrives."""
+    """`dagster dev` in the foreground until it exits or a stop signal arrives; while it runs, its URL is in
+    $DAGSTER_HOME/ui_url."""
+    home = os.environ.get("DAGSTER_HOME")
+    url_file = Path(home) / UI_URL_FILE if home else None
     with stop_signals() as received:
         proc = start(host, port, workspace)
-        while proc.poll() is None and not received:
-            time.sleep(0.2)
-        stop(proc, interrupted=received)
+        try:
+            if url_file is not None:
+                url_file.write_text(f"http://{host}:{port}\n")
+            while proc.poll() is None and not received:
+                time.sleep(0.2)
+        finally:
+            if url_file is not None:
+                url_file.unlink(missing_ok=True)
+            stop(proc, interrupted=received)
     return 0 if received else proc.returncode
 
 
