@@ -21,6 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
 from eagle3_dagster.host_config import HostConfig
+from eagle3_dagster.sglang_releases import (
+    EAGLE31_OPTIONS,
+    UnsupportedRelease,
+    refused_extraction_option,
+    release,
+    served_drafter_problem,
+)
 from eagle3_dagster.storage import StorageSettings, location
 
 PROFILE_ENV_VAR = "EAGLE3_PROFILE"
@@ -378,8 +385,6 @@ class GpuHostConfig(HostsConfig):
     @model_validator(mode="after")
     def _known_release(self) -> "GpuHostConfig":
         if self.sglang_version is not None:
-            from eagle3_dagster.sglang.releases import UnsupportedRelease, release
-
             try:
                 release(self.sglang_version)
             except UnsupportedRelease as e:
@@ -433,8 +438,6 @@ class HiddenConfig(_Strict):
     @field_validator("sglang_server_args")
     @classmethod
     def _extraction_options(cls, value: list[str]) -> list[str]:
-        from eagle3_dagster.sglang.server import refused_extraction_option
-
         if (why := refused_extraction_option(value)) is not None:
             raise ValueError(why)
         return value
@@ -721,43 +724,14 @@ class Profile(_Strict):
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
-        from eagle3_dagster.sglang.releases import (EAGLE31_OPTIONS, draft_aux_ids, mla_drafter_refusal,
-                                                    mla_drafter_releases, release, supported)
-
-        options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
-        mla = self.drafter.attention == "mla"
-        if mla and self.gpu_host.sglang_version and (why := mla_drafter_refusal(self.gpu_host.sglang_version)):
-            raise ValueError(f"drafter.attention: mla, but gpu_host.sglang_version: {why}; serve with SGLang >= "
-                             "0.5.12 or set drafter.attention: gqa")
-        if self.hidden.aux_layers:
-            # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
-            # With EAGLE 3.1 options and no release named, the export writes ids for every release that reads the
-            # options (drafter.export.export_config): the same rule here, before training, not after it.
-            version = self.gpu_host.sglang_version
-            versions = [version] if version else mla_drafter_releases(options) if mla else \
-                [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)] if options else None
-            try:
-                draft_aux_ids(list(self.hidden.aux_layers), "deepseek", versions)
-            except ValueError as e:
-                why = " (gpu_host.sglang_version)" if version else \
-                    (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
-                     f"right on every SGLang release that reads it, {versions[0]} to {versions[-1]}; or name the "
-                     "release served in gpu_host.sglang_version)" if options else
-                     " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
-                     f"release that serves an MLA drafter, {versions[0]} to {versions[-1]}; or name the release "
-                     "served in gpu_host.sglang_version)" if mla else "")
-                raise ValueError(f"hidden.aux_layers: {e}{why}") from None
         lk_options = sorted({"lk_kl_scale", "lk_kl_decay"} & self.train.model_fields_set)
         if lk_options and self.train.loss != "lk_lambda":  # accepted and ignored would be a silent no-op
             raise ValueError(f"train.{', train.'.join(lk_options)}: set, but only train.loss: lk_lambda uses it and "
                              f"train.loss is {self.train.loss!r}; remove it, or set train.loss: lk_lambda")
-        if options and self.gpu_host.sglang_version:  # refused before training, not at export after it
-
-            served = release(self.gpu_host.sglang_version)
-            if unread := [o for o in options if o not in served.drafter_options(self.drafter.attention)]:
-                raise ValueError(f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does "
-                                 "not read it from the draft config and would serve the drafter without it (SGLang "
-                                 f">= {'0.5.13' if mla else '0.5.12'} does)")
+        options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
+        if why := served_drafter_problem(self.hidden.aux_layers, self.drafter.attention, options,
+                                         self.gpu_host.sglang_version):
+            raise ValueError(why)
         return self
 
     @property

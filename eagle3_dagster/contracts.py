@@ -1,4 +1,4 @@
-"""Where each stage's artifact lives, and the versions of the contracts between stages.
+"""Where each stage's artifact lives, the records passed between stages, and the versions of their formats.
 
 Stages never guess paths from the file system: the asset layer builds an
 `ArtifactLayout` from the profile and hands each engine function the explicit
@@ -31,6 +31,15 @@ BACKEND_CODE_VERSIONS = {"hf": HF_BACKEND_CODE_VERSION, "sglang": SGLANG_BACKEND
 PLAN_FILE = "plan.json"
 PLAN_PATH_KEY = "plan_path"
 PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A prompt conversation as the data readers yield it (ShareGPT, prompts and conversations files), the
+    generation stage answers it and the tokenize stage renders it."""
+
+    id: str
+    messages: tuple[dict, ...]  # {"role": "system"|"user"|"assistant", "content": str}
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from eagle3_dagster import host_probe
+from eagle3_dagster import host_probe, sglang_releases
 from eagle3_dagster.host_config import HostConfig
-from eagle3_dagster.sglang import releases
-from eagle3_dagster.sglang.releases import other_sglang_release
+from eagle3_dagster.sglang_releases import other_sglang_release
 
 # Runs the command as its own process group (pid file = group id) and a watchdog beside it that
 # waits for EOF on stdin, i.e. for the launching worker to go away, then stops the group: TERM,
@@ -231,9 +230,9 @@ class GpuHost:
             raise PreflightError(f"{py} {why}")
         if report.get("sglang_version") and report.get("deepseek_v2_sha256"):
             try:
-                release = releases.release(report["sglang_version"])
+                release = sglang_releases.release(report["sglang_version"])
                 report["patch_state"] = release.file_state(report["deepseek_v2_sha256"])
-            except releases.UnsupportedRelease as e:
+            except sglang_releases.UnsupportedRelease as e:
                 report["patch_state"] = f"unsupported: {e}"
         if require_patch:
             if report.get("patch_state") != "patched":

@@ -166,10 +166,10 @@ UNSUPPORTED_SGLANG = ("0.5.6.post2", "0.5.9")
 
 def tier_releases() -> list[tuple[str, str]]:
     """(package, version) of every release the tier reads: SGLang's supported and refused ones, SpecForge's."""
-    from eagle3_dagster.sglang import releases
+    from eagle3_dagster import sglang_releases
     from tests.specforge_release import VERSION as SPECFORGE
 
-    return [*(("sglang", v) for v in [*releases.supported(), *UNSUPPORTED_SGLANG]), ("specforge", SPECFORGE)]
+    return [*(("sglang", v) for v in [*sglang_releases.supported(), *UNSUPPORTED_SGLANG]), ("specforge", SPECFORGE)]
 
 
 def pin(package: str, version: str) -> dict[str, str]:

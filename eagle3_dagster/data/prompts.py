@@ -23,7 +23,8 @@ from pathlib import Path
 
 import orjson
 
-from eagle3_dagster.data.sharegpt import Conversation, normalise_record
+from eagle3_dagster.contracts import Conversation
+from eagle3_dagster.data.sharegpt import normalise_record
 
 log = logging.getLogger(__name__)
 

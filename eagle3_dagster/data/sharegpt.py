@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from eagle3_dagster.contracts import Conversation
+
 log = logging.getLogger(__name__)
 
 ROLE_MAP = {
@@ -42,12 +44,6 @@ _CHUNK_CHARS = 1 << 20
 _WS = re.compile(r"[\s,]*")
 # ShareGPT V3 splits long conversations into pieces "<root>_0", "<root>_1", ...
 _PIECE_SUFFIX = re.compile(r"_\d+$")
-
-
-@dataclass(frozen=True)
-class Conversation:
-    id: str
-    messages: tuple[dict, ...]  # {"role": "system"|"user"|"assistant", "content": str}
 
 
 @dataclass

@@ -36,8 +36,8 @@ import orjson
 from jinja2 import TemplateError
 
 from eagle3_dagster.chat.kimi import render_completion
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.data.prompts import iter_pretokenized
-from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate.store import iter_turns, set_aside_reason
 from eagle3_dagster.io import atomic_open, iter_jsonl
 

@@ -12,7 +12,7 @@ Aux layer ids are written three ways: `eagle_config.eagle_aux_hidden_state_layer
 for SGLang, a top-level `eagle_aux_hidden_state_layer_ids` in vLLM's (= canonical)
 numbering, and `eagle3_dagster_aux_layers_canonical`. SGLang's ids are the ones that
 the serving releases' own `set_eagle3_layers_to_capture` turns into the canonical
-layers for the target's architecture (`eagle3_dagster.sglang.releases`: from 0.5.13
+layers for the target's architecture (`eagle3_dagster.sglang_releases`: from 0.5.13
 DeepSeek adds 1 only when the first id is 1); `eagle3_dagster_sglang` records the
 target family and the releases they are right on, and `check_export` re-checks them.
 """
@@ -27,8 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
-from eagle3_dagster import layers
-from eagle3_dagster.sglang import releases
+from eagle3_dagster import layers, sglang_releases
 import eagle3_dagster.drafter.mla_export as mla_export
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.io import atomic_write_bytes, atomic_write_json
@@ -110,16 +109,16 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
                   target_architecture: str = "DeepseekV3ForCausalLM",
                   sglang_versions: list[str] | None = None) -> dict:
     canonical = list(cfg.aux_layers)
-    family = releases.arch_family(target_architecture)
-    options = [o for o in releases.EAGLE31_OPTIONS if getattr(cfg, o)]
+    family = sglang_releases.arch_family(target_architecture)
+    options = [o for o in sglang_releases.EAGLE31_OPTIONS if getattr(cfg, o)]
     mla = cfg.attention == "mla"
-    if mla and sglang_versions and (why := [w for v in sglang_versions if (w := releases.mla_drafter_refusal(v))]):
+    if mla and sglang_versions and (why := [w for v in sglang_versions if (w := sglang_releases.mla_drafter_refusal(v))]):
         raise ValueError(f"drafter.attention: mla: {'; '.join(why)}; the export would not be served")
     if mla and not sglang_versions:  # the releases that serve an MLA drafter (with its EAGLE 3.1 options)
-        sglang_versions = releases.mla_drafter_releases(options)
+        sglang_versions = sglang_releases.mla_drafter_releases(options)
     elif options and not sglang_versions:  # the releases that would serve the drafter as it was trained
-        sglang_versions = [v for v, r in releases.supported().items() if set(options) <= set(r.eagle31_options)]
-    sglang_ids, right_on = releases.draft_aux_ids(canonical, family, sglang_versions)
+        sglang_versions = [v for v, r in sglang_releases.supported().items() if set(options) <= set(r.eagle31_options)]
+    sglang_ids, right_on = sglang_releases.draft_aux_ids(canonical, family, sglang_versions)
     if unread := _unread_options(options, right_on, cfg.attention):
         raise ValueError(f"drafter {', '.join(options)} (EAGLE 3.1): {unread}; a drafter trained with them would "
                          "be served without them")
@@ -162,7 +161,7 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
 
 def _unread_options(options: list[str], versions: list[str], attention: str = "gqa") -> str:
     """Which of `versions` would ignore which EAGLE 3.1 options ('' when every one reads them all)."""
-    known = releases.supported()  # an unknown release is reported by the aux-id check
+    known = sglang_releases.supported()  # an unknown release is reported by the aux-id check
     unread = {v: [o for o in options if o not in known[v].drafter_options(attention)] for v in versions if v in known}
     return "; ".join(f"SGLang {v} does not read {', '.join(o)}" for v, o in unread.items() if o)
 
@@ -229,7 +228,7 @@ def check_export(export_dir: Path) -> ExportCheck:
     if mla:
         result.config_errors += mla_export.config_errors(cfg)
         result.config_errors += [f"config.json is an MLA drafter written for {w}" for v in served_by
-                                 if v in releases.supported() and (w := releases.mla_drafter_refusal(v))]
+                                 if v in sglang_releases.supported() and (w := sglang_releases.mla_drafter_refusal(v))]
         if result.config_errors:
             return result  # the sizes the weights are checked against are not there
     result.config_errors += _aux_id_errors(cfg)
@@ -262,11 +261,11 @@ def _aux_id_errors(cfg: dict) -> list[str]:
     errors = []
     for version in sglang["releases"]:
         try:
-            rule = releases.release(version).aux_id_rules[sglang["target_family"]]
-        except (releases.UnsupportedRelease, KeyError) as e:
+            rule = sglang_releases.release(version).aux_id_rules[sglang["target_family"]]
+        except (sglang_releases.UnsupportedRelease, KeyError) as e:
             errors.append(f"aux ids written for {version} / {sglang.get('target_family')}: {e}")
             continue
-        got = releases.captured_layers(rule, list(ids or []))
+        got = sglang_releases.captured_layers(rule, list(ids or []))
         if got != list(canonical):
             errors.append(f"SGLang {version} captures {got} from eagle_config ids {ids}, not canonical {canonical}")
     return errors

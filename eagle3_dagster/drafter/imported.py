@@ -20,7 +20,7 @@ RoPE under `rope_parameters` (SpecForge mirrors `rope_theta` to the top level).
 The decisions, each as SGLang 0.5.23 makes them and each recorded as a note:
 - aux layers: `eagle_config.eagle_aux_hidden_state_layer_ids` go through the serving
   release's `set_eagle3_layers_to_capture` rule for the target's family
-  (`sglang.releases`); without ids (`model_runner_components/spec_aux_hidden_state.py`
+  (`sglang_releases`); without ids (`model_runner_components/spec_aux_hidden_state.py`
   falls back to None) the target captures `[2, L//2, L-3]` (canonical) of its own
   L layers, in `deepseek_v2.py` and `llama.py` alike. vLLM's top-level ids are
   not read by SGLang for capture; where they disagree, a note says so.
@@ -48,12 +48,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eagle3_dagster import layers
+from eagle3_dagster import layers, sglang_releases
 import eagle3_dagster.drafter.mla_export as mla_export
 from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, eagle31_options, expected_shapes, load_own_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.io import ForeignInputError, confined_path, regular_file
-from eagle3_dagster.sglang import releases
 
 # The release whose loader the defaults follow when the profile names none (the newest supported).
 REFERENCE_SGLANG = "0.5.23"
@@ -184,12 +183,12 @@ def _target_facts(target_dir: Path) -> tuple[str, dict]:
 def resolve_aux_layers(cfg: dict, target_architecture: str, num_target_layers: int,
                        sglang_version: str = REFERENCE_SGLANG) -> tuple[list[int], str, list[str]]:
     """(canonical aux layers, where they came from, notes) for an external export, as `sglang_version` serves it."""
-    family = releases.arch_family(target_architecture)
-    rule = releases.release(sglang_version).aux_id_rules[family]
+    family = sglang_releases.arch_family(target_architecture)
+    rule = sglang_releases.release(sglang_version).aux_id_rules[family]
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     notes = []
     if ids:
-        canonical = releases.captured_layers(rule, [int(i) for i in ids])
+        canonical = sglang_releases.captured_layers(rule, [int(i) for i in ids])
         origin = f"eagle_config ids {list(ids)} via SGLang {sglang_version} ({family}: {rule})"
     else:
         canonical = sglang_default_aux_layers(num_target_layers)
@@ -344,10 +343,10 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     options = eagle31_options(cfg)
     mla = mla_export.is_mla(cfg)
     if mla:
-        if why := releases.mla_drafter_refusal(version):
+        if why := sglang_releases.mla_drafter_refusal(version):
             raise ValueError(f"{export_dir}: an MLA drafter ({mla_export.ARCHITECTURE}): {why}")
         state = mla_export.to_checkpoint(state)  # SGLang takes midlayer.* and layers.0.* alike
-    if unread := [o for o in options if o not in releases.release(version).drafter_options("mla" if mla else "gqa")]:
+    if unread := [o for o in options if o not in sglang_releases.release(version).drafter_options("mla" if mla else "gqa")]:
         raise ValueError(f"{export_dir}: config.json turns on {', '.join(unread)}, which SGLang {version} does not "
                          "read: it would serve this drafter without them")
     unsupported = sorted(k for k in state if k.startswith(_UNSUPPORTED_WEIGHT_PREFIXES))

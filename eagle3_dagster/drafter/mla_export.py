@@ -6,7 +6,7 @@ of both attentions and dispatches here on `architectures`; `imported.py` reads
 another trainer's MLA drafter through the same names.
 
 Read from SGLang 0.5.23 `sglang/srt/models/kimi_k25_eagle3.py` (the class exists from 0.5.12;
-`sglang.releases` records which release has it): config.json is a DeepSeek-V3 config
+`sglang_releases` records which release has it): config.json is a DeepSeek-V3 config
 (transformers' `DeepseekV3Config`; SGLang's `ModelConfig` sets up the MLA KV cache from
 `kv_lora_rank` / `qk_rope_head_dim` for this architecture) with `num_hidden_layers` 1, and
 `q_lora_rank` is required ("Eagle3 MLA layer requires q_lora_rank"). `load_weights` maps

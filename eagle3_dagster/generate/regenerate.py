@@ -39,7 +39,7 @@ from pathlib import Path
 
 import orjson
 
-from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.generate.budget import Budget
 from eagle3_dagster.generate.client import ChatBackend, ChatRequestError, ChatResult
 from eagle3_dagster.generate.store import ResponseStore, producer_key, set_aside_reason

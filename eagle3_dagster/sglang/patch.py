@@ -2,7 +2,7 @@
 
 Owns: a strict unified-diff applier and the `patch apply|verify|revert --python
 PATH` command. Which releases are supported, their pristine and patched sha256 and
-their patch files come from `eagle3_dagster.sglang.releases` (generated from the
+their patch files come from `eagle3_dagster.sglang_releases` (generated from the
 wheels by `patches/sglang/make_patch.py`); the dump logic lives in
 `eagle3_dagster.sglang.dump_hook`.
 
@@ -22,9 +22,10 @@ import re
 import subprocess
 from pathlib import Path
 
+from eagle3_dagster import sglang_releases
 from eagle3_dagster.gpu_host import program_argv
 from eagle3_dagster.io import atomic_write_bytes
-from eagle3_dagster.sglang import location, releases
+from eagle3_dagster.sglang import location
 
 TARGET_RELPATH = "srt/models/deepseek_v2.py"
 
@@ -33,10 +34,10 @@ class PatchError(RuntimeError):
     """The patch cannot be applied/reverted; the message says why and what to do."""
 
 
-def release_for(version: str) -> releases.Release:
+def release_for(version: str) -> sglang_releases.Release:
     try:
-        return releases.release(version)
-    except releases.UnsupportedRelease as e:
+        return sglang_releases.release(version)
+    except sglang_releases.UnsupportedRelease as e:
         raise PatchError(str(e)) from None
 
 

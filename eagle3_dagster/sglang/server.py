@@ -1,7 +1,7 @@
 """The SGLang server's lifecycle on the GPU host: its command line, start, health wait, log and stop.
 
 Owns: `ServerSpec` (extraction or serving mode: the release's options from patches/sglang/releases.json,
-the dump environment, the options an extraction refuses), `sglang_server` (refuse a port someone else
+the dump environment, refusing the options `sglang_releases` says an extraction cannot run with), `sglang_server` (refuse a port someone else
 holds, or another live run's server on it, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
 `--served-model-name` it was launched with, always stop it; with `--trust-remote-code`, refuse a target whose
 code is not `reviewed_code`) and `LogTail` (the log file and its last lines
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_dagster import target_code
+from eagle3_dagster.sglang_releases import refused_extraction_option
 from eagle3_dagster.gpu_host import GpuHost, HostProcess, program_argv
 from eagle3_dagster.sglang import claim, health
 from eagle3_dagster.sglang import patch as sglang_patch
@@ -36,34 +37,8 @@ class ServerError(RuntimeError):
     """The SGLang server did not become healthy; the message carries its last log lines."""
 
 
-# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture,
-# or a prefill would skip rows (prefix tokens served from a cache have no hidden states; a mixed batch
-# is not a plain EXTEND forward, which is all the hook dumps).
-EXTRACTION_REFUSED_OPTIONS = {
-    "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
-    "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
-    "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
-    "--enable-dp-attention": "rows are scattered across ranks",
-    "--enable-hierarchical-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
-    "--enable-hicache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
-    "--enable-session-radix-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
-    "--radix-cache-backend": "a prefix cache: cached prompt tokens are not recomputed and have no states",
-    "--enable-lmcache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
-    "--enable-mixed-chunk": "decode rows join prefill chunks, a MIXED forward the dump does not capture",
-    "--disaggregation-mode": "prefill/decode disaggregation moves prefixes between servers",
-}
 # SGLang's own way to turn the prefix cache back off is the only one the extraction accepts.
 REQUIRED_EXTRACTION_OPTIONS = ("--disable-radix-cache",)
-
-
-def refused_extraction_option(args: Sequence[str]) -> str | None:
-    """Why an extraction server cannot run with these options (naming the first bad one), or None."""
-    for arg in args:
-        option = arg.split("=")[0]
-        if option in EXTRACTION_REFUSED_OPTIONS:
-            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
-                    "remove it from the server options")
-    return None
 
 
 def server_option(args: Sequence[str], option: str) -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.config import TrainConfig
-from eagle3_dagster.sglang.releases import EAGLE31_OPTIONS
+from eagle3_dagster.sglang_releases import EAGLE31_OPTIONS
 
 
 @dataclass(frozen=True)

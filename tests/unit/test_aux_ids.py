@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from eagle3_dagster import sglang_releases
 from eagle3_dagster.config import ProfileError, load_profile
 from eagle3_dagster.drafter.export import _aux_id_errors, export_config
 from eagle3_dagster.drafter.model import DrafterConfig
-from eagle3_dagster.sglang import releases
 from tests import sglang_wheels
 
 DEEPSEEK = "sglang/srt/models/deepseek_v2.py"
@@ -85,7 +85,7 @@ def _method_source(version: str, path: str, cls: str) -> str:
 
 def _stretch_ends(arch: str) -> list[str]:
     """The supported releases whose capture-method source differs from the previous or the next release's."""
-    versions = list(releases.supported())
+    versions = list(sglang_releases.supported())
     sources = [tuple(_method_source(v, path, cls) for path, cls in CAPTURE_METHODS[arch]) for v in versions]
     return [v for i, v in enumerate(versions)
             if i in (0, len(versions) - 1) or sources[i] != sources[i - 1] or sources[i] != sources[i + 1]]
@@ -100,7 +100,7 @@ def test_the_releases_the_capture_runs_on_are_the_ends_of_each_stretch_of_one_me
 def test_default_export_ids_capture_the_canonical_layers_on_every_release(arch, version):
     aux = DEFAULT_AUX[arch]
     cfg = _config(aux, arch)
-    assert cfg["eagle3_dagster_sglang"]["releases"] == list(releases.supported())
+    assert cfg["eagle3_dagster_sglang"]["releases"] == list(sglang_releases.supported())
     ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert _captured_by_release(version, arch, ids) == list(aux)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == list(aux)  # vLLM: input numbering

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from eagle3_dagster import sglang_releases
 from eagle3_dagster.config import load_profile
-from eagle3_dagster.sglang.server import EXTRACTION_REFUSED_OPTIONS, ServerSpec
-from eagle3_dagster.sglang import releases
+from eagle3_dagster.sglang.server import ServerSpec
+from eagle3_dagster.sglang_releases import EXTRACTION_REFUSED_OPTIONS
 
 SKIPPING_ROWS = ["--enable-hierarchical-cache", "--enable-hicache", "--enable-session-radix-cache",
                  "--radix-cache-backend=flexkv", "--enable-lmcache", "--enable-mixed-chunk",
@@ -35,7 +36,7 @@ def test_the_profile_refuses_it_too_naming_the_field(option):
 
 
 def test_every_release_turns_the_radix_cache_off_for_extraction():
-    for version, release in releases.supported().items():
+    for version, release in sglang_releases.supported().items():
         argv = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version=version).argv("python")
         assert "--disable-radix-cache" in argv, version
 
@@ -53,7 +54,7 @@ def test_a_serving_launch_forces_flashinfer_allreduce_fusion_off_on_every_releas
     """Releases 0.5.10-0.5.23 turn the fusion on by themselves for DeepSeek-V3 / Kimi-K2.5 on Hopper and
     Blackwell with TP > 1; SGLang's aux capture would then see per-rank partial sums at serve time, unlike
     the all-reduced states the drafter was trained on. The option is read from each release's sources."""
-    for version, release in releases.supported().items():
+    for version, release in sglang_releases.supported().items():
         assert release.serving_args == ("--enforce-disable-flashinfer-allreduce-fusion",), version
         argv = ServerSpec("/m", tp_size=8, sglang_version=version).argv("python")
         assert "--enforce-disable-flashinfer-allreduce-fusion" in argv, version

@@ -47,7 +47,7 @@ def test_merge_on_a_full_disk_names_the_output_and_the_free_space_and_leaves_no_
 
 
 def test_regeneration_on_a_full_disk_names_the_request_log_and_sends_nothing(tmp_path, small_disk):
-    from eagle3_dagster.data.sharegpt import Conversation
+    from eagle3_dagster.contracts import Conversation
     from eagle3_dagster.generate.client import OpenAIChatBackend
     from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync
     from test_chat_client import SECRET, FakeOpenRouter

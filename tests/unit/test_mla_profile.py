@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_dagster import sglang_releases
 from eagle3_dagster.config import DrafterOverrides, ProfileError, TinyTargetConfig, load_profile
 from eagle3_dagster.drafter.model import DrafterConfig
 from eagle3_dagster.drafter.target_head import TargetArch
-from eagle3_dagster.sglang import releases
 
 MICRO_MLA = {"drafter": {"attention": "mla"}, "gpu_host": {"sglang_version": "0.5.23"}}
 
@@ -60,7 +60,7 @@ def test_mla_settings_that_cannot_mean_anything_are_refused_naming_the_field(dra
 @pytest.mark.parametrize("version", ["0.5.10", "0.5.10.post1", "0.5.11"])
 def test_a_release_without_an_mla_drafter_class_is_refused_at_profile_load_naming_it(version):
     """Every release in the table serves Kimi-K2.5 with EAGLE-3, but Eagle3DeepseekV2ForCausalLM came in 0.5.12."""
-    assert releases.release(version).serves_kimi_k25_eagle3
+    assert sglang_releases.release(version).serves_kimi_k25_eagle3
     with pytest.raises(ProfileError, match=rf"drafter\.attention: mla, but gpu_host\.sglang_version: SGLang "
                                            rf"{version} cannot load an MLA drafter"):
         load_profile("micro", overrides={**MICRO_MLA, "gpu_host": {"sglang_version": version}})
@@ -68,12 +68,12 @@ def test_a_release_without_an_mla_drafter_class_is_refused_at_profile_load_namin
 
 
 def test_the_releases_that_serve_an_mla_drafter_come_from_their_wheels():
-    table = {v: r.mla_drafter for v, r in releases.supported().items()}
+    table = {v: r.mla_drafter for v, r in sglang_releases.supported().items()}
     assert [v for v, o in table.items() if o is None] == ["0.5.10", "0.5.10.post1", "0.5.11"]
     assert table["0.5.12"] == table["0.5.12.post1"] == ()  # its MLA drafter reads no EAGLE 3.1 option
-    assert all(table[v] == ("fc_norm", "norm_output") for v in releases.supported() if v >= "0.5.13")
-    assert releases.mla_drafter_releases()[0] == "0.5.12"
-    assert releases.mla_drafter_releases(["fc_norm"])[0] == "0.5.13"
+    assert all(table[v] == ("fc_norm", "norm_output") for v in sglang_releases.supported() if v >= "0.5.13")
+    assert sglang_releases.mla_drafter_releases()[0] == "0.5.12"
+    assert sglang_releases.mla_drafter_releases(["fc_norm"])[0] == "0.5.13"
 
 
 def test_eagle31_options_of_an_mla_drafter_follow_the_mla_class_not_the_llama_one():

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.generate import RegenerationFailedError, ResponseStore, StoreLockedError
 from eagle3_dagster.generate.client import OpenAIChatBackend
 from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync

@@ -14,8 +14,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.data.prompts import load_conversations
-from eagle3_dagster.data.sharegpt import Conversation
 from eagle3_dagster.generate.client import OpenAIChatBackend
 from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync, request_id
 from eagle3_dagster.generate.store import ResponseStore, iter_turns

@@ -14,7 +14,8 @@ import sglang_wheels  # noqa: E402
 
 import importlib.util  # noqa: E402
 
-from eagle3_dagster.sglang import patch, releases  # noqa: E402
+from eagle3_dagster import sglang_releases  # noqa: E402
+from eagle3_dagster.sglang import patch  # noqa: E402
 from tests.release_wheels import UNSUPPORTED_SGLANG  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every supported SGLang release's wheel: generated, patched, reverted
@@ -34,12 +35,12 @@ def _model_file(python: Path) -> Path:
     return python.parent / "site" / sglang_wheels.MODEL_FILE
 
 
-@pytest.mark.parametrize("version", list(releases.supported()))
+@pytest.mark.parametrize("version", list(sglang_releases.supported()))
 def test_apply_compile_verify_idempotent_revert_restores_pristine_bytes(version, tmp_path):
     python = sglang_wheels.make_site(version, tmp_path)
     target = _model_file(python)
     pristine = target.read_bytes()
-    assert hashlib.sha256(pristine).hexdigest() == releases.release(version).pristine_sha256
+    assert hashlib.sha256(pristine).hexdigest() == sglang_releases.release(version).pristine_sha256
     target.chmod(0o644)
 
     assert patch.verify(str(python)) == "unpatched"
@@ -64,7 +65,7 @@ def test_apply_compile_verify_idempotent_revert_restores_pristine_bytes(version,
 _PROBED: dict[tuple[str, bool], str] = {}
 
 
-@pytest.mark.parametrize("version", list(releases.supported()))
+@pytest.mark.parametrize("version", list(sglang_releases.supported()))
 def test_patched_module_is_inert_without_dump_dir_and_imports_hook_with_it(version, tmp_path):
     """The inserted guard binds the hook only when SGLANG_HS_DUMP_DIR is set at import."""
     python = sglang_wheels.make_site(version, tmp_path)
@@ -88,7 +89,7 @@ def test_unsupported_release_is_refused_naming_supported_ones(tmp_path):
     with pytest.raises(patch.PatchError) as err:
         patch.apply(str(python))
     assert UNSUPPORTED_RELEASE in str(err.value)
-    for v in list(releases.supported()):
+    for v in list(sglang_releases.supported()):
         assert v in str(err.value)
     assert _model_file(python).read_bytes() == before
 
@@ -126,7 +127,7 @@ def test_diff_context_mismatch_is_an_error_not_a_fuzzy_apply():
 
 
 def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_through_0_5_23():
-    assert list(releases.supported()) == [
+    assert list(sglang_releases.supported()) == [
         "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14",
         "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
     ]
@@ -138,19 +139,19 @@ def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_
             make_patch.refuse_unless_serves(row)
 
 
-@pytest.mark.parametrize("version", list(releases.supported()))
+@pytest.mark.parametrize("version", list(sglang_releases.supported()))
 def test_table_patch_and_matrix_are_what_the_generator_makes_from_the_wheel(version):
     make_patch = _make_patch_module()
     row, diff = make_patch.analyze(version)
     assert row == json_row(version)
-    assert releases.release(version).patch_file.read_text() == diff
+    assert sglang_releases.release(version).patch_file.read_text() == diff
     assert make_patch.matrix([row]).splitlines()[2] in (ROOT / "patches" / "sglang" / "README.md").read_text()
 
 
 def json_row(version: str) -> dict:
     import json
 
-    rows = json.loads(releases.TABLE.read_text())["releases"]
+    rows = json.loads(sglang_releases.TABLE.read_text())["releases"]
     return next(r for r in rows if r["version"] == version)
 
 
@@ -175,7 +176,7 @@ def test_generator_refuses_a_moved_anchor():
 def test_readme_matrix_lists_every_extraction_option_the_table_passes():
     """The README's options column is the launch's: radix cache and chunked prefill included."""
     text = (ROOT / "patches" / "sglang" / "README.md").read_text()
-    for version, release in releases.supported().items():
+    for version, release in sglang_releases.supported().items():
         line = next(s for s in text.splitlines() if s.startswith(f"| {version} |"))
         assert f"`{' '.join(release.extraction_args)}`" in line, version
         assert f"`{' '.join(release.serving_args)}`" in line, version
@@ -197,7 +198,7 @@ def test_which_fused_all_reduce_guard_is_live_on_each_release():
 
     assert FUSED_MARKER in Path(dump_hook.__file__).read_text()
     with_marker = []
-    for version, release in releases.supported().items():
+    for version, release in sglang_releases.supported().items():
         assert "--enforce-disable-flashinfer-allreduce-fusion" in release.extraction_args, version
         assert "--enforce-disable-flashinfer-allreduce-fusion" in release.serving_args, version
         with zipfile.ZipFile(sglang_wheels.wheel_path(version)) as z:

@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.generate import RegenerationFailedError, ResponseStore
 from eagle3_dagster.generate.client import OpenAIChatBackend
 from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync
@@ -174,7 +174,7 @@ def test_a_retry_after_a_timeout_waits_for_room_under_the_cap(tmp_path):
 _CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from eagle3_dagster.data.sharegpt import Conversation
+    from eagle3_dagster.contracts import Conversation
     from eagle3_dagster.generate.client import OpenAIChatBackend
     from eagle3_dagster.generate.regenerate import GenerationSettings, regenerate_dataset_sync
     url, store = sys.argv[1:]

@@ -6,7 +6,7 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.contracts import Conversation
 from eagle3_dagster.data.tokenize import (
     BadDataError,
     build_turn_sample,

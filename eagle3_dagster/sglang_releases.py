@@ -12,6 +12,10 @@ reads, or null where the release has no such class: before 0.5.12; every row's
 `serves_kimi_k25_eagle3` is true). Everything version-dependent reads this table, so adding a
 release is one command and no code change.
 
+A leaf below the profile schema: `config` checks a profile against this table as it loads it
+(`served_drafter_problem`, `refused_extraction_option`), and the GPU host's preflight checks a host's
+release, without importing the `sglang` package, whose server and driver sit above them.
+
 Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i]`):
 - `always_plus_one`: captures `[id + 1 for id in ids]` (Llama; DeepSeek <= 0.5.12);
 - `plus_one_if_first_is_one`: adds 1 only when `ids[0] == 1`, else captures `ids`
@@ -21,17 +25,35 @@ Aux-id rules (canonical = the state entering layer i, HF `output_hidden_states[i
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-PATCH_DIR = Path(__file__).resolve().parents[2] / "patches" / "sglang"
+PATCH_DIR = Path(__file__).resolve().parents[1] / "patches" / "sglang"
 TABLE = PATCH_DIR / "releases.json"
 
 ALWAYS_PLUS_ONE = "always_plus_one"
 PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
 # The EAGLE 3.1 draft-config options (`drafter.*` in a profile) a release may read from config.json.
 EAGLE31_OPTIONS = ("fc_norm", "norm_output")
+
+# Server options under which the dump would store something other than SGLang's own EAGLE-3 capture,
+# or a prefill would skip rows (prefix tokens served from a cache have no hidden states; a mixed batch
+# is not a plain EXTEND forward, which is all the hook dumps). The same on every release.
+EXTRACTION_REFUSED_OPTIONS = {
+    "--enable-flashinfer-allreduce-fusion": "layer outputs stay per-rank partial sums",
+    "--enable-two-batch-overlap": "layers past the first dense ones skip the capture",
+    "--enforce-piecewise-cuda-graph": "the prefill forward is replayed from a CUDA graph, without the hook",
+    "--enable-dp-attention": "rows are scattered across ranks",
+    "--enable-hierarchical-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-hicache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-session-radix-cache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--radix-cache-backend": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-lmcache": "a prefix cache: cached prompt tokens are not recomputed and have no states",
+    "--enable-mixed-chunk": "decode rows join prefill chunks, a MIXED forward the dump does not capture",
+    "--disaggregation-mode": "prefill/decode disaggregation moves prefixes between servers",
+}
 
 
 @dataclass(frozen=True)
@@ -173,3 +195,51 @@ def other_sglang_release(report: dict, expected: str | None) -> str | None:
     return (f"has SGLang {installed} installed, but gpu_host.sglang_version is {expected}: the drafter's aux ids "
             f"are written for {expected}, and another release may read them as other layers; install SGLang "
             f"{expected} there or set gpu_host.sglang_version to {installed}")
+
+
+def refused_extraction_option(args: Sequence[str]) -> str | None:
+    """Why an extraction server cannot run with these options (naming the first bad one), or None."""
+    for arg in args:
+        option = arg.split("=")[0]
+        if option in EXTRACTION_REFUSED_OPTIONS:
+            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
+                    "remove it from the server options")
+    return None
+
+
+def served_drafter_problem(aux_layers: Sequence[int] | None, attention: str, options: Sequence[str],
+                           sglang_version: str | None) -> str | None:
+    """Why the drafter a profile describes cannot be served as exported, naming the profile's fields, or None.
+
+    `aux_layers` (hidden.aux_layers, canonical; None: the target's default), `attention` (drafter.attention),
+    `options` (the EAGLE 3.1 options the drafter turns on) and `sglang_version` (gpu_host.sglang_version; None:
+    the export is written for every release that can serve it). Checked when the profile loads, before any
+    training, with the rules the export applies after it (drafter.export.export_config)."""
+    mla = attention == "mla"
+    if mla and sglang_version and (why := mla_drafter_refusal(sglang_version)):
+        return (f"drafter.attention: mla, but gpu_host.sglang_version: {why}; serve with SGLang >= 0.5.12 or set "
+                "drafter.attention: gqa")
+    if aux_layers:
+        # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
+        # With EAGLE 3.1 options and no release named, the export writes ids for every release that reads the
+        # options: the same rule here.
+        versions = [sglang_version] if sglang_version else mla_drafter_releases(options) if mla else \
+            [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)] if options else None
+        try:
+            draft_aux_ids(list(aux_layers), "deepseek", versions)
+        except ValueError as e:
+            why = " (gpu_host.sglang_version)" if sglang_version else \
+                (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
+                 f"right on every SGLang release that reads it, {versions[0]} to {versions[-1]}; or name the "
+                 "release served in gpu_host.sglang_version)" if options else
+                 " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
+                 f"release that serves an MLA drafter, {versions[0]} to {versions[-1]}; or name the release "
+                 "served in gpu_host.sglang_version)" if mla else "")
+            return f"hidden.aux_layers: {e}{why}"
+    if options and sglang_version:  # refused before training, not at export after it
+        served = release(sglang_version)
+        if unread := [o for o in options if o not in served.drafter_options(attention)]:
+            return (f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does not read "
+                    "it from the draft config and would serve the drafter without it (SGLang "
+                    f">= {'0.5.13' if mla else '0.5.12'} does)")
+    return None
