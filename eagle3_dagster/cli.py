@@ -122,19 +122,19 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "preflight":
             return _preflight(profile, layout)
         if args.command == "plan":
-            from eagle3_dagster.stages.hidden import plan_stage
+            from eagle3_dagster.stages.hidden import PlanSettings, plan_stage
             from eagle3_dagster.train.schedule import TrainSchedule
 
-            report, fits, message = plan_stage(profile, layout, free_bytes=None)
+            report, fits, message = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
             _print_metadata(report.metadata)
             print(hours_table(report.metadata["hours_by_hosts"], report.metadata["num_hosts"]))
             print("training: " + TrainSchedule(**report.metadata["train_schedule"]).describe())
             print(message)
             return 0 if fits else EXIT_FAILED_CHECK
         if args.command == "cleanup":
-            from eagle3_dagster.stages.hidden import cleanup_stage
+            from eagle3_dagster.stages.hidden import ShardSettings, cleanup_stage
 
-            report = cleanup_stage(profile, layout, dry_run=not args.delete, log=print)
+            report = cleanup_stage(ShardSettings.from_profile(profile), layout, dry_run=not args.delete, log=print)
             _print_metadata(report.metadata)
             return 0
         if args.command == "export-shards":
@@ -262,7 +262,7 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
 
     from eagle3_dagster.drafter.imported import check_drafter_dir
     from eagle3_dagster.io import ForeignInputError
-    from eagle3_dagster.stages.bench import benchmark_stage
+    from eagle3_dagster.stages.bench import BenchSettings, benchmark_stage
 
     if not (drafter / "config.json").exists():
         raise UserError(f"{drafter}: not a drafter directory (no config.json)")
@@ -276,7 +276,8 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
     run_id = time.strftime("%Y%m%d-%H%M%S")
     try:
         with _leased_host(profile, run_id) as host:  # served: a host of its own while it serves, as a run's
-            report = benchmark_stage(profile, layout, export_dir=drafter, previous_results=str(previous) if previous
+            report = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=drafter,
+                                     previous_results=str(previous) if previous
                                      else None, run_id=run_id, gpu_host=host, progress=print, out_dir=out)
     except ForeignInputError as e:
         raise UserError(_one_line(e)) from None

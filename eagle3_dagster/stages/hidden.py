@@ -8,24 +8,113 @@ extracts into a new version and the old one shows up as superseded in the plan.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from eagle3_dagster import storage
-from eagle3_dagster.config import Profile
-from eagle3_dagster.contracts import PLAN_PATH_KEY, ArtifactLayout
+from eagle3_dagster.config import PROJECT_ROOT, DrafterOverrides
+from eagle3_dagster.contracts import BACKEND_CODE_VERSIONS, PLAN_PATH_KEY, ArtifactLayout
 from eagle3_dagster.hidden.estimate import (
     actual_bytes, cleanup_superseded, estimate_extraction, human_bytes, shard_bytes, shard_manifest_bytes,
 )
-from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, build_plan, load_plan, write_plan
+from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, load_plan, plan_for, write_plan
 from eagle3_dagster.hidden.sharding import ShardSpec
 from eagle3_dagster.hidden.shards import load_manifest, verify_shard
 from eagle3_dagster.stages import Progress, StageReport, no_progress
+from eagle3_dagster.stages import TARGET_FILES_RUN_WITH, StageSettings, TargetFiles, group, setting
+from eagle3_dagster.target import target_facts_at
 
 if TYPE_CHECKING:
+    from eagle3_dagster.config import TrainConfig
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.train.schedule import TrainSchedule
+
+
+@dataclass(frozen=True)
+class ShardSettings(StageSettings):
+    """What fixes the shards' bytes and where they go: the plan names the hidden-state version from them, and a
+    shard run refuses a plan made with other ones (`refuse_other_plan`)."""
+
+    root: str = setting("hidden.root")
+    backend: str = setting("hidden.backend")
+    aux_layers: list[int] | None = setting("hidden.aux_layers")
+    dtype: str = setting("hidden.dtype")
+    max_seq_len: int = setting("data.max_seq_len")
+    samples_per_shard: int = setting("hidden.samples_per_shard")
+    batch_tokens: int = setting("hidden.batch_tokens")  # the hf backend's batches round differently
+    target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
+
+    def plan(self, layout: ArtifactLayout) -> ExtractionPlan:
+        """Cut merged_train into shards and name their version (the plan extraction_plan writes)."""
+        return plan_for(target_facts_at(self.target.model_dir(layout), self.aux_layers), layout,
+                        samples_per_shard=self.samples_per_shard, max_seq_len=self.max_seq_len,
+                        backend=self.backend, dtype=self.dtype, batch_tokens=self.batch_tokens)
+
+
+@dataclass(frozen=True)
+class TrainScheduleSettings(StageSettings):
+    """The training schedule the plan prints (optimizer steps, tokens per step): `train.schedule.train_schedule`
+    reads these of `train`, under the same names."""
+
+    batch_tokens: int = setting("train.batch_tokens")
+    epochs: int = setting("train.epochs")
+    eval_fraction: float = setting("train.eval_fraction")
+    grad_accum: int = setting("train.grad_accum")
+    max_steps: int | None = setting("train.max_steps")
+    nnodes: int = setting("train.nnodes")
+    nproc_per_node: int = setting("train.nproc_per_node")
+    seed: int = setting("train.seed")
+    warmup_ratio: float = setting("train.warmup_ratio")
+
+
+DRAFT_KV_FIGURE = "the draft KV cache the plan reports beside it: a figure, not part of the plan"
+
+
+@dataclass(frozen=True)
+class PlanSettings(StageSettings):
+    """extraction_plan: the shards and their version, and its prediction (hours, training schedule)."""
+
+    shards: ShardSettings = group()
+    throughput_tokens_per_s: float = setting("hidden.throughput_tokens_per_s")
+    schedule: TrainScheduleSettings = group()
+    hosts: list = setting("gpu_host.hosts", runs_with="the hours on the hosts configured now; its table gives "
+                          "them for 1..N hosts")
+    drafter: DrafterOverrides = setting("drafter", runs_with=DRAFT_KV_FIGURE)
+    serving_context: int = setting("target.serving_context", runs_with=DRAFT_KV_FIGURE)
+    target_dtype: str = setting("target.dtype", runs_with=DRAFT_KV_FIGURE)
+
+
+@dataclass(frozen=True)
+class ExtractSettings(StageSettings):
+    """hidden_states: the shards' settings, and the server that extracts them."""
+
+    shards: ShardSettings = group()
+    tp_size: int = setting("hidden.tp_size")  # tensor parallelism changes the sums' rounding
+    sglang_port: int = setting("hidden.sglang_port", runs_with="where the server listens")
+    sglang_server_args: list[str] = setting("hidden.sglang_server_args", runs_with="the server's own options: one "
+                                            "that would change a row is refused at launch")
+    sglang_concurrency: int = setting("hidden.sglang_concurrency", runs_with="parallel requests")
+    sglang_version: str | None = setting("gpu_host.sglang_version", runs_with="the release the host must have")
+
+
+def refuse_other_plan(plan: ExtractionPlan, shards: ShardSettings) -> None:
+    """A shard run writes what its settings say or nothing: a plan made with other settings (a profile edited
+    since extraction_plan was materialized) is refused, naming what differs."""
+    root = storage.location(shards.root, PROJECT_ROOT)
+    differs = {
+        "hidden.root": (str(root.join(plan.version)), str(plan.version_dir)),
+        "hidden.backend": (BACKEND_CODE_VERSIONS[shards.backend], plan.fmt.code_version),
+        "hidden.dtype": (shards.dtype, plan.fmt.dtype),
+        "hidden.aux_layers": (tuple(shards.aux_layers or plan.target.aux_layers), tuple(plan.target.aux_layers)),
+        "hidden.samples_per_shard": (True, all(s.num_records <= shards.samples_per_shard for s in plan.shards)),
+        "data.max_seq_len": (True, all(n <= shards.max_seq_len for s in plan.shards for n in s.lengths)),
+    }
+    named = [f"{name} ({now} now, the plan: {planned})" for name, (now, planned) in differs.items() if now != planned]
+    if named:
+        raise ValueError(f"hidden_states: the extraction plan was made with other settings: {'; '.join(named)}; "
+                         "materialize extraction_plan again")
+
 
 def free_space_location(layout: ArtifactLayout) -> Path:
     """Where extraction needs free disk: the folder shards are written in (hidden.root, or the staging folder
@@ -33,15 +122,16 @@ def free_space_location(layout: ArtifactLayout) -> Path:
     return storage.location(layout.hidden_root).local_folder(layout.staging_dir)
 
 
-def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
+def plan_stage(settings: PlanSettings, layout: ArtifactLayout, free_bytes: int | None
+               ) -> tuple[StageReport, bool, str]:
     """The only stage that reads and hashes merged_train for extraction; it writes the plan (plan.json).
     `free_bytes` is measured at `free_space_location(layout)`."""
-    plan = build_plan(profile, layout)
+    plan = settings.shards.plan(layout)
     plan_path = write_plan(plan)
     estimate = estimate_extraction(
         plan.shards, plan.fmt, layout.hidden_root, plan.version,
-        throughput_tokens_per_s=profile.hidden.throughput_tokens_per_s, free_bytes=free_bytes,
-        num_hosts=len(profile.gpu_host.hosts),
+        throughput_tokens_per_s=settings.throughput_tokens_per_s, free_bytes=free_bytes,
+        num_hosts=len(settings.hosts),
         staging_dir=layout.staging_dir,
     )
     report = StageReport(metadata={
@@ -66,13 +156,13 @@ def plan_stage(profile: Profile, layout: ArtifactLayout, free_bytes: int | None)
         "aux_layers_canonical": list(plan.target.aux_layers),
         "merged_train_sha256": plan.merged_train_sha256,
         PLAN_PATH_KEY: str(plan_path),
-        "train_schedule": asdict(training_schedule(profile, plan)),
-        **draft_kv_cache(profile, plan.target.path),
+        "train_schedule": asdict(training_schedule(settings.schedule, plan)),
+        **draft_kv_cache(settings, plan.target.path),
     })
     return report, estimate.fits, estimate.message
 
 
-def draft_kv_cache(profile: Profile, target_path: Path) -> dict:
+def draft_kv_cache(settings: PlanSettings, target_path: Path) -> dict:
     """What the drafter's KV cache costs served, per token and per sequence at target.serving_context: GQA keeps
     K and V of every KV head (2 x num_key_value_heads x head_dim values), MLA the latent and the shared rotary key
     (kv_lora_rank + qk_rope_head_dim), in the export's dtype (`eagle3 plan` prints it). A drafter.attention: mla
@@ -81,10 +171,10 @@ def draft_kv_cache(profile: Profile, target_path: Path) -> dict:
     from eagle3_dagster.drafter.target_head import TargetArch
 
     arch = TargetArch.from_dir(target_path)
-    context = profile.target.serving_context
-    cfg = DrafterConfig.from_profile(profile.drafter, arch, draft_vocab_size=arch.vocab_size,  # no bearing on the KV
+    context = settings.serving_context
+    cfg = DrafterConfig.from_profile(settings.drafter, arch, draft_vocab_size=arch.vocab_size,  # no bearing on the KV
                                      aux_layers=(), serving_context=context)
-    dtype = export_dtype(profile.target.dtype)
+    dtype = export_dtype(settings.target_dtype)
     per_token = cfg.kv_values_per_token() * (2 if dtype == "bfloat16" else 4)
     return {"draft_attention": cfg.attention, "draft_kv_dtype": dtype,
             "draft_kv_values_per_token": cfg.kv_values_per_token(), "draft_kv_bytes_per_token": per_token,
@@ -97,17 +187,17 @@ def export_dtype(target_dtype: str) -> str:
     return "bfloat16" if target_dtype == "bfloat16" else "float32"
 
 
-def training_schedule(profile: Profile, plan: ExtractionPlan) -> "TrainSchedule":
+def training_schedule(train: TrainScheduleSettings | TrainConfig, plan: ExtractionPlan) -> "TrainSchedule":
     """What `train` makes of these shards: optimizer steps, tokens per step (`eagle3 plan` prints it)."""
     from eagle3_dagster.train.schedule import train_schedule
 
     ids = [sid for s in plan.shards for sid in s.sample_ids]
     lengths = [n for s in plan.shards for n in s.lengths]
-    world = profile.train.nproc_per_node * profile.train.nnodes
-    return train_schedule(lengths, ids, profile.train, world)
+    world = train.nproc_per_node * train.nnodes
+    return train_schedule(lengths, ids, train, world)
 
 
-def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) -> dict:
+def extraction_preflight(settings: ExtractSettings, host: "GpuHost", root: Path | str) -> dict:
     """What a host needs to extract shards, checked in seconds before it is used (a lease's preflight): its
     interpreter runs, its GPUs are there, and SGLang is patched (sglang backend) or this project is importable
     (hf backend run on the host). Raises PreflightError naming the host and what is missing."""
@@ -116,24 +206,26 @@ def extraction_preflight(profile: Profile, host: "GpuHost", root: Path | str) ->
     from eagle3_dagster.gpu_host import PreflightError
     from eagle3_dagster.sglang.server import server_option
 
-    sglang = profile.hidden.backend == "sglang"
-    on_gpus = sglang and server_option(profile.hidden.sglang_server_args, "--device") in (None, "cuda")
-    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, profile.hidden.tp_size if on_gpus else 0),
+    sglang = settings.shards.backend == "sglang"
+    on_gpus = sglang and server_option(settings.sglang_server_args, "--device") in (None, "cuda")
+    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, settings.tp_size if on_gpus else 0),
                             require_sglang=sglang, require_patch=sglang,
-                            sglang_version=profile.gpu_host.sglang_version if sglang else None)
+                            sglang_version=settings.sglang_version if sglang else None)
     if not sglang and not host.is_this_process(sys.executable) and not report["eagle3_dagster"]:
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
                              "runs the hf extraction there; install this project on the host")
     return report
 
 
-def extract_stage(profile: Profile, plan_path: Path | str, keys: list[str], *, gpu_host: "GpuHost | None" = None,
+def extract_stage(settings: ExtractSettings, plan_path: Path | str, keys: list[str], *,
+                  gpu_host: "GpuHost | None" = None,
                   host_report: dict | None = None, force: bool = False,
                   progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
     """Extract the named shards of the plan at `plan_path` (extraction_plan's output) on `gpu_host`
     (`host_report`: its preflight, when the caller already ran it). `force` extracts shards complete in
     their manifest again, each replacing the old one whole (`extract.extract_shard`)."""
     plan = load_plan(plan_path)
+    refuse_other_plan(plan, settings.shards)
     by_key = {s.key: s for s in plan.shards}
     unknown = [k for k in keys if k not in by_key]
     if unknown:
@@ -141,10 +233,11 @@ def extract_stage(profile: Profile, plan_path: Path | str, keys: list[str], *, g
                        f"({len(plan.shards)} shards); materialize extraction_plan for the current merged_train")
     specs = [by_key[k] for k in keys]
     extra: dict = {}
-    if profile.hidden.backend == "hf":
-        results = _extract_hf(profile, plan_path, plan, specs, gpu_host, progress, force)
+    if settings.shards.backend == "hf":
+        results = _extract_hf(settings, plan_path, plan, specs, gpu_host, progress, force)
     else:
-        results, log_path = _extract_sglang(profile, plan_path, plan, specs, gpu_host, host_report, progress, force)
+        results, log_path = _extract_sglang(settings, plan_path, plan, specs, gpu_host, host_report, progress,
+                                            force)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(plan, specs)
     report = StageReport(metadata={
@@ -159,7 +252,7 @@ def extract_stage(profile: Profile, plan_path: Path | str, keys: list[str], *, g
         "uploaded_from_staging_shards": sum(1 for r in results if r.get("uploaded_from_staging")),
         "forced": force,
         **extra,
-        "backend": profile.hidden.backend,
+        "backend": settings.shards.backend,
     })
     return report, checks
 
@@ -181,7 +274,7 @@ def shard_checks(plan: ExtractionPlan, specs: list[ShardSpec]) -> dict[str, tupl
     }
 
 
-def _extract_hf(profile: Profile, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec],
+def _extract_hf(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec],
                 host: "GpuHost | None", progress: Progress, force: bool = False) -> list[dict]:
     """In this process when the host is this process's own interpreter on this machine; otherwise the
     hf driver on the host (`python -m eagle3_dagster.hidden.hf_driver`), one process for the shards."""
@@ -192,10 +285,10 @@ def _extract_hf(profile: Profile, plan_path: Path | str, plan: ExtractionPlan, s
         from eagle3_dagster.threads import stage_threads
 
         stage_threads()
-        return extract_shards_hf(plan, specs, batch_tokens=profile.hidden.batch_tokens, progress=progress,
+        return extract_shards_hf(plan, specs, batch_tokens=settings.shards.batch_tokens, progress=progress,
                                  force=force)
     argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan_path),
-            "--batch-tokens", str(profile.hidden.batch_tokens),
+            "--batch-tokens", str(settings.shards.batch_tokens),
             *(a for s in specs for a in ("--shard", s.key)), *(["--force"] if force else [])]
     returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
     if returncode != 0:
@@ -218,7 +311,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     return returncode, list(out)
 
 
-def _extract_sglang(profile: Profile, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec], host: "GpuHost",
+def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec], host: "GpuHost",
                     host_report: dict | None, progress: Progress, force: bool = False) -> tuple[list[dict], Path]:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
     (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
@@ -236,24 +329,24 @@ def _extract_sglang(profile: Profile, plan_path: Path | str, plan: ExtractionPla
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
     local_root = plan.staging_dir  # the local folder shards are written in: dumps and logs stay on the host's disk
-    report = host_report or extraction_preflight(profile, host, local_root)
-    if (why := other_sglang_release(report, profile.gpu_host.sglang_version)) is not None:  # a report from elsewhere
+    report = host_report or extraction_preflight(settings, host, local_root)
+    if (why := other_sglang_release(report, settings.sglang_version)) is not None:  # a report from elsewhere
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")
     log_path = local_root / ".logs" / f"sglang-{plan.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
-    spec = ServerSpec(model_path=str(plan.target.path), port=host.spec.server_port(profile.hidden.sglang_port),
-                      tp_size=profile.hidden.tp_size,
+    target = settings.shards.target
+    spec = ServerSpec(model_path=str(plan.target.path), port=host.spec.server_port(settings.sglang_port),
+                      tp_size=settings.tp_size,
                       dump_dir=str(dump_folder(plan)), dump_layers=plan.target.aux_layers,
-                      sglang_version=report["sglang_version"], trust_remote_code=profile.target.trust_remote_code,
-                      reviewed_code=profile.target.reviewed_code,
-                      extra_args=tuple(profile.hidden.sglang_server_args))
+                      sglang_version=report["sglang_version"], trust_remote_code=target.trust_remote_code,
+                      reviewed_code=target.reviewed_code, extra_args=tuple(settings.sglang_server_args))
     results = []
     try:
         with sglang_server(host, spec, on_log=server_log) as server:
             for i, shard in enumerate(specs, 1):
                 argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--plan", str(plan_path),
                         "--shard", shard.key, "--base-url", server.base_url,
-                        "--concurrency", str(profile.hidden.sglang_concurrency), *(["--force"] if force else [])]
+                        "--concurrency", str(settings.sglang_concurrency), *(["--force"] if force else [])]
                 returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
                 if returncode != 0:
                     raise RuntimeError(
@@ -282,11 +375,11 @@ def _driver_result(lines) -> dict:
     return {}
 
 
-def cleanup_stage(profile: Profile, layout: ArtifactLayout, *, dry_run: bool = True,
+def cleanup_stage(settings: ShardSettings, layout: ArtifactLayout, *, dry_run: bool = True,
                   log: Callable[[str], None] = print, plan_path: Path | str | None = None) -> StageReport:
     """Delete versions other than the planned one (from the plan at `plan_path`; the CLI, with no instance to ask,
     plans afresh)."""
-    plan = load_plan(plan_path) if plan_path is not None else build_plan(profile, layout)
+    plan = load_plan(plan_path) if plan_path is not None else settings.plan(layout)
     result = cleanup_superseded(layout.hidden_root, plan.version, dry_run=dry_run, log=log)
     return StageReport(metadata={
         "dry_run": result.dry_run,
