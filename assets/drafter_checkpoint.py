@@ -19,8 +19,10 @@ from assets._common import (
 )
 from assets.hidden_states import current_plan_path
 from assets.metadata_legend import LEGEND_KEY, legend
-from assets.settings import given, recorded_settings
+from assets.settings import recorded_settings, stage_settings_metadata
 from eagle3_dagster.config import Profile
+from eagle3_dagster.stages.bench import BenchSettings
+from eagle3_dagster.stages.train import TrainSettings
 
 GROUP = "drafter"
 EXPORT_CHECK = "export_matches_sglang"
@@ -29,6 +31,8 @@ PIPES_WORKER = "resources.pipes_child"
 
 
 def build(profile: Profile) -> dg.Definitions:
+    train_settings, bench_settings = TrainSettings.from_profile(profile), BenchSettings.from_profile(profile)
+
     @dg.asset(
         name="drafter_checkpoint",
         group_name=GROUP,
@@ -36,6 +40,7 @@ def build(profile: Profile) -> dg.Definitions:
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
+        metadata=stage_settings_metadata(train_settings),
         check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint", blocking=True,
                                        description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
                                        "with its shape, finite, and nothing else; a failing export is named only as "
@@ -49,13 +54,13 @@ def build(profile: Profile) -> dg.Definitions:
         from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, node_commands
 
         tag_run(context, profile)
-        train, gpu_host = given(profile, "drafter_checkpoint").train, context.resources.gpu_host
+        train, gpu_host = train_settings.train, context.resources.gpu_host
         try:
             check_host_count(train.nnodes, len(gpu_host.hosts))
         except TooFewHostsError as e:
             raise dg.Failure(description=str(e)) from None
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
-        launch = prepare_training(given(profile, "drafter_checkpoint"), layout(profile),
+        launch = prepare_training(train_settings, layout(profile),
                                   plan_path=current_plan_path(context.instance), worker=PIPES_WORKER)
         with gpu_host.lease_hosts(context, train.nnodes) as hosts:  # one torchrun node per host
             nodes = node_commands(launch.job_path, train, hosts, module=launch.worker)
@@ -67,7 +72,7 @@ def build(profile: Profile) -> dg.Definitions:
         for result in invocation.get_results():
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
-        report, export_ok, export_detail = finish_training(given(profile, "drafter_checkpoint"), layout(profile), launch)
+        report, export_ok, export_detail = finish_training(train_settings, layout(profile), launch)
         meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
                 **recorded_settings(context)}
         meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
@@ -83,6 +88,7 @@ def build(profile: Profile) -> dg.Definitions:
         pool=GPU_POOL,
         kinds={"markdown"},
         required_resource_keys={"gpu_host"},
+        metadata=stage_settings_metadata(bench_settings),
         description="Acceptance length and speed per prompt set and speculative configuration, against no "
         "speculation, the n-gram drafter and the untrained drafter; compared with the previous report.",
     )
@@ -93,7 +99,7 @@ def build(profile: Profile) -> dg.Definitions:
         previous, export_dir = _previous_results_path(context), _drafter_export(context)
         with context.resources.gpu_host.lease(context) as host:  # a host of its own while it serves
             report = benchmark_stage(
-                given(profile, "benchmark_report"), layout(profile), export_dir=export_dir, previous_results=previous,
+                bench_settings, layout(profile), export_dir=export_dir, previous_results=previous,
                 run_id=context.run_id, gpu_host=host, progress=progress_logger(context),
             )
         results = report.metadata["results_json"]

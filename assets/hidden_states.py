@@ -18,8 +18,9 @@ from pydantic import Field
 from assets._common import GPU_POOL, accepted, layout, materialize_result, progress_logger, run_tags, tag_run
 from assets.automation import shard_automation_condition
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.settings import gate, given
+from assets.settings import gating_dep, stage_settings_metadata
 from eagle3_dagster.config import Profile
+from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings, ShardSettings
 
 GROUP = "hidden_states"
 FITS_CHECK = "fits_on_disk"
@@ -28,11 +29,14 @@ MANIFEST_CHECK = "manifest_checksums"
 
 
 def build(profile: Profile) -> dg.Definitions:
+    plan_settings, extract_settings = PlanSettings.from_profile(profile), ExtractSettings.from_profile(profile)
+
     @dg.asset(
         name="extraction_plan",
         group_name=GROUP,
         deps=["merged_train", "target_model"],
         required_resource_keys={"gpu_host"},
+        metadata=stage_settings_metadata(plan_settings),
         check_specs=[dg.AssetCheckSpec(FITS_CHECK, asset="extraction_plan", blocking=True,
                                        description="the shards of this hidden-state version fit in the free "
                                        "space under hidden.root")],
@@ -45,7 +49,7 @@ def build(profile: Profile) -> dg.Definitions:
         tag_run(context, profile)
         root = layout(profile).hidden_root
         free = context.resources.gpu_host.free_bytes(str(free_space_location(layout(profile))))
-        report, fits, message = plan_stage(given(profile, "extraction_plan"), layout(profile), free_bytes=free)
+        report, fits, message = plan_stage(plan_settings, layout(profile), free_bytes=free)
         meta = report.metadata
         check = dg.AssetCheckResult(
             check_name=FITS_CHECK,
@@ -77,13 +81,14 @@ def build(profile: Profile) -> dg.Definitions:
         group_name=GROUP,
         partitions_def=HIDDEN_STATE_SHARDS,
         deps=["merged_train", "target_model",
-              gate("extraction_plan", "its fits_on_disk check must pass; the plan's hours are not in the shards")],
+              gating_dep("extraction_plan", "its fits_on_disk check must pass; the plan's hours are not in the shards")],
         pool=GPU_POOL,
         kinds={"safetensors"},
         required_resource_keys={"gpu_host"},
         check_specs=shard_checks,
         automation_condition=shard_automation_condition(profile.hidden.backfill_batch, profile.hidden.backfill_cron),
-        metadata={"run_tags": dg.MetadataValue.json(run_tags(profile, "hidden_states"))},
+        metadata={"run_tags": dg.MetadataValue.json(run_tags(profile, "hidden_states")),
+                  **stage_settings_metadata(extract_settings)},
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
         f"({profile.hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "
         f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
@@ -104,9 +109,12 @@ def build(profile: Profile) -> dg.Definitions:
         require_plan_current(context.instance, plan.merged_train_sha256)
         keys = list(context.partition_keys)
         reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
-        preflight = lambda host: reports.append(extraction_preflight(given(profile, "hidden_states"), host, free_space_location(layout(profile))))  # noqa: E731
+
+        def preflight(host) -> None:
+            reports.append(extraction_preflight(extract_settings, host, free_space_location(layout(profile))))
+
         with context.resources.gpu_host.lease(context, preflight=preflight, shards=keys) as host:
-            report, checks = extract_stage(given(profile, "hidden_states"), plan_path, keys, gpu_host=host, host_report=reports[-1],
+            report, checks = extract_stage(extract_settings, plan_path, keys, gpu_host=host, host_report=reports[-1],
                                            force=config.force, progress=progress_logger(context))
         report.metadata["gpu_host"] = host.name
         results = [
@@ -131,7 +139,7 @@ def build(profile: Profile) -> dg.Definitions:
         from eagle3_dagster.stages.hidden import cleanup_stage
 
         tag_run(context, profile)
-        report = cleanup_stage(profile, layout(profile), dry_run=config.dry_run, log=context.log.info,
+        report = cleanup_stage(ShardSettings.from_profile(profile), layout(profile), dry_run=config.dry_run, log=context.log.info,
                                plan_path=current_plan_path(context.instance))
         context.log_event(
             dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
