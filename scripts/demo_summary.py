@@ -18,6 +18,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "demo_figures.yaml"
 OUTSIDE = "  <- outside the range"
+# The README's table of the ranges sits between these lines.
+README_BEGIN = "<!-- rendered from docs/demo_figures.yaml by scripts/demo_summary.py --markdown -->"
+README_END = "<!-- end of the table rendered from docs/demo_figures.yaml -->"
 
 
 def load(path: Path = FIGURES) -> dict[str, Any]:
@@ -95,6 +98,11 @@ def markdown(expected: Mapping[str, Any] | None = None) -> str:
         for f in rest:
             lines.append(f"| | | `{f['asset']}`: {f['what']} | {_span(f['range'])} |")
     return "\n".join(lines)
+
+
+def readme_table(readme: str) -> str:
+    """The README's table of the ranges, as it stands."""
+    return readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
 
 
 def main(argv: list[str] | None = None) -> int:

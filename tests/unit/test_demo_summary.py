@@ -39,3 +39,9 @@ def test_another_profile_gets_its_figures_without_the_demos_ranges() -> None:
     text = demo_summary.summary("micro", {"corpus": 3.0}, {"merged_train": {"num_records": 20}})
     assert "no expected ranges for micro" in text and demo_summary.OUTSIDE not in text
     assert [line for line in text.splitlines() if "records merged" in line][0].split()[-2:] == ["20", "–"]
+
+
+def test_the_readmes_table_of_the_ranges_is_rendered_from_the_figures_file() -> None:
+    """The ranges are written once: edit docs/demo_figures.yaml, then paste `scripts/demo_summary.py --markdown`."""
+    readme = (ROOT / "README.md").read_text()
+    assert demo_summary.readme_table(readme) == demo_summary.markdown()
