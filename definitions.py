@@ -17,6 +17,7 @@ from eagle3_dagster import storage
 from eagle3_dagster.config import Profile, load_profile
 from resources.chat_api import ChatApiResource
 from resources.gpu_host import GpuHostResource
+from resources.upstream import UPSTREAM, UpstreamMaterializations
 
 # The modules that build this code location's assets and jobs (the graph's order is their assets' deps).
 ASSET_MODULES = [target_model, raw_responses, tokenized_dataset, merged_train, hidden_states, drafter_checkpoint]
@@ -40,6 +41,7 @@ def build_definitions(profile: Profile) -> dg.Definitions:
         resources={
             "chat_api": ChatApiResource(api_key=api_key),
             "gpu_host": GpuHostResource.from_profile(profile),
+            UPSTREAM: UpstreamMaterializations(),
         },
     )
 

@@ -17,12 +17,13 @@ import dagster as dg
 from assets._common import (
     GPU_POOL, file_version, layout, materialize_result, progress_logger, report_metadata, rounded, table, tag_run,
 )
-from assets.hidden_states import current_plan_path
+from assets.hidden_states import plan_path_of
 from assets.metadata_legend import LEGEND_KEY, legend
-from assets.settings import recorded_settings, stage_settings_metadata
+from assets.settings import gating_inputs, recorded_settings, stage_settings_metadata
 from eagle3_dagster.config import Profile
 from eagle3_dagster.stages.bench import BenchSettings
 from eagle3_dagster.stages.train import TrainSettings
+from resources.upstream import UPSTREAM, Materialized, latest_materialization
 
 GROUP = "drafter"
 EXPORT_CHECK = "export_matches_sglang"
@@ -40,7 +41,10 @@ def build(profile: Profile) -> dg.Definitions:
         pool=GPU_POOL,
         kinds={"pytorch"},
         required_resource_keys={"gpu_host"},
-        metadata=stage_settings_metadata(train_settings),
+        ins={"plan": dg.AssetIn("extraction_plan", input_manager_key=UPSTREAM)},
+        metadata={**stage_settings_metadata(train_settings),
+                  **gating_inputs(extraction_plan="names the shards of the hidden-state version; their content is "
+                                  "hidden_states'")},
         check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint", blocking=True,
                                        description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
                                        "with its shape, finite, and nothing else; a failing export is named only as "
@@ -49,7 +53,7 @@ def build(profile: Profile) -> dg.Definitions:
         "layout SGLang and vLLM load.",
         retry_policy=dg.RetryPolicy(max_retries=1),
     )
-    def drafter_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def drafter_checkpoint(context: dg.AssetExecutionContext, plan: Materialized) -> dg.MaterializeResult:
         from eagle3_dagster.stages.train import finish_training, prepare_training
         from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, node_commands
 
@@ -61,7 +65,7 @@ def build(profile: Profile) -> dg.Definitions:
             raise dg.Failure(description=str(e)) from None
         # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
         launch = prepare_training(train_settings, layout(profile),
-                                  plan_path=current_plan_path(context.instance), worker=PIPES_WORKER)
+                                  plan_path=plan_path_of(plan), worker=PIPES_WORKER)
         with gpu_host.lease_hosts(context, train.nnodes) as hosts:  # one torchrun node per host
             nodes = node_commands(launch.job_path, train, hosts, module=launch.worker)
             for node in nodes:
@@ -73,7 +77,7 @@ def build(profile: Profile) -> dg.Definitions:
             if isinstance(result, dg.MaterializeResult):
                 child_meta.update(result.metadata or {})
         report, export_ok, export_detail = finish_training(train_settings, layout(profile), launch)
-        meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(profile, context),
+        meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(plan, context),
                 **recorded_settings(context)}
         meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
         check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
@@ -88,15 +92,18 @@ def build(profile: Profile) -> dg.Definitions:
         pool=GPU_POOL,
         kinds={"markdown"},
         required_resource_keys={"gpu_host"},
+        ins={"drafter": dg.AssetIn("drafter_checkpoint", input_manager_key=UPSTREAM)},
         metadata=stage_settings_metadata(bench_settings),
         description="Acceptance length and speed per prompt set and speculative configuration, against no "
         "speculation, the n-gram drafter and the untrained drafter; compared with the previous report.",
     )
-    def benchmark_report(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def benchmark_report(context: dg.AssetExecutionContext, drafter: Materialized) -> dg.MaterializeResult:
         from eagle3_dagster.stages.bench import benchmark_stage
 
         tag_run(context, profile)
-        previous, export_dir = _previous_results_path(context), _drafter_export(context)
+        # the report compares itself with its own previous materialization (an asset cannot be its own input)
+        previous = latest_materialization(context.instance, context.asset_key).path("results_json")
+        export_dir = export_of(drafter)
         with context.resources.gpu_host.lease(context) as host:  # a host of its own while it serves
             report = benchmark_stage(
                 bench_settings, layout(profile), export_dir=export_dir, previous_results=previous,
@@ -109,14 +116,14 @@ def build(profile: Profile) -> dg.Definitions:
     return dg.Definitions(assets=[drafter_checkpoint, benchmark_report])
 
 
-def provenance_metadata(profile: Profile, context: dg.AssetExecutionContext) -> dict:
+def provenance_metadata(plan_materialization: Materialized, context: dg.AssetExecutionContext) -> dict:
     """What produced this drafter, named so that each link can be followed in the instance:
     merged_train's and each shard's data versions, target_model's identity, the code and packages."""
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.provenance import git_sha, package_versions
     from eagle3_dagster.hidden.extraction_plan import load_plan
 
-    plan = load_plan(current_plan_path(context.instance))
+    plan = load_plan(plan_path_of(plan_materialization))
     manifest = load_manifest(plan.version_dir)
     shards = [{"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
               for key, e in sorted(manifest.items())]
@@ -155,31 +162,17 @@ def results_metadata(results_path) -> dict:
     return {"results": table([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], RESULT_COLUMNS)}
 
 
-def _drafter_export(context: dg.AssetExecutionContext) -> str:
+def export_of(drafter: Materialized) -> str:
     """The export named by the latest drafter_checkpoint materialization. Only a training run that finished
     and whose export passed `check_export` names one as `export_dir`; a refused export (its check failed) is
     `refused_export_dir` and is never read, nor is an older export behind it."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint"))
-    meta = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
-    if "refused_export_dir" in meta:
-        raise ValueError(f"benchmark_report: the latest drafter_checkpoint export "
-                         f"({_path(meta['refused_export_dir'])}) failed its {EXPORT_CHECK} check and is not "
-                         f"benchmarked; see the check's detail, then materialize drafter_checkpoint again")
-    path = _path(meta.get("export_dir"))
+    refused = drafter.path("refused_export_dir")
+    if refused is not None:
+        raise ValueError(f"benchmark_report: the latest drafter_checkpoint export ({refused}) failed its "
+                         f"{EXPORT_CHECK} check and is not benchmarked; see the check's detail, then materialize "
+                         "drafter_checkpoint again")
+    path = drafter.path("export_dir")
     if not path:
         raise FileNotFoundError("benchmark_report: no drafter_checkpoint materialization names an export; "
                                 "materialize drafter_checkpoint first")
     return path
-
-
-def _path(value) -> str | None:
-    path = getattr(value, "path", None) or getattr(value, "value", None)
-    return str(path) if path else None
-
-
-def _previous_results_path(context: dg.AssetExecutionContext) -> str | None:
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("benchmark_report"))
-    if event is None or event.asset_materialization is None:
-        return None
-    value = event.asset_materialization.metadata.get("results_json")
-    return getattr(value, "value", None) or getattr(value, "path", None)

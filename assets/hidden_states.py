@@ -18,9 +18,12 @@ from pydantic import Field
 from assets._common import GPU_POOL, accepted, layout, materialize_result, progress_logger, run_tags, tag_run
 from assets.automation import shard_automation_condition
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.settings import gating_dep, stage_settings_metadata
+from assets.settings import gating_inputs, stage_settings_metadata
+from eagle3_dagster import storage
 from eagle3_dagster.config import Profile
+from eagle3_dagster.contracts import PLAN_PATH_KEY
 from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings, ShardSettings
+from resources.upstream import UPSTREAM, Materialized, upstream_in
 
 GROUP = "hidden_states"
 FITS_CHECK = "fits_on_disk"
@@ -80,15 +83,18 @@ def build(profile: Profile) -> dg.Definitions:
         name="hidden_states",
         group_name=GROUP,
         partitions_def=HIDDEN_STATE_SHARDS,
-        deps=["merged_train", "target_model",
-              gating_dep("extraction_plan", "its fits_on_disk check must pass; the plan's hours are not in the shards")],
+        ins={"plan": dg.AssetIn("extraction_plan", input_manager_key=UPSTREAM),
+             "merged_train": dg.AssetIn("merged_train", input_manager_key=UPSTREAM)},
+        deps=["target_model"],
         pool=GPU_POOL,
         kinds={"safetensors"},
         required_resource_keys={"gpu_host"},
         check_specs=shard_checks,
         automation_condition=shard_automation_condition(profile.hidden.backfill_batch, profile.hidden.backfill_cron),
         metadata={"run_tags": dg.MetadataValue.json(run_tags(profile, "hidden_states")),
-                  **stage_settings_metadata(extract_settings)},
+                  **stage_settings_metadata(extract_settings),
+                  **gating_inputs(extraction_plan="the shards' content is merged_train's and their own settings; "
+                                  "the plan names them and its disk verdict must pass, its hours are not in them")},
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
         f"({profile.hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "
         f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
@@ -97,16 +103,15 @@ def build(profile: Profile) -> dg.Definitions:
         "Which shards are stale, missing or failed: the check `shards_current` and its table `not_current` "
         "(Dagster's partition views show no staleness).",
     )
-    def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig) -> dg.MaterializeResult:
+    def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, plan: Materialized,
+                      merged_train: Materialized) -> dg.MaterializeResult:
         from eagle3_dagster.hidden.shards import load_manifest
-        from eagle3_dagster.hidden.extraction_plan import load_plan
         from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight, free_space_location
 
         tag_run(context, profile, "hidden_states")
-        plan_path = current_plan_path(context.instance)
-        plan = load_plan(plan_path)
-        require_plan_fits(context.instance, plan.version, str(layout(profile).hidden_root))
-        require_plan_current(context.instance, plan.merged_train_sha256)
+        plan_path = plan_path_of(plan)
+        refuse_unfit_plan(plan, str(layout(profile).hidden_root))
+        refuse_stale_plan(plan, merged_train)
         keys = list(context.partition_keys)
         reports: list[dict] = []  # the leased host's preflight, handed on so it is not probed twice
 
@@ -133,14 +138,15 @@ def build(profile: Profile) -> dg.Definitions:
     @dg.op(
         name="cleanup_superseded_hidden_states",
         required_resource_keys={"gpu_host"},
+        ins={"plan": upstream_in("extraction_plan")},
         description="Delete hidden-state versions other than the current one. Dry run unless dry_run=false.",
     )
-    def cleanup_op(context: dg.OpExecutionContext, config: CleanupConfig) -> None:
+    def cleanup_op(context: dg.OpExecutionContext, config: CleanupConfig, plan: Materialized) -> None:
         from eagle3_dagster.stages.hidden import cleanup_stage
 
         tag_run(context, profile)
-        report = cleanup_stage(ShardSettings.from_profile(profile), layout(profile), dry_run=config.dry_run, log=context.log.info,
-                               plan_path=current_plan_path(context.instance))
+        report = cleanup_stage(ShardSettings.from_profile(profile), layout(profile), dry_run=config.dry_run,
+                               log=context.log.info, plan_path=plan_path_of(plan))
         context.log_event(
             dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
         )
@@ -175,52 +181,41 @@ def _check_numbers(name: str, detail: str, meta: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def current_plan_path(instance: dg.DagsterInstance) -> str:
-    """The plan path of extraction_plan's latest materialization (the stages read it, never recompute it)."""
-    from eagle3_dagster.contracts import PLAN_PATH_KEY
-
-    event = instance.get_latest_materialization_event(dg.AssetKey("extraction_plan"))
-    meta = event.asset_materialization.metadata if event and event.asset_materialization else {}
-    if PLAN_PATH_KEY not in meta:
+def plan_path_of(plan: Materialized) -> str:
+    """The plan file extraction_plan's latest materialization wrote (later stages read it, never recompute it)."""
+    path = plan.path(PLAN_PATH_KEY)
+    if path is None:
         raise dg.Failure(description="extraction_plan has no materialization with a plan path: materialize "
                          "extraction_plan first.")
-    return str(meta[PLAN_PATH_KEY].value)
+    return path
 
 
-def require_plan_current(instance: dg.DagsterInstance, planned_sha256: str) -> None:
+def refuse_stale_plan(plan: Materialized, merged_train: Materialized) -> None:
     """Refuse a plan made for another merged_train than the latest one (its data version is its sha256)."""
-    record = instance.get_latest_materialization_event(dg.AssetKey("merged_train"))
-    tags = (record.asset_materialization.tags or {}) if record and record.asset_materialization else {}
-    latest = tags.get("dagster/data_version")
-    if latest is not None and latest != planned_sha256:
-        raise dg.Failure(description=f"plan mismatch: extraction_plan was made for merged_train {planned_sha256[:12]}, "
+    planned, latest = plan.metadata.get("merged_train_sha256"), merged_train.data_version
+    if latest is not None and planned is not None and latest != planned:
+        raise dg.Failure(description=f"plan mismatch: extraction_plan was made for merged_train {planned[:12]}, "
                          f"the latest merged_train is {latest[:12]}; materialize extraction_plan again.")
 
 
-def require_plan_fits(instance: dg.DagsterInstance, version: str, hidden_root: str) -> None:
-    """Refuse to extract unless extraction_plan's disk check passed for this very version and root.
+def refuse_unfit_plan(plan: Materialized, hidden_root: str) -> None:
+    """Refuse to extract unless the plan's disk verdict passed for the root this run writes under.
 
-    Kept by hand beside the automation condition (`all_deps_blocking_checks_passed`): a condition gates
-    only the runs automation requests, while a shard launched from the UI or a job runs regardless,
-    and the check's latest verdict may be about another version or another disk.
+    The verdict is the plan materialization's own (`fits`, what its blocking fits_on_disk check reported in
+    the same step), so it is about this very plan. Automation's condition (`all_deps_blocking_checks_passed`)
+    gates only the runs automation requests; a shard launched from the UI or a job meets this refusal.
     """
-    record = instance.get_latest_asset_check_evaluation_record(
-        dg.AssetCheckKey(dg.AssetKey("extraction_plan"), FITS_CHECK)
-    )
-    evaluation = record.event.asset_check_evaluation if record and record.event else None
-    if evaluation is None:
-        raise dg.Failure(description=f"extraction_plan's {FITS_CHECK} check has never run: materialize "
-                         "extraction_plan before extracting shards.")
-    meta = {k: getattr(v, "value", v) for k, v in evaluation.metadata.items()}
-    planned = (meta.get("version"), meta.get("hidden_root"))
-    if planned != (version, hidden_root):
+    meta = plan.metadata
+    version, version_dir = meta.get("version"), meta.get("version_dir")
+    writes = str(storage.location(hidden_root).join(str(version)))
+    if version_dir is not None and str(version_dir) != writes:
         raise dg.Failure(
-            description=f"plan mismatch: extraction_plan's {FITS_CHECK} was evaluated for hidden-state version "
-            f"{planned[0]} under {planned[1]}, but this run writes version {version} under {hidden_root}. "
-            "Materialize extraction_plan again so the disk check covers what this run writes."
+            description=f"plan mismatch: extraction_plan's {FITS_CHECK} was evaluated for {version_dir}, but this "
+            f"run writes {writes}. Materialize extraction_plan again so the disk check covers what this run writes."
         )
-    if not evaluation.passed:
+    if meta.get("fits") is not True:
         raise dg.Failure(
-            description=f"extraction_plan's {FITS_CHECK} check failed: {evaluation.description or ''} "
-            "Free space (job cleanup_hidden_states) and materialize extraction_plan again."
+            description=f"extraction_plan's {FITS_CHECK} check failed: {meta.get('needed_bytes')} bytes needed, "
+            f"{meta.get('free_bytes')} free at {meta.get('free_at')}. Free space (job cleanup_hidden_states) and "
+            "materialize extraction_plan again."
         )

@@ -10,7 +10,7 @@ input's data version changed since it was materialized; a stale parent does not
 make its children stale. An edit to `data.max_seq_len` invalidates everything
 below merged_train long before merged_train is rebuilt, so each asset's code
 version hashes the settings its stage is given *and* those of every asset whose content it
-consumes: its deps in the built graph (`content_inputs`), but for a dep made with `gating_dep`, whose verdict
+consumes: its deps in the built graph (`content_inputs`), but for an input named in `gating_inputs`, whose verdict
 it waits for but whose content it does not read. The edit marks every invalidated asset stale at the next
 reload, and only those (an edit to `hidden.backfill_cron` invalidates nothing). `with_code_versions` writes the
 code versions, and the settings they hash as each asset's definition metadata, once the graph is built.
@@ -45,16 +45,20 @@ def stage_settings_metadata(*given: StageSettings) -> dict[str, dg.MetadataValue
     return {SETTINGS_KEY: dg.MetadataValue.json(dict(sorted(content.items())))}
 
 
-def gating_dep(asset: str, why: str) -> dg.AssetDep:
-    """A dep whose verdict the asset waits for and whose content it does not read (`why` says so)."""
-    return dg.AssetDep(asset, metadata={GATE_KEY: why})
+def gating_inputs(**why: str) -> dict[str, dg.MetadataValue]:
+    """Definition metadata naming the inputs whose verdict the asset waits for and whose content it does not
+    read (input name = the upstream asset's name → why): their settings stay out of its code version."""
+    return {GATE_KEY: dg.MetadataValue.json(why)}
 
 
 def content_inputs(specs: Iterable[dg.AssetSpec]) -> dict[str, tuple[str, ...]]:
     """The assets whose content each asset reads: its deps in the graph, but for gates."""
-    return {spec.key.to_user_string(): tuple(dep.asset_key.to_user_string() for dep in spec.deps
-                                              if GATE_KEY not in (dep.metadata or {}))
-            for spec in specs}
+    graph = {}
+    for spec in specs:
+        gates = spec.metadata[GATE_KEY].data if GATE_KEY in spec.metadata else {}
+        graph[spec.key.to_user_string()] = tuple(dep.asset_key.to_user_string() for dep in spec.deps
+                                                 if dep.asset_key.to_user_string() not in gates)
+    return graph
 
 
 def _with_inputs(asset: str, own: Mapping[str, dict[str, Any]], graph: Mapping[str, tuple[str, ...]]

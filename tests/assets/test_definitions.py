@@ -24,7 +24,8 @@ GRAPH = {
     "vocab_mapping": {"merged_train", "target_model"},
     "extraction_plan": {"merged_train", "target_model"},
     "hidden_states": {"merged_train", "extraction_plan", "target_model"},
-    "drafter_checkpoint": {"hidden_states", "vocab_mapping", "target_model"},
+    # the plan names the shards of the version it trains on (an input whose content it does not hash)
+    "drafter_checkpoint": {"hidden_states", "extraction_plan", "vocab_mapping", "target_model"},
     "benchmark_report": {"drafter_checkpoint", "target_model"},
 }
 

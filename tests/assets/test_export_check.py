@@ -46,7 +46,7 @@ def test_an_export_missing_a_weight_fails_the_blocking_check_and_is_never_benchm
                  _finished_run(profile, layout, "run-bad", drop="midlayer.mlp.down_proj.weight")])
     monkeypatch.setattr(train_stage, "prepare_training", lambda *a, **k: next(runs))
     monkeypatch.setattr(nodes, "node_commands", lambda *a, **k: [])
-    monkeypatch.setattr(module, "current_plan_path", lambda instance: None)
+    monkeypatch.setattr(module, "plan_path_of", lambda plan: None)
     monkeypatch.setattr(module, "provenance_metadata", lambda profile, context: {})
     defs = build_definitions(profile)
 

@@ -112,7 +112,8 @@ def sha256s(folder: Path) -> dict[str, str]:
 def two_host_extraction(tmp_path_factory, micro_target) -> dict:
     import dagster as dg
 
-    from assets.hidden_states import current_plan_path
+    from assets.hidden_states import plan_path_of
+    from resources.upstream import latest_materialization
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.host_lease import history, who_holds
@@ -157,7 +158,7 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         with dg.DagsterInstance.from_config(str(home)) as instance:
             registered = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
-            plan_path = Path(current_plan_path(instance))
+            plan_path = Path(plan_path_of(latest_materialization(instance, dg.AssetKey("extraction_plan"))))
         assert len(registered) >= SHARDS, registered
         keys = registered[:SHARDS]
 
