@@ -43,7 +43,7 @@ query Logs($runId: ID!, $after: String) {
     __typename
     ... on EventConnection { cursor events { __typename
       ... on MessageEvent { message level }
-      ... on ExecutionStepFailureEvent { error { message causes { message } } } } }
+      ... on ErrorEvent { error { message causes { message } } } } }
   }
 }"""
 LOCATIONS = "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus } } } }"
@@ -116,19 +116,20 @@ class Launchpad:
         return self.client.get_run_status(run_id).value
 
     def new_log_lines(self, run_id: str) -> list[str]:
-        """The run's log messages (context.log, the engine's progress) and step errors since the last call."""
+        """The run's log messages (context.log, the engine's progress) and its errors (a step's, or the run's
+        when its worker could not start) since the last call."""
         found = self.query(LOGS, {"runId": run_id, "after": self._cursors.get(run_id)})["logsForRun"]
         if found["__typename"] != "EventConnection":
             return []
         self._cursors[run_id] = found["cursor"]
         lines = []
         for event in found["events"]:
+            error = event.get("error")
             if event["__typename"] == "LogMessageEvent" and event.get("level") != "DEBUG":
                 lines.append(event["message"])
-            elif event["__typename"] == "ExecutionStepFailureEvent":
-                error = event.get("error") or {}
-                lines.append(event["message"])  # the step's own error and what caused it, last first
-                lines.extend(e["message"].strip() for e in [*(error.get("causes") or [])[::-1], error] if e)
+            elif error or event.get("level") == "ERROR":
+                lines.append(event["message"])  # then the error and what caused it
+                lines.extend(e["message"].strip() for e in [error, *(error or {}).get("causes") or []] if e)
         return lines
 
     def terminate(self, run_ids: list[str], wait_s: float = 60) -> None:
