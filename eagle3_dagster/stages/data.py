@@ -225,7 +225,8 @@ def regenerate_partition(settings: RegenerateSettings, name: str, layout: Artifa
         _write_rejects(template_rejects_path(layout, name), template_rejects)
     return StageReport(metadata={"path": out, **stats.as_dict(), "source": source_stats,
                                  "num_source_lines_quarantined": num_rejected,
-                                 "source_quarantine_path": source_rejects_path(layout, name),
+                                 # only a source file of its own is read line by line (a packaged one is not)
+                                 **({"source_quarantine_path": source_rejects_path(layout, name)} if ds.path else {}),
                                  "num_conversations_quarantined_chat_template": len(template_rejects),
                                  "chat_template_quarantine_path": template_rejects_path(layout, name)})
 
