@@ -129,7 +129,8 @@ class Launchpad:
                 lines.append(event["message"])
             elif error or event.get("level") == "ERROR":
                 lines.append(event["message"])  # then the error and what caused it
-                lines.extend(e["message"].strip() for e in [error, *(error or {}).get("causes") or []] if e)
+                causes = (error or {}).get("causes") or []
+                lines.extend(e["message"].strip() for e in [error, *causes] if e)
         return lines
 
     def terminate(self, run_ids: list[str], wait_s: float = 60) -> None:
