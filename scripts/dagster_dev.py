@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
+GRPC_TIMEOUT_S = 300
 GRACE_S = 30  # dagster dev stops its services in ~5 s on this 2-core machine
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Written in $DAGSTER_HOME while scripts/ui.sh serves that instance: scripts/run_pipeline.py submits through it.
@@ -33,7 +34,13 @@ UI_URL_FILE = "ui_url"
 
 def start(host: str, port: int, workspace: Path = ROOT / "workspace.yaml", env: dict[str, str] | None = None,
           log: IO[bytes] | None = None) -> subprocess.Popen:
-    """`dagster dev` on `host:port` in a new session (its own process group), SIGINT at its default."""
+    """`dagster dev` on `host:port` in a new session (its own process group), SIGINT at its default.
+
+    Dagster's calls to the code server time out after 60 s by default; on a 2-core machine busy with a
+    stage, the daemon's call that starts a queued run's worker took longer, and the daemon failed the run
+    ("User code server request timed out"). DAGSTER_GRPC_TIMEOUT_SECONDS (Dagster's own setting) raises it
+    unless the environment sets it."""
+    env = {"DAGSTER_GRPC_TIMEOUT_SECONDS": str(GRPC_TIMEOUT_S), **(os.environ if env is None else env)}
     dagster = Path(sys.executable).with_name("dagster")
     cmd = [str(dagster), "dev", "-w", str(workspace), "-h", host, "-p", str(port)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
