@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import dagster as dg  # noqa: E402
+import dagster as dg  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
 
-import dagster_dev  # noqa: E402
-import demo_summary  # noqa: E402
-from assets import automation  # noqa: E402
-from eagle3_dagster.config import load_profile  # noqa: E402
+import dagster_dev  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
+import demo_summary  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
+from assets import automation  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
+from assets._common import PROFILE_TAG  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
+from eagle3_dagster.config import load_profile  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
 
 PARTITION_TAG = "dagster/partition"
 DONE = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -47,6 +48,7 @@ query Logs($runId: ID!, $after: String) {
   }
 }"""
 LOCATIONS = "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus } } } }"
+JOB_TAGS = "{ repositoriesOrError { ... on RepositoryConnection { nodes { pipelines { tags { key value } } } } } }"
 
 
 def stages(defs: dg.Definitions) -> list[tuple[str, list[dg.AssetSpec]]]:
@@ -104,9 +106,14 @@ class Launchpad:
     def loaded(self) -> bool:
         try:
             entries = self.query(LOCATIONS)["workspaceOrError"].get("locationEntries", [])
-        except Exception:  # noqa: BLE001 - not answering yet
+        except Exception:  # not answering yet
             return False
         return bool(entries) and all(e["loadStatus"] == "LOADED" for e in entries)
+
+    def served_profiles(self) -> set[str]:
+        """The profiles the served code location's jobs run (their eagle3/profile tag)."""
+        nodes = self.query(JOB_TAGS)["repositoriesOrError"].get("nodes", [])
+        return {t["value"] for n in nodes for job in n["pipelines"] for t in job["tags"] if t["key"] == PROFILE_TAG}
 
     def submit(self, job_name: str, partition_key: str | None) -> str:
         return self.client.submit_job_execution(job_name, tags={PARTITION_TAG: partition_key} if partition_key
@@ -154,12 +161,16 @@ def running_ui(home: Path) -> str | None:
 
 
 @contextmanager
-def launchpad_for(home: Path, profile_arg: str) -> Iterator[Launchpad]:
+def launchpad_for(home: Path, profile_arg: str, profile_name: str) -> Iterator[Launchpad]:
     """The running UI's, or one of a `dagster dev` started here for the profile and stopped after; stop
     signals (SIGINT, SIGTERM, SIGHUP) land in its `interrupted`."""
     with dagster_dev.stop_signals() as received:
         url = running_ui(home)
         if url is not None:
+            served = Launchpad(url).served_profiles()
+            if served != {profile_name}:
+                raise SystemExit(f"the UI at {url} serves this instance with profile {', '.join(sorted(served))}, "
+                                 f"not {profile_name}: stop scripts/ui.sh or start it with EAGLE3_PROFILE={profile_arg}")
             print(f"submitting through the UI at {url} (scripts/ui.sh)", flush=True)
             pad = Launchpad(url)
             pad.interrupted = received
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     if args.setup_s is not None:
         seconds["set-up"] = args.setup_s
-    with launchpad_for(home, args.profile) as pad:
+    with launchpad_for(home, args.profile, profile.profile) as pad:
         if pad.startup_s is not None:
             seconds["dagster dev"] = pad.startup_s
         for job_name, specs in order[first:last + 1]:

@@ -2,27 +2,31 @@
 
 The test starts `dagster dev` on loopback for the project's own code location
 (workspace.yaml → definitions.py, EAGLE3_PROFILE = micro with outputs in a temp
-folder), launches the stage jobs below through GraphQL, backfills a few
-hidden_states shard partitions that the sensor registered from merged_train,
-then opens the UI in Chromium and checks what it shows. Screenshots go to
-artifacts/.
+folder), runs the demo's command (`scripts/run_pipeline.py`) up to the corpus
+through it, as with `scripts/ui.sh` open, backfills a few hidden_states shard
+partitions that the sensor registered from merged_train, then opens the UI in
+Chromium and checks what it shows. Screenshots go to artifacts/.
 """
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 import yaml
 
 from assets._common import OWNERS
+from tests.e2e.conftest import REPO as REPO_ROOT
 from eagle3_dagster.config import load_profile
 
 pytestmark = pytest.mark.e2e
 
 DATASETS = load_profile("micro").dataset_names
-# Jobs launched in order through GraphQL, as (job, partition key or None). Each needs the ones before it.
+# The runs the demo's command submits for its stages up to the corpus, in order, as (job, partition key or None).
 STAGE_RUNS: list[tuple[str, str | None]] = [
     ("target_job", None),  # target_model
     *[("data_job", ds) for ds in DATASETS],  # raw_responses + tokenized_dataset per dataset
@@ -86,9 +90,26 @@ def latest_metadata(dep, asset: str) -> dict:
     return {e["label"]: e for e in event["metadataEntries"]}
 
 
+RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
+
+
 @pytest.fixture(scope="module")
 def stages_done(micro_deployment) -> list[dict]:
-    return [launch_and_wait(micro_deployment, job, partition) for job, partition in STAGE_RUNS]
+    """`scripts/run_pipeline.py --until corpus` (what scripts/demo.sh runs) while the UI serves the instance:
+    it finds the UI's URL where scripts/ui.sh leaves it and submits each stage's runs through it."""
+    from scripts.dagster_dev import UI_URL_FILE
+
+    dep = micro_deployment
+    (dep.home / UI_URL_FILE).write_text(dep.url)
+    env = {**os.environ, "DAGSTER_HOME": str(dep.home), "EAGLE3_PROFILE": str(dep.home.parent / "micro.yaml")}
+    proc = subprocess.run([sys.executable, "scripts/run_pipeline.py", "--until", "corpus"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S * len(STAGE_RUNS))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"submitting through the UI at {dep.url}" in proc.stdout
+    runs = list(reversed(dep.graphql(RUNS)["runsOrError"]["results"]))  # oldest first
+    assert [(r["jobName"], {t["key"]: t["value"] for t in r["tags"]}.get("dagster/partition"))
+            for r in runs] == STAGE_RUNS
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +142,28 @@ def backfill(micro_deployment, stages_done) -> dict:
     return {"keys": keys, "chosen": chosen, "result": result}
 
 
-def test_graphql_launches_every_stage_job_and_each_run_succeeds(stages_done):
+def test_the_demo_command_submits_every_stage_job_and_each_run_succeeds(stages_done):
     assert [r["status"] for r in stages_done] == ["SUCCESS"] * len(STAGE_RUNS)
     for run in stages_done:
         tags = {t["key"]: t["value"] for t in run["tags"]}
         assert tags.get("eagle3/profile") == "micro"
+
+
+def test_the_jobs_and_overview_pages_list_the_demo_commands_runs(micro_deployment, stages_done, browser_page,
+                                                                  artifacts_dir):
+    """Runs submitted through the code location are linked to their jobs: each job's Runs tab lists them, and
+    the Overview's timeline shows them (in-process runs showed "No runs found" and "No runs or scheduled ticks")."""
+    dep, page = micro_deployment, browser_page
+    for job in dict.fromkeys(r["jobName"] for r in stages_done):
+        short_ids = [r["runId"][:8] for r in stages_done if r["jobName"] == job]
+        text = open_page(page, f"{dep.url}/locations/{dep.location_name}/jobs/{job}/runs", short_ids[0])
+        page.screenshot(path=str(artifacts_dir / f"ui_job_runs_{job}.png"), full_page=True)
+        assert "No runs found" not in text
+        assert [i for i in short_ids if i not in text] == [], f"the {job} page does not list every run"
+    text = open_page(page, f"{dep.url}/overview/activity/timeline", stages_done[0]["jobName"])
+    page.screenshot(path=str(artifacts_dir / "ui_overview_timeline.png"), full_page=True)
+    assert "No runs or scheduled ticks" not in text
+    assert [r["jobName"] for r in stages_done if r["jobName"] not in text] == []
 
 
 def test_sensor_registers_one_partition_per_merged_train_shard(micro_deployment, backfill):
