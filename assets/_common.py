@@ -58,7 +58,7 @@ def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: 
 
 
 @contextmanager
-def accepted(category: type[Warning], *messages: str) -> Iterator[None]:
+def silenced_warnings(category: type[Warning], *messages: str) -> Iterator[None]:
     """Silence the Beta/Preview warnings of a Dagster feature this project relies on, where they are raised.
 
     Dagster prints each at every load of the code location (twice under `dagster dev`); the feature is

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from assets._common import accepted, run_tags
+from assets._common import run_tags, silenced_warnings
 from assets.partitions import HIDDEN_STATE_SHARDS
 from assets.shard_status import SHARDS_CURRENT
 from eagle3_dagster.config import Profile
@@ -115,7 +115,7 @@ def build_jobs(profile: Profile) -> dict:
 
 def build_automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefinition:
     # use_user_code_server is Beta in 1.13, and the only way to evaluate a condition that is not serializable.
-    with accepted(dg.BetaWarning, "Parameter `use_user_code_server` of initializer"):
+    with silenced_warnings(dg.BetaWarning, "Parameter `use_user_code_server` of initializer"):
         return _automation_sensor(profile)
 
 

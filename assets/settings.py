@@ -45,6 +45,16 @@ def stage_settings_metadata(*given: StageSettings) -> dict[str, dg.MetadataValue
     return {SETTINGS_KEY: dg.MetadataValue.json(dict(sorted(content.items())))}
 
 
+def with_stage_settings(asset: dg.AssetsDefinition, settings: StageSettings, **attributes: Any
+                        ) -> dg.AssetsDefinition:
+    """A module-level asset as a profile builds it: the settings its stage is given, as the asset's own part of
+    its code version (`stage_settings_metadata`), and the spec attributes the profile decides (`attributes`:
+    partitions, automation, a description naming the profile's values)."""
+    metadata = stage_settings_metadata(settings)
+    return asset.map_asset_specs(
+        lambda spec: spec.replace_attributes(metadata={**spec.metadata, **metadata}, **attributes))
+
+
 def gating_inputs(**why: str) -> dict[str, dg.MetadataValue]:
     """Definition metadata naming the inputs whose verdict the asset waits for and whose content it does not
     read (input name = the upstream asset's name → why): their settings stay out of its code version."""
@@ -81,12 +91,9 @@ def with_code_versions(assets: list) -> list:
 
     Computed from the built graph: an asset's code version cannot be known before its inputs'.
     """
-    specs = [spec for a in assets if isinstance(a, dg.AssetsDefinition) for spec in a.specs]
+    specs = [spec for a in assets for spec in a.specs]
     own = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
            if SETTINGS_KEY in spec.metadata}
-    # an observed source asset (the production target) has settings and no code version of its own
-    own |= {a.key.to_user_string(): a.metadata[SETTINGS_KEY].data for a in assets
-            if isinstance(a, dg.SourceAsset) and SETTINGS_KEY in a.metadata}
     graph = content_inputs(specs)
 
     def with_settings(spec: dg.AssetSpec) -> dg.AssetSpec:
@@ -94,7 +101,8 @@ def with_code_versions(assets: list) -> list:
         return spec.replace_attributes(code_version=code_version(settings),
                                        metadata={**spec.metadata, SETTINGS_KEY: dg.MetadataValue.json(settings)})
 
-    return [a.map_asset_specs(with_settings) if isinstance(a, dg.AssetsDefinition) else a for a in assets]
+    # an observed asset (the production target) has settings, which its children hash, and no code version
+    return [a.map_asset_specs(with_settings) if a.is_materializable else a for a in assets]
 
 
 def recorded_settings(context: dg.AssetExecutionContext) -> dict[str, dg.MetadataValue]:
@@ -134,34 +142,40 @@ def build_sensor(specs: Iterable[dg.AssetSpec]) -> dg.SensorDefinition:
         minimum_interval_seconds=30,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="After a profile edit and a reload, names on each invalidated asset the settings that "
-        "differ from those its latest materialization was built with (an observation with a table).",
+        "differ from those its latest materialization was built with (an observation with a table); after a "
+        "revert, an observation with an empty table says they match again.",
     )
     def changed_settings_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         reported: dict[str, str] = json.loads(context.cursor) if context.cursor else {}
         events = []
         for asset, now in current.items():
-            recorded = _recorded_settings(context.instance, asset)
+            recorded, materialization = _recorded_settings(context.instance, asset)
             if recorded is None:
                 continue
             rows = changed_settings(recorded, now)
             digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16] if rows else ""
-            if rows and reported.get(asset) != digest:
+            before, _, reported_against = reported.get(asset, "").partition("@")
+            # a change not reported yet, or a reported one reverted while the same materialization is the latest
+            # (a newer materialization supersedes the observation on the asset page itself)
+            reverted = not rows and before and reported_against == str(materialization)
+            if (rows and before != digest) or reverted:
                 events.append(dg.AssetObservation(asset_key=asset, metadata={
                     CHANGED_KEY: dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=CHANGED_SCHEMA),
                     "changed_setting_names": ", ".join(r["setting"] for r in rows),
                     "num_changed_settings": len(rows),
                 }))
-            reported[asset] = digest
+            reported[asset] = f"{digest}@{materialization}"
         return dg.SensorResult(asset_events=events, cursor=json.dumps(reported, sort_keys=True))
 
     return changed_settings_sensor
 
 
-def _recorded_settings(instance: dg.DagsterInstance, asset: str) -> dict[str, Any] | None:
-    event = instance.get_latest_materialization_event(dg.AssetKey(asset))
-    if event is None or event.asset_materialization is None:
-        return None
-    value = event.asset_materialization.metadata.get(SETTINGS_KEY)
-    data = getattr(value, "data", None)
-    return data if isinstance(data, dict) else None
+def _recorded_settings(instance: dg.DagsterInstance, asset: str) -> tuple[dict[str, Any] | None, int | None]:
+    """The settings the asset's latest materialization recorded, and that materialization's storage id."""
+    records = instance.fetch_materializations(dg.AssetKey(asset), limit=1).records
+    if not records or records[0].asset_materialization is None:
+        return None, None
+    data = records[0].asset_materialization.metadata.get(SETTINGS_KEY)
+    data = data.value if isinstance(data, dg.MetadataValue) else data
+    return (data if isinstance(data, dict) else None), records[0].storage_id
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from assets.drafter_checkpoint import RESULT_COLUMNS, results_metadata
+from assets.benchmark_report import RESULT_COLUMNS, results_metadata
 
 
 def test_the_results_table_has_a_temperature_column_greedy_rows_at_zero(tmp_path) -> None:

@@ -67,3 +67,17 @@ def test_an_edit_is_reported_once_and_nothing_when_the_profile_matches(instance)
     # Rebuilt with the edited profile: nothing left to report.
     materialized_with(instance, edited, "drafter_checkpoint")
     assert sensor_tick(edited, instance, cursor=first.cursor).asset_events == []
+
+
+def test_a_reverted_edit_is_reported_as_cleared_on_every_asset_it_was_named_on(instance):
+    """After the revert, the newest changed_settings observation of each asset says nothing differs any more,
+    instead of still reading the reverted change."""
+    profile = load_profile("micro")
+    materialized_with(instance, profile, *ASSETS)
+    edited = load_profile("micro", overrides={"data": {"max_seq_len": 256}})
+    first = sensor_tick(edited, instance)
+    named = set(observed(first))
+    reverted = sensor_tick(profile, instance, cursor=first.cursor)
+    assert set(observed(reverted)) == named and all(rows == [] for rows in observed(reverted).values())
+    assert {e.metadata["num_changed_settings"].value for e in reverted.asset_events} == {0}
+    assert sensor_tick(profile, instance, cursor=reverted.cursor).asset_events == []  # once

@@ -22,6 +22,7 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.io import write_jsonl
 from resources.gpu_host import GpuHostResource
+from resources.profile import ProfileResource
 
 LENGTHS = [5, 17, 9, 30, 2, 12, 3]
 CLEANUP_OP = "cleanup_superseded_hidden_states"
@@ -56,7 +57,8 @@ def _plan(profile, instance: dg.DagsterInstance, gpu_host: GpuHostResource) -> d
     """extraction_plan as the code location builds it, materialized with `gpu_host` as its resource."""
     [plan] = [a for a in build_definitions(profile).assets if isinstance(a, dg.AssetsDefinition)
               and a.key == dg.AssetKey("extraction_plan")]
-    return dg.materialize([plan], instance=instance, resources={"gpu_host": gpu_host}, raise_on_error=False)
+    return dg.materialize([plan], instance=instance, raise_on_error=False,
+                          resources={"gpu_host": gpu_host, "profile": ProfileResource.of(profile)})
 
 
 def test_a_plan_larger_than_the_free_space_fails_its_blocking_check_and_no_shard_runs(setup):

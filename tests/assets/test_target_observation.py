@@ -14,13 +14,14 @@ from assets import target_model
 from eagle3_dagster.config import load_profile
 from eagle3_dagster.target import target_identity
 from resources.gpu_host import GpuHostResource, HostEntry
+from resources.profile import ProfileResource
 
 
 def _observe(model_dir, tmp_path, instance):
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(model_dir)}})
-    (asset,) = target_model.build(profile).assets
+    asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
-    result = observe([asset], resources={"gpu_host": host}, instance=instance)
+    result = observe([asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)}, instance=instance)
     assert result.success
     (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
     return event.event_specific_data.asset_observation

@@ -28,7 +28,7 @@ import yaml
 from tests.e2e.conftest import REPO, dagster_dev, wait_for_file, write_instance_yaml
 
 sys.path.insert(0, str(REPO / "tests"))
-from sshd_server import start_sshd  # noqa: E402
+from sshd_server import start_sshd
 
 pytestmark = pytest.mark.e2e
 
@@ -112,7 +112,7 @@ def sha256s(folder: Path) -> dict[str, str]:
 def two_host_extraction(tmp_path_factory, micro_target) -> dict:
     import dagster as dg
 
-    from assets.hidden_states import plan_path_of
+    from assets.extraction_plan import plan_path_of
     from resources.upstream import latest_materialization
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig

@@ -126,10 +126,10 @@ def test_failures_below_the_fraction_do_not_fail_the_run(tmp_path):
 def test_raw_responses_partitions_queue_behind_each_other_in_a_pool_of_one(micro_profile):
     import yaml
 
-    from assets.raw_responses import build
+    from assets import raw_responses
     from eagle3_dagster.config import PROJECT_ROOT
 
-    (asset,) = build(micro_profile).assets
+    asset = raw_responses.for_profile(micro_profile)
     assert asset.op.pool == "raw_responses"
     instance = yaml.safe_load((PROJECT_ROOT / "dagster_home" / "dagster.yaml").read_text())
     assert instance["concurrency"]["pools"]["default_limit"] == 1

@@ -138,13 +138,15 @@ def test_the_observed_target_lists_its_code_files_and_an_edit_gives_a_new_data_v
     from assets import target_model
     from eagle3_dagster.config import load_profile
     from resources.gpu_host import GpuHostResource, HostEntry
+    from resources.profile import ProfileResource
 
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(target)}})
-    (asset,) = target_model.build(profile).assets
+    asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
 
     def observed(instance):
-        result = observe([asset], resources={"gpu_host": host}, instance=instance)
+        result = observe([asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
+                         instance=instance)
         (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
         return event.event_specific_data.asset_observation
 
