@@ -81,6 +81,11 @@ VARIANTS: dict[str, dict] = {
                                    "betas": (0.9, 0.999),
                                    "drafter": {"attention": "mla", "num_key_value_heads": None, "fc_norm": True,
                                                "norm_output": True}},
+    # the same at a higher learning rate: MLA's low-rank projections and their norms may want larger steps
+    "one_sample_6ep_eagle31_mla_lr3e-3": {"batch_tokens": 16, "lr": 3e-3, "epochs": 6, "warmup_ratio": 0.015,
+                                          "betas": (0.9, 0.999),
+                                          "drafter": {"attention": "mla", "num_key_value_heads": None,
+                                                      "fc_norm": True, "norm_output": True}},
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
