@@ -49,6 +49,13 @@ def start(host: str, port: int, workspace: Path = ROOT / "workspace.yaml", env: 
 
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # SIGINT to dagster dev when the process that started it dies, even by SIGKILL (a timeout's kill of
+    # scripts/run_pipeline.py left dagster dev and its code servers running): Linux's parent-death signal.
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGINT))
 
 
 def stop(proc: subprocess.Popen, grace_s: float = GRACE_S, interrupted: list | None = None) -> None:

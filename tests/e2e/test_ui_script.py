@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,3 +123,45 @@ def test_ui_sh_installs_what_the_ui_needs_not_the_test_tools() -> None:
     text = (REPO / "scripts" / "ui.sh").read_text()
     assert "scripts/setup.sh pipeline" in text
     assert [line for line in text.splitlines() if "setup.sh" in line and "pipeline" not in line] == []
+
+
+PARENT = """
+import sys, time
+sys.path.insert(0, "scripts")
+import dagster_dev
+proc = dagster_dev.start("127.0.0.1", int(sys.argv[1]))
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_dagster_dev_stops_when_the_process_that_started_it_is_killed(tmp_path) -> None:
+    """scripts/run_pipeline.py killed outright (a timeout's SIGKILL) must not leave its dagster dev running."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    port = free_port()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(write_profile(tmp_path, "micro"))}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              text=True)
+    started: dict[int, str] = {}
+    try:
+        dev = int(parent.stdout.readline())
+        deadline = time.monotonic() + STARTUP_S
+        while not ui_ready(f"http://127.0.0.1:{port}"):
+            assert time.monotonic() < deadline, f"dagster dev did not answer in {STARTUP_S} s"
+            time.sleep(0.5)
+        started = {dev: _start_time(dev), **descendants(dev)}
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + STOP_S
+        while alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert alive(started) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid, when in started.items():
+            if _start_time(pid) == when:
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
