@@ -1,6 +1,6 @@
 """Which settings each asset's output depends on, and how an edit to them reaches the UI.
 
-An asset hands its engine stage one typed settings object (`eagle3_dagster.stages.settings`), built from the
+An asset hands its engine stage one typed settings object (`eagle3_dagster.stages.StageSettings`), built from the
 profile, and declares that object's `content()` (the settings that change what the stage writes) as its
 definition metadata with `stage_settings_metadata`: what a code version covers is derived from what the stage
 is given, never listed a second time.

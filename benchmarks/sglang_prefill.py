@@ -58,15 +58,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the tier's venv builder lives in tests/
 
-from eagle3_dagster.gpu_host import GpuHost  # noqa: E402
-from eagle3_dagster.host_config import HostConfig  # noqa: E402
-from eagle3_dagster.hidden.sharding import SampleRecord, plan_shards  # noqa: E402
-from eagle3_dagster.layers import default_aux_layers  # noqa: E402
-from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang, prefill  # noqa: E402
-from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server  # noqa: E402
-from eagle3_dagster.target import load_target_config  # noqa: E402
-from tests.real_sglang.support import free_port  # noqa: E402
-from tests.sglang_cpu import venv as sglang_venv  # noqa: E402
+from eagle3_dagster.gpu_host import GpuHost  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.host_config import HostConfig  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.hidden.sharding import SampleRecord, plan_shards  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.layers import default_aux_layers  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.sglang.driver import DriverSettings, extract_shard_sglang, prefill  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.sglang.server import LogTail, ServerSpec, sglang_server  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.target import load_target_config  # noqa: E402  (the checkout is put on sys.path above)
+from tests.real_sglang.support import free_port  # noqa: E402  (the checkout is put on sys.path above)
+from tests.sglang_cpu import venv as sglang_venv  # noqa: E402  (the checkout is put on sys.path above)
 
 VERSION = "0.5.23"
 PRISTINE = "pristine"
@@ -155,7 +155,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         tmp = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sglang-prefill-")))
         tmp.mkdir(parents=True, exist_ok=True)
-        log = lambda line: print(f"[venv] {line}", file=sys.stderr)  # noqa: E731
+        log = lambda line: print(f"[venv] {line}", file=sys.stderr)  # noqa: E731  (a one-line logger for the venv builder)
         pythons = {PRISTINE: sglang_venv.build(args.version, log=log, variant=PRISTINE),
                    "patched": sglang_venv.build(args.version, log=log)} if on_cpu else \
             {PRISTINE: args.pristine_python, "patched": args.patched_python}

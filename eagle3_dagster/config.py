@@ -701,7 +701,7 @@ class Profile(_Strict):
         bench = bench.model_dump() if isinstance(bench, BaseModel) else dict(bench or {})
         if bench.get("temperatures") is None:
             gen = data.get("generation")
-            t = gen.temperature if isinstance(gen, BaseModel) else (gen or {}).get("temperature", 0.0)
+            t = gen.temperature if isinstance(gen, GenerationConfig) else (gen or {}).get("temperature", 0.0)
             bench["temperatures"] = [0.0] + ([float(t)] if t and float(t) > 0 else [])
             data = {**data, "bench": bench}
         return data
@@ -775,7 +775,8 @@ def _inner_model(annotation) -> type[BaseModel] | None:
 
 def _bounds_reason(loc: tuple) -> str | None:
     """The `why` of the field at an error's location (list indexes and tuple positions skipped)."""
-    model, info = Profile, None
+    model: type[BaseModel] | None = Profile
+    info = None
     for part in loc:
         if isinstance(part, int) or model is None:
             continue
@@ -784,7 +785,8 @@ def _bounds_reason(loc: tuple) -> str | None:
             return None
         model = _inner_model(info.annotation)
     extra = info.json_schema_extra if info is not None else None
-    return extra.get("bounds") if isinstance(extra, dict) else None
+    bounds = extra.get("bounds") if isinstance(extra, dict) else None
+    return bounds if isinstance(bounds, str) else None
 
 
 def resolve_profile_path(name_or_path: str) -> Path:
@@ -888,11 +890,11 @@ def restricted(profile: Profile, paths: typing.Iterable[str], stage: str) -> Pro
     setting that its asset's code version does not hash. The copy is not validated again (pydantic's
     `model_copy`), and the profile it came from is unchanged.
     """
-    return _restricted(profile, frozenset(paths), stage, "")
+    return typing.cast(Profile, _restricted(profile, frozenset(paths), stage, ""))
 
 
 def _restricted(model: BaseModel, paths: frozenset[str], stage: str, prefix: str) -> BaseModel:
-    updates = {}
+    updates: dict[str, object] = {}
     for name in type(model).model_fields:
         path = prefix + name
         if path in paths:

@@ -108,6 +108,8 @@ def program_argv(python: str, program: ModuleType, *args: object) -> list[str]:
     given). The source is sent rather than run with `-m`: the probe must run where this project is not
     installed (that is one of the things it reports), and a host with another copy of it installed still
     runs the worker's version."""
+    if program.__file__ is None:
+        raise ValueError(f"{program.__name__} has no source file to send")
     return [python, "-c", Path(program.__file__).read_text(), *map(str, args)]
 
 
@@ -129,6 +131,7 @@ class GpuHost:
         if self.spec.transport == "local":
             return ["bash", "-c", script]
         # `--` ends the options: a target that begins with "-" (e.g. -oProxyCommand=...) is a host name, never an option
+        assert self.spec.ssh_target is not None  # HostConfig requires it for transport 'ssh'
         return ["ssh", "-o", "BatchMode=yes", *self.spec.ssh_options, "--", self.spec.ssh_target, script]
 
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:

@@ -44,4 +44,4 @@ class HostConfig(BaseModel):
 
     @property
     def label(self) -> str:
-        return self.name or (self.ssh_target if self.transport == "ssh" else "local")
+        return self.name or (self.ssh_target if self.transport == "ssh" and self.ssh_target else "local")

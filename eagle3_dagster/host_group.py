@@ -116,7 +116,7 @@ def _wait(exits: queue.Queue, count: int, outputs: list[_Output], log) -> list[t
     """(index, exit code) of every host that failed, in the order they exited; empty when all succeeded."""
     done, failed, settle_until = 0, [], None
     while done < count:
-        timeout = None if settle_until is None else max(0.0, settle_until - time.monotonic())
+        timeout: float | None = None if settle_until is None else max(0.0, settle_until - time.monotonic())
         try:
             i, returncode = exits.get(timeout=timeout)
         except queue.Empty:

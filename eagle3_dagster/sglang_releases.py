@@ -132,9 +132,9 @@ def mla_drafter_refusal(version: str) -> str | None:
     return f"SGLang {version} cannot load an MLA drafter: it has no {missing}"
 
 
-def mla_drafter_releases(options: list[str] | tuple[str, ...] = ()) -> list[str]:
+def mla_drafter_releases(options: Sequence[str] = ()) -> list[str]:
     """The supported releases that serve an MLA drafter and read all of its EAGLE 3.1 `options`."""
-    return [v for v, r in supported().items() if r.serves_mla_drafter and set(options) <= set(r.mla_drafter)]
+    return [v for v, r in supported().items() if r.serves_mla_drafter and set(options) <= set(r.mla_drafter or ())]
 
 
 def arch_family(architecture: str) -> str:
@@ -228,12 +228,13 @@ def served_drafter_problem(aux_layers: Sequence[int] | None, attention: str, opt
         try:
             draft_aux_ids(list(aux_layers), "deepseek", versions)
         except ValueError as e:
+            span = f"{versions[0]} to {versions[-1]}" if versions else "none"
             why = " (gpu_host.sglang_version)" if sglang_version else \
                 (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
-                 f"right on every SGLang release that reads it, {versions[0]} to {versions[-1]}; or name the "
+                 f"right on every SGLang release that reads it, {span}; or name the "
                  "release served in gpu_host.sglang_version)" if options else
                  " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
-                 f"release that serves an MLA drafter, {versions[0]} to {versions[-1]}; or name the release "
+                 f"release that serves an MLA drafter, {span}; or name the release "
                  "served in gpu_host.sglang_version)" if mla else "")
             return f"hidden.aux_layers: {e}{why}"
     if options and sglang_version:  # refused before training, not at export after it

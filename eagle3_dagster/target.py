@@ -108,7 +108,7 @@ def answer_producer(backend: str, model_dir: Path, *, served_model: str | None =
     """Who produced a regenerated answer, as every stored turn records it: the target itself (its identity)
     for the in-process backend, the served model's name for an API; and the tokenizer its tokens are read
     with. An answer recorded under another producer is neither reused nor tokenized."""
-    producer = {"backend": backend, "tokenizer": tokenizer_identity(model_dir)}
+    producer: dict[str, str | None] = {"backend": backend, "tokenizer": tokenizer_identity(model_dir)}
     if backend == "local":
         producer["target"] = target_identity(model_dir)
     else:
@@ -216,7 +216,11 @@ class TargetFacts:
 
 
 def target_dir(profile: "Profile", layout: "ArtifactLayout") -> Path:
-    return layout.target_dir if profile.target.kind == "tiny" else Path(profile.target.path)
+    if profile.target.kind == "tiny":
+        return layout.target_dir
+    if profile.target.path is None:  # the schema requires it of an external target
+        raise ValueError("target.path: an external target needs its path")
+    return Path(profile.target.path)
 
 
 def target_facts(profile: "Profile", layout: "ArtifactLayout") -> TargetFacts:

@@ -68,8 +68,12 @@ def code_files(model_dir: str | Path) -> dict[str, str]:
     names = set(auto_map_modules(model_dir))
     seen = {os.path.realpath(model_dir)}
     for root, dirs, files in os.walk(model_dir, followlinks=True):
-        dirs[:] = [d for d in dirs if (real := os.path.realpath(os.path.join(root, d))) not in seen
-                   and not seen.add(real)]
+        kept = []
+        for d in dirs:  # each real folder once: links may loop or meet
+            if (real := os.path.realpath(os.path.join(root, d))) not in seen:
+                seen.add(real)
+                kept.append(d)
+        dirs[:] = kept
         names.update((Path(root) / f).relative_to(model_dir).as_posix() for f in files if f.endswith(".py"))
     out = {}
     for name in sorted(names):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -88,12 +89,12 @@ def _v1_limit(folder: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def thread_env(ranks: int = 1, *, environ: dict[str, str] | None = None) -> dict[str, str]:
+def thread_env(ranks: int = 1, *, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Thread counts for a child running `ranks` torch processes side by side; the user's own win."""
-    environ = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ
     per_rank = str(max(1, cores_granted() // max(1, ranks)))
     wanted = {"OMP_NUM_THREADS": per_rank, "MKL_NUM_THREADS": per_rank}
-    return {key: environ.get(key, value) for key, value in wanted.items()}
+    return {key: env.get(key, value) for key, value in wanted.items()}
 
 
 def cores_free(samples: int = 5, interval_s: float = 0.05, proc: Path = Path("/proc")) -> int:

@@ -197,7 +197,7 @@ def _handle_line(session: dg.PipesSession, line: str, prefix: str = "") -> bool:
     """A Pipes message to the session (True), any other line to the run's captured log after `prefix`."""
     try:
         handled = forward_message(session.message_handler, line)
-    except Exception as e:  # noqa: BLE001 - the pump must drain the pipe, or the child blocks on a full one
+    except Exception as e:  # the pump must drain the pipe, or the child blocks on a full one
         sys.stderr.write(f"{prefix}{line}\n[pipes] message not handled: {type(e).__name__}: {e}\n")
         return False
     if not handled:

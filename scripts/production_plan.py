@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3_dagster.config import load_profile  # noqa: E402
-from eagle3_dagster.hidden.estimate import TIB, estimate_extraction  # noqa: E402
-from eagle3_dagster.hidden.sharding import ShardSpec, shard_key  # noqa: E402
-from eagle3_dagster.hidden.shards import ShardFormat  # noqa: E402
-from eagle3_dagster.train.schedule import train_schedule  # noqa: E402
+from eagle3_dagster.config import load_profile
+from eagle3_dagster.hidden.estimate import TIB, estimate_extraction
+from eagle3_dagster.hidden.sharding import ShardSpec, shard_key
+from eagle3_dagster.hidden.shards import ShardFormat
+from eagle3_dagster.train.schedule import train_schedule
 
 
 def equal_shards(num_tokens: int, num_samples: int, per_shard: int) -> list[ShardSpec]:

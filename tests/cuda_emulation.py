@@ -60,7 +60,7 @@ class DeviceTensor(torch.Tensor):
     """A tensor on the emulated GPU: host copies from it are asynchronous."""
 
     @property
-    def is_cuda(self) -> bool:  # noqa: D401
+    def is_cuda(self) -> bool:
         return True
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+import matplotlib.pyplot as plt  # the backend must be chosen before pyplot loads
 
 RESULTS_FORMAT_VERSION = 1
 BASELINE = "no_spec"

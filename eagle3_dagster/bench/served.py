@@ -192,6 +192,7 @@ def run_on_host(host: "GpuHost", server: "ServerSpec", prompt_sets: PromptSets, 
                 "--request-timeout-s", str(request_timeout_s), *(["--spec", spec] if spec else [])]
         client = host.spawn(argv, {}, f"bench-client-{server.port}")
         rows, said = [], []
+        assert client.proc.stdout is not None  # spawned with stdout=PIPE
         for line in client.proc.stdout:
             line = line.rstrip("\n")
             if line.startswith(ROW_PREFIX):

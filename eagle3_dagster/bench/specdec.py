@@ -99,7 +99,7 @@ class TargetRunner:
         self.cache: DynamicCache | None = None
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache(config=self.model.config)  # type: ignore[arg-type]  # a transformers model: its PreTrainedConfig
 
     def __len__(self) -> int:
         return 0 if self.cache is None else self.cache.get_seq_length()
@@ -129,7 +129,7 @@ class TargetRunner:
         """Forget every cached position from `length` on (rejected drafts)."""
         # transformers 5 takes a negative count of tokens to drop; a positive value is an error there.
         excess = len(self) - length
-        if excess > 0:
+        if excess > 0 and self.cache is not None:
             self.cache.crop(-excess)
 
 
@@ -438,10 +438,12 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
             coins = coins or torch.Generator().manual_seed(seed)
             if proposer is None:
                 return generate_sampled(runner(()), ids, max_new, eos_ids, temperature=temperature, generator=coins)
+            assert spec is not None  # a method with a proposer has its configuration
             return generate_speculative(runner(tuple(proposer.aux_layers)), proposer, ids, spec, max_new, eos_ids,
                                         temperature=temperature, generator=coins)
         if proposer is None:
             return generate_greedy(runner(()), ids, max_new, eos_ids)
+        assert spec is not None
         return generate_speculative(runner(tuple(proposer.aux_layers)), proposer, ids, spec, max_new, eos_ids)
 
     # Warm-up of every method: one-off allocation, kernel selection and first-call paths stay out of timings.
@@ -464,7 +466,7 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
             for i in (i for i in order if r < runs[i]):
                 name, _, spec = methods[i]
                 label = f"{name} {spec.label}" if spec else name
-                round_gens = []
+                round_gens: list[Generation] = []
                 for prompt_index, (prompt_id, ids) in enumerate(prompts):
                     coins = _coins(seed, set_index, prompt_index, temperature) if sampled else None
                     gen = run(methods[i], ids, max_new_tokens, coins)

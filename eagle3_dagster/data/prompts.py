@@ -117,7 +117,7 @@ def _with_answer_slots(messages: tuple[dict, ...]) -> tuple[dict, ...]:
 
 def load_conversations(path: str | Path, *, limit: int | None = None, stats: LoadStats | None = None,
                        answer_slots: bool = True,
-                       on_reject: Callable[[Rejected], None] | None = None) -> Iterator[Conversation]:
+                       on_reject: Callable[[Rejected], object] | None = None) -> Iterator[Conversation]:
     """Conversations from a `prompts_jsonl` or `conversations_jsonl` file.
 
     A line is `{"id", "prompt"[, "system"]}`, `{"id", "messages": [{role, content}]}` or ShareGPT's

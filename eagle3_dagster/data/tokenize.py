@@ -27,10 +27,11 @@ do the same.
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Iterable, Iterator, MutableSequence, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 from jinja2 import TemplateError
@@ -112,7 +113,7 @@ class _Writer:
         self.out_path, self.quarantine_path, self.stats, self.threshold = out_path, quarantine_path, stats, threshold
         self.reasons: Counter[str] = Counter()
 
-    def run(self, items: Iterable[tuple[str, object]]) -> TokenizeStats:
+    def run(self, items: Iterable[tuple[str, Any]]) -> TokenizeStats:
         """`items` yields ("record", dict) or ("bad", (reason, where, raw input))."""
         too_bad = False
         with atomic_open(self.quarantine_path) as bad:  # published even on failure: it is the evidence
@@ -145,7 +146,7 @@ class _Writer:
         return self.stats
 
 
-def _source_rejects(rejects: MutableSequence | None, stats: TokenizeStats) -> Iterator[tuple[str, object]]:
+def _source_rejects(rejects: list | deque | None, stats: TokenizeStats) -> Iterator[tuple[str, object]]:
     """Input lines the loader did not use (`prompts.Rejected`), as quarantine items counted as inputs."""
     while rejects:
         r = rejects.pop(0) if isinstance(rejects, list) else rejects.popleft()
@@ -223,7 +224,7 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
 def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out_path: Path, quarantine_path: Path,
                            *, dataset: str, source: str, max_turns: int | None = None,
                            bad_fraction_threshold: float = 0.05,
-                           source_rejects: MutableSequence | None = None) -> TokenizeStats:
+                           source_rejects: list | deque | None = None) -> TokenizeStats:
     """Finished conversations (no regeneration): each assistant turn supervised after its own prompt.
 
     `source_rejects` is filled by the loader (`load_conversations(on_reject=...)`) as it reads; each
@@ -294,6 +295,7 @@ def normalize_pretokenized(in_path: Path, out_path: Path, quarantine_path: Path,
             if reason:
                 yield "bad", (reason, f"{in_path}:{lineno}", raw.decode("utf-8", "replace")[:2000])
                 continue
+            assert record is not None  # validate_pretokenized names a reason for every missing record
             seen.add(rid)
             yield "record", {"id": rid, "dataset": dataset, "input_ids": record["input_ids"],
                              "loss_mask": [int(m) for m in record["loss_mask"]], "source": "pretokenized"}

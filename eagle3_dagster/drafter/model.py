@@ -277,6 +277,9 @@ class DraftKVCache:
 
 
 class Eagle3Drafter(nn.Module):
+    d2t: torch.Tensor  # buffers, registered in __init__
+    t2d: torch.Tensor
+
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         super().__init__()
         if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):

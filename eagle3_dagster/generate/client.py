@@ -204,7 +204,8 @@ def _shown(name: str, value: Any) -> str:
     or an object may hold anything, the API key included, and a cut-off copy would escape the scrubbing)."""
     if isinstance(value, (int, float)):
         return f"usage.{name}={value!r}"
-    kind = {str: "string", dict: "object", list: "array"}.get(type(value), type(value).__name__)
+    kinds: dict[type, str] = {str: "string", dict: "object", list: "array"}
+    kind = kinds.get(type(value), type(value).__name__)
     return f"usage.{name} (a JSON {kind}, not shown)"
 
 
@@ -302,7 +303,7 @@ class OpenAIChatBackend:
             detail = self._scrub(str(e).split(": ", 1)[-1])
             if e.kind != "malformed":
                 raise ChatRequestError(e.kind, detail) from None
-            usage_in = body.get("usage") if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
+            usage_in = body["usage"] if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
             usage, cost, problems = parse_usage(usage_in)
             raise ChatRequestError("unusable_reply", f"HTTP {status} answer unusable: {detail}", paid=True,
                                    cost=cost, usage=usage,

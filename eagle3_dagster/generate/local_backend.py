@@ -50,6 +50,11 @@ class _Request:
     prompt_ids: list[int] = field(default_factory=list)
 
 
+def _batch_key(r: _Request) -> tuple[int, float]:
+    """Requests generate together when they ask for the same length and temperature."""
+    return r.max_tokens, r.temperature
+
+
 def _local_error(e: BaseException) -> BaseException:
     """Model and template failures become a failed request; anything else is a bug and propagates as is."""
     if isinstance(e, (ValueError, RuntimeError)):
@@ -78,8 +83,9 @@ class LocalChatBackend:
         if self.tokenizer.pad_token_id is None:
             raise ValueError(f"{self.model_dir}: tokenizer has no pad token, needed to batch prompts")
         self.tokenizer.padding_side = "left"  # generation continues from the last column
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype),
-                                                          local_files_only=True).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype), local_files_only=True)
+        # transformers types PreTrainedModel.to through a decorator that takes the model as its argument
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
         self._stop_ids = stop_token_ids(self.tokenizer)
         self._queue: queue.Queue = queue.Queue()  # one per worker, so a closing worker's sentinel is its own
         self._worker: threading.Thread | None = None
@@ -126,8 +132,7 @@ class LocalChatBackend:
                 pending.append(item)
             # Cancelled awaits are dropped here; the rest can no longer be cancelled.
             live = [r for r in pending if r.future.set_running_or_notify_cancel()]
-            key = lambda r: (r.max_tokens, r.temperature)  # noqa: E731
-            for _, group in groupby(sorted(live, key=key), key=key):
+            for _, group in groupby(sorted(live, key=_batch_key), key=_batch_key):
                 self._run_batch(list(group))
 
     def _run_batch(self, batch: list[_Request]) -> None:
@@ -138,21 +143,21 @@ class LocalChatBackend:
                                                             thinking=r.reasoning)
                 r.prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 ready.append(r)
-            except Exception as e:  # noqa: BLE001 - bad history (e.g. a malformed tool call) fails its request
+            except Exception as e:  # bad history (e.g. a malformed tool call) fails its request
                 r.future.set_exception(ChatRequestError(
                     "local_error", f"request {r.request_id}: chat template failed: {type(e).__name__}: {e}"))
         if not ready:
             return
         try:
             rows = self._generate(ready)
-        except Exception as e:  # noqa: BLE001 - every request of the batch fails; the worker carries on
+        except Exception as e:  # every request of the batch fails; the worker carries on
             for r in ready:
                 r.future.set_exception(_local_error(e))
             return
         for r, generated in zip(ready, rows):
             try:
                 r.future.set_result(self._result(r, generated))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 r.future.set_exception(_local_error(e))
 
     def _generate(self, batch: list[_Request]) -> list[list[int]]:
@@ -178,7 +183,7 @@ class LocalChatBackend:
 
     def _result(self, r: _Request, generated: list[int]) -> ChatResult:
         finished = bool(generated) and generated[-1] in self._stop_ids
-        text = self.tokenizer.decode(generated, skip_special_tokens=False)
+        text = str(self.tokenizer.decode(generated, skip_special_tokens=False))  # one sequence: one string
         reasoning_text, content, tool_calls = parse_completion(text, thinking=r.reasoning)
         return ChatResult(
             reasoning=reasoning_text or "", content=content, tool_calls=tool_calls or [],

@@ -142,7 +142,7 @@ def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, 
 def estimate_extraction(
     shards: Sequence[ShardSpec],
     fmt: ShardFormat,
-    root: storage.Location,
+    root: storage.Location | Path | str,
     version: str,
     *,
     throughput_tokens_per_s: float,
@@ -213,7 +213,8 @@ class CleanupResult:
 
 
 def cleanup_superseded(
-    root: storage.Location, current_version: str, *, dry_run: bool = True, log: Callable[[str], None] = print
+    root: storage.Location | Path | str, current_version: str, *, dry_run: bool = True,
+    log: Callable[[str], None] = print
 ) -> CleanupResult:
     """Delete (or, by default, only list) version folders under root that are not the current one.
 

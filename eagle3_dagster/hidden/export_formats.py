@@ -79,7 +79,7 @@ def verify_version(version_dir: storage.Location | Path | str) -> list[str]:
     problems = []
     for key in sorted(manifest):
         try:
-            verify_shard(shard_path(version_dir, key), manifest[key])
+            verify_shard(shard_path(storage.location(version_dir), key), manifest[key])
         except ShardCorruptError as e:
             problems.append(str(e))
     if problems:
@@ -166,7 +166,7 @@ SPECFORGE_DTYPE = torch.bfloat16
 
 
 def export_specforge(
-    version_dir: Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
+    version_dir: storage.Location | Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
     progress: Callable[[int, int], None] | None = None, dtype: torch.dtype = SPECFORGE_DTYPE,
 ) -> int:
     """One torch.save file per sample, numbered in dataset order, states in `dtype`, into an empty folder or an
@@ -262,7 +262,7 @@ def pre_norm_equivalent(last_hidden: torch.Tensor, final_norm_weight: torch.Tens
 
 
 def export_speculators(
-    version_dir: Path, out_dir: Path, *, final_norm_weight: torch.Tensor,
+    version_dir: storage.Location | Path, out_dir: Path, *, final_norm_weight: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Arrow dataset + hidden_states/hs_{i}.safetensors, into an empty folder or an earlier export

@@ -64,11 +64,11 @@ class ShardResult:
 
 def verified_complete(version_dir: storage.Location | Path, spec: ShardSpec) -> tuple[bool, str | None]:
     """(complete, why not trusted): complete only if the manifest names the right samples and the bytes match it."""
-    if not is_shard_complete(version_dir, spec.key, spec.sample_ids):
-        entry = load_shard_manifest(version_dir, spec.key)
+    entry = load_shard_manifest(version_dir, spec.key)
+    if entry is None or not is_shard_complete(version_dir, spec.key, spec.sample_ids):
         return False, (None if entry is None else f"shard {spec.key}: file does not match its manifest entry")
     try:
-        verify_shard(shard_path(version_dir, spec.key), load_shard_manifest(version_dir, spec.key))
+        verify_shard(shard_path(version_dir, spec.key), entry)
     except ShardCorruptError as e:
         return False, str(e)
     return True, None
@@ -102,7 +102,7 @@ def extract_shard(
     if complete and not force:
         if apart:
             _remove_staged(staged, spec.key)  # left by a run killed after its manifest went up
-        return _result(spec, version_dir, load_shard_manifest(version_dir, spec.key), 0.0, skipped=True)
+        return _result(spec, version_dir, _entry(version_dir, spec.key), 0.0, skipped=True)
     if distrust:
         log(f"{distrust}; extracting it again")
     elif complete:
@@ -129,7 +129,7 @@ def publish_shard(staged: Path, version_dir: storage.Location | Path | str, key:
 
     A local version is its own staging folder: nothing to do. On a store the manifest goes up only after the
     object's bytes, read back from the store, hash to the manifest's sha256; the staged copy is then deleted."""
-    entry, version_dir = load_shard_manifest(staged, key), storage.location(version_dir)
+    entry, version_dir = _entry(staged, key), storage.location(version_dir)
     if storage.location(staged) == version_dir:  # a local version is its own staging folder
         return entry
     manifest_path(version_dir, key).remove()  # an old entry must not vouch for the bytes being replaced
@@ -158,6 +158,13 @@ def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Back
             done += len(sample.input_ids)
             if progress is not None:
                 progress(done, spec.num_tokens)
+
+
+def _entry(folder: storage.Location | Path, key: str) -> dict:
+    """The manifest entry of a shard known to be complete in `folder`."""
+    if (entry := load_shard_manifest(folder, key)) is None:
+        raise FileNotFoundError(f"shard {key}: no manifest entry in {folder}")
+    return entry
 
 
 def _result(spec: ShardSpec, version_dir: storage.Location, entry: dict, seconds: float, *, skipped: bool,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3_dagster import storage
 from eagle3_dagster.contracts import HF_BACKEND_CODE_VERSION
 from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
 from eagle3_dagster.hidden.sharding import SampleRecord, ShardSpec, plan_shards
@@ -52,6 +53,7 @@ class _AuxCapture:
 
     def __init__(self, model: torch.nn.Module, aux_layers: list[int]) -> None:
         layers = model.layers
+        assert isinstance(layers, torch.nn.ModuleList)  # the decoder layers of a transformers model
         self.aux_layers = validate_aux_layers(list(aux_layers), len(layers))
         self.states: dict[int, torch.Tensor] = {}
         self._handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True) for i in self.aux_layers]
@@ -146,7 +148,7 @@ def extract_shard_hf(
     model_dir: Path,
     merged_train: Path,
     spec: ShardSpec,
-    version_dir: Path,
+    version_dir: storage.Location | Path,
     *,
     aux_layers: list[int],
     dtype: str,

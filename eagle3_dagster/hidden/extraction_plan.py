@@ -59,7 +59,7 @@ def write_plan(plan: ExtractionPlan) -> storage.Location:
     return path
 
 
-def load_plan(plan_path: storage.Location) -> ExtractionPlan:
+def load_plan(plan_path: storage.Location | Path | str) -> ExtractionPlan:
     """The ExtractionPlan extraction_plan wrote; an error names the file when it is missing or foreign."""
     path = storage.location(plan_path)
     try:

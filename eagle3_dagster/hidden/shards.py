@@ -261,7 +261,7 @@ class ShardWriter:
 
         width = t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
         buf = t.contiguous().view(torch.uint8).numpy()
-        os.pwrite(self._fd, memoryview(buf).cast("B"), self._data_start + self._starts[name] + row * width)
+        os.pwrite(self._fd, buf.data.cast("B"), self._data_start + self._starts[name] + row * width)
 
     def write_sample(
         self, sample_id: str, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
@@ -337,7 +337,7 @@ class ShardCorruptError(RuntimeError):
     """A shard whose bytes differ from what its manifest recorded."""
 
 
-def load_shard_manifest(version_dir: storage.Location, key: str) -> dict | None:
+def load_shard_manifest(version_dir: storage.Location | Path, key: str) -> dict | None:
     try:
         return storage.read_json(manifest_path(version_dir, key))
     except FileNotFoundError:
@@ -362,7 +362,7 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
     return out
 
 
-def is_shard_complete(version_dir: storage.Location, key: str, expected_ids: Sequence[str] | None = None) -> bool:
+def is_shard_complete(version_dir: storage.Location | Path, key: str, expected_ids: Sequence[str] | None = None) -> bool:
     """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
     entry = load_shard_manifest(version_dir, key)
     if entry is None or shard_path(version_dir, key).size() != entry["bytes"]:

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from eagle3_dagster import storage
 from eagle3_dagster.contracts import SGLANG_BACKEND_CODE_VERSION
 from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, load_plan
 from eagle3_dagster.hidden.extract import Progress, Rows, ShardResult, extract_shard
@@ -131,15 +132,16 @@ def assemble_sample(
             for n in names:
                 parts.setdefault(n, []).append(f.get_tensor(n))
         expected_start += parts["input_ids"][-1].shape[0]
-    n = len(sample.input_ids)
-    if expected_start != n:
-        raise DumpError(f"sample {sample.id!r}: dump covers positions [0, {expected_start}), the sample has {n}")
+    num_tokens = len(sample.input_ids)
+    if expected_start != num_tokens:
+        raise DumpError(f"sample {sample.id!r}: dump covers positions [0, {expected_start}), the sample has "
+                        f"{num_tokens}")
     full = {k: torch.cat(v) for k, v in parts.items()}
     if full["input_ids"].tolist() != sample.input_ids:
         raise DumpError(f"sample {sample.id!r}: dumped token ids differ from the sample's input_ids")
     for k, v in full.items():
-        if k != "input_ids" and tuple(v.shape) != (n, hidden_size):
-            raise DumpError(f"sample {sample.id!r}: {k} has shape {tuple(v.shape)}, expected {(n, hidden_size)}")
+        if k != "input_ids" and tuple(v.shape) != (num_tokens, hidden_size):
+            raise DumpError(f"sample {sample.id!r}: {k} has shape {tuple(v.shape)}, expected {(num_tokens, hidden_size)}")
     aux = torch.cat([full[f"hidden.{i}"] for i in aux_layers], dim=-1)
     return aux, full["last_hidden"]
 
@@ -177,7 +179,7 @@ def extract_shard_sglang(
     settings: DriverSettings,
     merged_train: Path,
     spec: ShardSpec,
-    version_dir: Path,
+    version_dir: storage.Location | Path,
     *,
     aux_layers: list[int],
     hidden_size: int,
@@ -200,6 +202,8 @@ def extract_shard_sglang(
 def dump_folder(plan: ExtractionPlan) -> Path:
     """The server's `SGLANG_HS_DUMP_DIR` for the plan's version: on the local disk its shards are written to,
     so the chunk files never cross a network. The stage launches the server with it, the driver reads it."""
+    if plan.staging_dir is None:  # load_plan and build_plan always name it
+        raise ValueError(f"the plan of {plan.version} names no local folder its shards are written in")
     return plan.staging_dir / ".dumps" / plan.version
 
 

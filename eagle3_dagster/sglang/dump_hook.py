@@ -46,6 +46,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import torch
@@ -204,7 +205,7 @@ class HiddenStateDumper:
         tensors = {f"hidden.{i}": staged[i][:num_tokens] for i in self.layers}
         tensors["last_hidden"] = self._to_host(hidden_states[:num_tokens])
         tensors["input_ids"] = self._to_host(input_ids[:num_tokens].to(torch.int64))
-        item = {
+        item: dict[str, Any] = {
             "seq_lens": seq_lens,
             "prefix_lens": prefix_lens,
             "rids": list(rids) if rids is not None else None,

@@ -18,7 +18,7 @@ import os
 
 def locate() -> dict:
     spec = importlib.util.find_spec("sglang")
-    if spec is None:
+    if spec is None or spec.origin is None:
         raise SystemExit("ModuleNotFoundError: No module named sglang")
     return {"version": importlib.metadata.version("sglang"), "root": os.path.dirname(spec.origin)}
 

@@ -117,7 +117,7 @@ class LogTail:
     def __init__(self, path, keep: int = 200, echo: LogFn | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._file = open(self.path, "a", buffering=1)  # closed by close()
         self.lines: deque[str] = deque(maxlen=keep)
         self._echo = echo
         self._lock = threading.Lock()
@@ -168,6 +168,7 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     tail: deque[str] = deque(maxlen=40)
 
     def pump() -> None:
+        assert proc.proc.stdout is not None  # spawned with stdout=PIPE
         for line in proc.proc.stdout:
             tail.append(line.rstrip("\n"))
             on_log(line.rstrip("\n"))
@@ -207,7 +208,7 @@ def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, 
             if proc.poll() is not None:
                 raise ServerError(f"SGLang server exited with {proc.poll()} before it was healthy:\n" + "\n".join(tail))
             time.sleep(0.2)
-        said = waiter.stdout.read().strip()[-300:]
+        said = (waiter.stdout.read() if waiter.stdout else "").strip()[-300:]
         if waiter.returncode == 2:
             raise ServerError(f"{host.where()}: refusing a server that is not ours: {said}")
         if waiter.returncode != 0:

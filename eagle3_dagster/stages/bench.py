@@ -189,7 +189,7 @@ def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, pr
     from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
     from eagle3_dagster.bench.report import LengthBands, results_document
     from eagle3_dagster.bench.served import prompt_token_limit
-    from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, SpecConfig, run_inprocess_benchmark
+    from eagle3_dagster.bench.specdec import DEFAULT_ROUNDS, Proposer, SpecConfig, run_inprocess_benchmark
     from eagle3_dagster.drafter.imported import load_any_drafter
     from eagle3_dagster.drafter.model import Eagle3Drafter
     from eagle3_dagster.threads import stage_threads
@@ -219,7 +219,7 @@ def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, pr
         described[name] = prompt_set.describe() | {
             "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
             "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
-    proposers = {
+    proposers: dict[str, Proposer] = {
         "eagle3": Eagle3Proposer(drafter, name="eagle3"),
         "eagle3_untrained": Eagle3Proposer(untrained, name="eagle3_untrained"),
         "ngram": NgramProposer(name="ngram", max_ngram=bench.ngram_max),

@@ -127,6 +127,7 @@ def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Cal
         from eagle3_dagster.data.prompts import LoadStats, load_conversations
 
         load = LoadStats()
+        assert ds.path is not None  # the schema requires it of every source but sharegpt
         source = load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=on_reject)
     budget = max_seq_len - answer_room
     kept = too_long = turns_cut = template_failed = 0
@@ -135,7 +136,7 @@ def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Cal
             break
         try:
             fitted, num_cut = _fit_to_context(conv, tokenizer, budget) if tokenizer is not None else (conv, 0)
-        except Exception as e:  # noqa: BLE001 - the target's template raising on one conversation quarantines it
+        except Exception as e:  # the target's template raising on one conversation quarantines it
             template_failed += 1
             if on_reject is not None:
                 from eagle3_dagster.data.prompts import Rejected
@@ -195,15 +196,18 @@ def regenerate_partition(settings: RegenerateSettings, name: str, layout: Artifa
         resend_interrupted=settings.resend_interrupted,
         producer=answer_producer_of(settings.backend, settings.model, settings.target, layout),
     )
+    from eagle3_dagster.generate.client import ChatBackend
+
     if settings.backend == "local":
         from eagle3_dagster.generate.local_backend import LocalChatBackend
         from eagle3_dagster.threads import stage_threads
 
         stage_threads()
-        backend = LocalChatBackend(settings.target.model_dir(layout), dtype=settings.dtype)
+        backend: ChatBackend = LocalChatBackend(settings.target.model_dir(layout), dtype=settings.dtype)
     else:
         from eagle3_dagster.generate import OpenAIChatBackend
 
+        assert settings.base_url and settings.model  # the schema requires both for backend 'openai'
         backend = OpenAIChatBackend(settings.base_url, settings.model, api_key=api_key, timeout_s=settings.timeout_s,
                                     max_retries=settings.max_retries, extra_body=settings.extra_body or None,
                                     reasoning_style=settings.reasoning_style)
@@ -260,6 +264,7 @@ def _quarantine_source(ds: DatasetConfig, path: Path, threshold: float) -> int:
     from eagle3_dagster.io import atomic_open
 
     load = LoadStats()
+    assert ds.path is not None  # called for a source with a file only
     with atomic_open(path) as f:
         for _ in load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=lambda r: f.write(
                 orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")):
@@ -308,6 +313,7 @@ def tokenize_partition(settings: TokenizeSettings, name: str, layout: ArtifactLa
     tokenizer = _tokenizer(settings.target, layout)
     source_stats: dict = {}
     if ds.source == "pretokenized_jsonl":
+        assert ds.path is not None  # the schema requires it of every source but sharegpt
         stats = tk.normalize_pretokenized(Path(ds.path), out, quarantine, dataset=name,
                                           vocab_size=len(tokenizer), bad_fraction_threshold=threshold)
     elif ds.regenerate:

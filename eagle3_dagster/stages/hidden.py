@@ -303,6 +303,7 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
 
     proc = host.spawn(argv, storage.child_env(), name)  # the driver publishes to the store as the profile says
     out: deque[str] = deque(maxlen=200)
+    assert proc.proc.stdout is not None  # spawned with stdout=PIPE
     for line in proc.proc.stdout:
         out.append(line.rstrip("\n"))
         progress(line.rstrip("\n"))
@@ -311,7 +312,8 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     return returncode, list(out)
 
 
-def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec], host: "GpuHost",
+def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec],
+                    host: "GpuHost | None",
                     host_report: dict | None, progress: Progress, force: bool = False) -> tuple[list[dict], Path]:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
     (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
@@ -329,6 +331,8 @@ def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: Extr
     if host is None:
         raise ValueError("hidden.backend 'sglang' needs the gpu_host resource")
     local_root = plan.staging_dir  # the local folder shards are written in: dumps and logs stay on the host's disk
+    if local_root is None:  # load_plan and build_plan always name it
+        raise ValueError(f"the plan of {plan.version} names no local folder its shards are written in")
     report = host_report or extraction_preflight(settings, host, local_root)
     if (why := other_sglang_release(report, settings.sglang_version)) is not None:  # a report from elsewhere
         raise PreflightError(f"{host.where()}: interpreter {host.spec.python} {why}")

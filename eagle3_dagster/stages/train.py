@@ -107,7 +107,7 @@ def prepare_training(settings: TrainSettings, layout: ArtifactLayout, *, plan_pa
                        worker=worker)
 
 
-def verify_shards(version_dir: Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:
+def verify_shards(version_dir: storage.Location | Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:
     """Every shard's size and sha256 against its manifest entry; a `ShardCorruptError` naming each bad shard.
 
     Hashing reads every byte (4.6 TiB for the production corpus); threads overlap the reads (hashlib
@@ -142,6 +142,7 @@ def finish_training(settings: TrainSettings, layout: ArtifactLayout, launch: Tra
     metrics = storage.read_json(launch.out_dir / "metrics.json")
     export_dir = launch.out_dir / "export"
     check = check_export(export_dir)
+    named: dict[str, object]
     if check.ok:
         detail, named = "ok", {"export_dir": export_dir}
     else:

@@ -42,7 +42,9 @@ def tiny_model_config(
         )
     if cfg.first_k_dense_replace >= cfg.num_hidden_layers:
         raise ValueError("target.tiny.first_k_dense_replace must leave at least one MoE layer")
-    return DeepseekV3Config(
+    # moe_layer_freq, topk_method and scoring_func are not DeepseekV3Config's parameters in transformers 5; passed
+    # on, they stay attributes of the config and in config.json, where SGLang's DeepseekV2 reads them
+    return DeepseekV3Config(  # type: ignore[call-arg]
         architectures=["DeepseekV3ForCausalLM"],
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,

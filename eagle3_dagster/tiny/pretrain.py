@@ -90,7 +90,9 @@ class _ExpertLoadBalancer:
         worst = 1.0
         for router, load in zip(self.routers, self.loads):
             if load.sum() > 0:
-                router.e_score_correction_bias -= BIAS_UPDATE_SPEED * torch.sign(load - load.mean())
+                bias = router.e_score_correction_bias
+                assert isinstance(bias, torch.Tensor)  # the router's buffer, updated in place
+                bias.sub_(BIAS_UPDATE_SPEED * torch.sign(load - load.mean()))
                 worst = max(worst, float(load.max() / load.mean()))
             load.zero_()
         return worst

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -29,7 +29,7 @@ class SampleSubset(torch.utils.data.Subset):
     """torch's `Subset` plus the `lengths()` the sampler needs."""
 
     def lengths(self) -> list[int]:
-        every = self.dataset.lengths()
+        every = cast(HiddenSamples, self.dataset).lengths()
         return [every[i] for i in self.indices]
 
 
@@ -40,7 +40,8 @@ def split_heldout(dataset: HiddenSamples, sample_ids: Sequence[str], fraction: f
     train = [i for i in range(len(sample_ids)) if i not in held_set]
     if not train:
         raise ValueError(f"train.eval_fraction {fraction} holds out all {len(sample_ids)} samples; lower it")
-    return SampleSubset(dataset, train), SampleSubset(dataset, held)
+    as_dataset = cast(torch.utils.data.Dataset, dataset)  # torch reads it by __getitem__ and __len__ only
+    return SampleSubset(as_dataset, train), SampleSubset(as_dataset, held)
 
 
 @dataclass
@@ -53,7 +54,9 @@ class Batch:
     sample_ids: list[str]
 
     def to(self, device: torch.device) -> "Batch":
-        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True)
+
         return Batch(move(self.input_ids_BT), move(self.loss_mask_BT), move(self.aux_hidden_BT3H),
                      move(self.last_hidden_BTH), self.num_tokens, self.sample_ids)
 

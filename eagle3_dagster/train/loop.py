@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,9 @@ class NonFiniteTrainingError(FloatingPointError):
 
 class TTTObjective(nn.Module):
     """Drafter + frozen teacher head; forward returns the weighted loss and per-step counts [k, 3]."""
+
+    target_lm_head: torch.Tensor  # buffers, registered in __init__
+    teacher_head: torch.Tensor
 
     def __init__(self, drafter: Eagle3Drafter, target_lm_head_VH: torch.Tensor, ttt_steps: int,
                  lk: tuple[float, float] | None = None) -> None:
@@ -174,8 +177,8 @@ class Trainer:
 
     def _micro_batch(self, batch: Batch, sync: bool) -> tuple[torch.Tensor, float]:
         b = batch.to(self.device)
-        ctx = self.objective.no_sync() if (not sync and hasattr(self.objective, "no_sync")) else nullcontext()
-        with ctx:
+        no_sync = getattr(self.objective, "no_sync", None)  # DDP's: accumulate without an all-reduce
+        with no_sync() if (not sync and no_sync is not None) else nullcontext():
             with self.autocast:
                 loss, stats = self.objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
             (loss / self.cfg.grad_accum).backward()
@@ -203,7 +206,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(totals[-2])
         metrics = summarize(totals[:-2].view(-1, 3))
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], step_tokens=int(totals[-2]))
+        metrics.update(grad_norm=float(grad_norm), lr=float(self.scheduler.get_last_lr()[0]), step_tokens=int(totals[-2]))
         return metrics
 
     def _stop_if_not_finite(self, num_bad: int, bad_batches: list[tuple[float, list[str]]], grad_norm: float) -> None:
@@ -226,7 +229,7 @@ class Trainer:
             f"(hidden_states checks) or lower train.lr")
 
     @torch.no_grad()
-    def evaluate(self, heldout: HiddenSamples | None = None) -> dict[str, float]:
+    def evaluate(self, heldout: HiddenSamples | None = None) -> dict[str, float | int | str | None]:
         """Metrics over every sample of `heldout` (split over the ranks), or, without held-out samples,
         over the first `eval_batches` training batches of epoch 0 on every rank (a fixed set, same each call).
         `scope` says which: a training-batch figure flatters the drafter."""
@@ -243,7 +246,7 @@ class Trainer:
             with self.autocast:
                 _, s = objective(b.input_ids_BT, b.loss_mask_BT, b.aux_hidden_BT3H, b.last_hidden_BTH)
             stats += s
-        out = summarize(_all_reduce(stats))
+        out: dict[str, float | int | str | None] = dict(summarize(_all_reduce(stats)))
         out["scope"] = "heldout" if source is heldout else "train_batches"
         out["num_samples"] = len(heldout) if source is heldout else None
         out["num_scored_tokens"] = int(stats[0, 1])  # teacher rows scored at TTT step 0

@@ -67,6 +67,7 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
     cfg = DrafterConfig.from_profile(job.drafter, target.arch, draft_vocab_size=int(mapping["d2t"].shape[0]),
                                      aux_layers=aux, serving_context=job.serving_context)
     torch.manual_seed(job.train.seed)
+    assert target.embed is not None and target.lm_head is not None  # both asked for: a missing one raised
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
     return drafter, target.lm_head
 
@@ -96,9 +97,9 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
     loop_cfg = LoopConfig(ttt_steps=job.train.ttt_steps, lr=job.train.lr, total_steps=total,
                           warmup_steps=schedule.warmup_steps,
                           grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches,
-                          betas=tuple(job.train.betas))
+                          betas=job.train.betas)
     lk = (job.train.lk_kl_scale, job.train.lk_kl_decay) if job.train.loss == "lk_lambda" else None
-    objective = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps, lk=lk).to(device)
+    objective: torch.nn.Module = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps, lk=lk).to(device)
     if world > 1:
         # buffers (vocab map, target lm_head) are identical on every rank: DDP syncs them once at init, never
         # per step (torch 2.13's forward_sync_buffers; its deprecated broadcast_buffers=False warned on every run)
@@ -119,7 +120,7 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
             return
         if meter is not None:
             meter.update(step, note=f"loss {m['loss']:.4f} acc_0 {m['acc_0']:.3f} lr {m['lr']:.2e}")
-        else:
+        elif progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}")
 

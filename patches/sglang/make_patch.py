@@ -38,9 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from eagle3_dagster.sglang.patch import apply_unified_diff  # noqa: E402
-from eagle3_dagster.sglang_releases import ALWAYS_PLUS_ONE, EAGLE31_OPTIONS, PLUS_ONE_IF_FIRST_IS_ONE, TABLE  # noqa: E402
-from tests.sglang_wheels import read_file, run_set_eagle3_layers_to_capture  # noqa: E402
+from eagle3_dagster.sglang.patch import apply_unified_diff  # noqa: E402  (the checkout is put on sys.path above)
+from eagle3_dagster.sglang_releases import ALWAYS_PLUS_ONE, EAGLE31_OPTIONS, PLUS_ONE_IF_FIRST_IS_ONE, TABLE  # noqa: E402  (the checkout is put on sys.path above)
+from tests.sglang_wheels import read_file, run_set_eagle3_layers_to_capture  # noqa: E402  (the checkout is put on sys.path above)
 
 HERE = Path(__file__).resolve().parent
 MODEL_FILE = "sglang/srt/models/deepseek_v2.py"

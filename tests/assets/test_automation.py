@@ -16,6 +16,8 @@ import datetime as dt
 
 import dagster as dg
 import pytest
+# Private, for want of a public API: a queued run must name the code location its job comes from, and Dagster
+# exports no way to build that origin outside a webserver or daemon (the runs here are made in-process).
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
 from definitions import build_definitions

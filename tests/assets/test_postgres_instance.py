@@ -72,7 +72,11 @@ def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, mic
 
 
 def workspace_origin(job_name: str):
-    """Where the daemon would load the job from: workspace.yaml's code location (a queued run needs one)."""
+    """Where the daemon would load the job from: workspace.yaml's code location (a queued run needs one).
+
+    Private modules, for want of a public API: Dagster exports no constructor of a run's remote origin; the
+    public routes to a queued run (the webserver's GraphQL, `dagster job launch`) would add a webserver or a
+    second code location to what this test starts."""
     from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
     from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 
@@ -110,6 +114,8 @@ def wait_until(what: str, ready, timeout_s: float, logs: list[Path]):
 
 
 def code_server_serves(port: int) -> bool:
+    """The code server answers with its repositories, i.e. definitions.py has loaded (private, for want of a
+    public API: `dagster api grpc-health-check` reports the server's health, not the repositories it loaded)."""
     from dagster._grpc.client import DagsterGrpcClient
 
     try:

@@ -43,8 +43,8 @@ if __name__ == "__main__":
 
 import dagster as dg  # noqa: E402  (the child above must not pay for importing dagster)
 
-from assets._common import EXECUTOR  # noqa: E402
-from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402
+from assets._common import EXECUTOR  # noqa: E402  (after the child's entry point above, as dagster is)
+from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402  (after the child's entry point above, as dagster is)
 
 
 class SleepConfig(dg.Config):

@@ -109,7 +109,7 @@ def killed_run(fixture_deployment, tmp_path_factory) -> dict:
     for pid in (worker["step_ppid"], worker["step_pid"]):
         if pid == worker["step_pid"] or b"execute_run" in Path(f"/proc/{pid}/cmdline").read_bytes():
             os.kill(pid, signal.SIGKILL)
-    survivors = lambda: group_members(child_pgid) if own_group else [child["pid"]] * alive(child["pid"])  # noqa: E731
+    survivors = lambda: group_members(child_pgid) if own_group else [child["pid"]] * alive(child["pid"])  # noqa: E731  (a one-line helper of this test)
     deadline = time.monotonic() + DEAD_WITHIN_S
     while survivors() and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -88,7 +88,7 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
     plain = tmp_path / "plain.json"
     plain.write_text("{}")
     atomic_write_json(tmp_path / "atomic.json", {})
-    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731  (a one-line helper of this test)
     assert mode(tmp_path / "atomic.json") == mode(plain)
 
 

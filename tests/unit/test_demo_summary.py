@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import demo_summary  # noqa: E402
+import demo_summary  # noqa: E402  (scripts/ is put on sys.path above)
 
 
 def test_every_figure_names_a_stage_and_a_range_and_the_stages_are_the_pipelines() -> None:

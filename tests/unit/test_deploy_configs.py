@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+# Private modules, for want of a public API: Dagster validates an instance config only by building the
+# instance (which connects to PostgreSQL and constructs the run launcher), and a launcher's config schema is
+# reachable only through dagster._config; these tests check the files without either.
 from dagster._config import process_config
 from dagster._core.instance.config import dagster_instance_config
 from dagster._core.instance.ref import InstanceRef
@@ -75,7 +79,7 @@ def test_launcher_sample_is_a_valid_instance_config(tmp_path, sample) -> None:
 # In a child, so that importing the launchers (kubernetes, docker) costs the test run nothing else.
 VALIDATE = r"""
 import json, sys
-from dagster._config import process_config
+from dagster._config import process_config  # private: see the note at the top of the module
 from dagster._serdes.config_class import ConfigurableClassData
 
 def launcher_class(module, name):

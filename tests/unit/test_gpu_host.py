@@ -22,9 +22,9 @@ from eagle3_dagster.sglang import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import sglang_wheels  # noqa: E402
-from sshd_server import local_and_ssh_hosts  # noqa: E402
-from resources.gpu_host import GpuHostResource, HostEntry  # noqa: E402
+import sglang_wheels
+from sshd_server import local_and_ssh_hosts
+from resources.gpu_host import GpuHostResource, HostEntry
 
 pytestmark = pytest.mark.slow  # a real sshd and process groups
 

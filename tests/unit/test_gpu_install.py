@@ -29,7 +29,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import sglang_wheels  # noqa: E402
+import sglang_wheels
 
 pytestmark = pytest.mark.slow  # every supported SGLang release's metadata
 

@@ -78,7 +78,7 @@ def naive_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last):
     for j, normed in enumerate(ttt_unroll(drafter, ids, aux, num_steps, fused=False, recompute_mlp=False)):
         logits = drafter.lm_head(normed)
         n = 1 + j
-        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731
+        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731  (a one-line helper of this test)
         p_logp, p_arg, p_valid = sh(logp, 0.0), sh(argmax, 0), sh(valid, False)
         logq = F.log_softmax(logits.float(), -1)
         p = p_logp.exp()
@@ -187,7 +187,7 @@ def naive_lk_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last, k
     total = 0.0
     for j, normed in enumerate(ttt_unroll(drafter, ids, aux, num_steps, fused=False, recompute_mlp=False)):
         n = 1 + j
-        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731
+        sh = lambda x, fill: torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], 1)  # noqa: E731  (a one-line helper of this test)
         p_valid, p, a = sh(valid, False), sh(logp, 0.0).exp(), sh(full, 0.0)
         logq = F.log_softmax(drafter.lm_head(normed).float(), -1)
         num = max(int(p_valid.sum()), 1)

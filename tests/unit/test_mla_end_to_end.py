@@ -29,7 +29,7 @@ def _mla_job(ws: Path, out: str) -> Path:
 
 
 @pytest.mark.slow  # torchrun, 2 ranks, three times
-def test_mla_training_learns_resumes_exactly_and_exports_what_sglang_loads(workspace):  # noqa: F811
+def test_mla_training_learns_resumes_exactly_and_exports_what_sglang_loads(workspace):
     whole = _torchrun(workspace, _mla_job(workspace, "mla_a"))
     assert whole.returncode == 0, _why(whole)
     m = json.loads((workspace / "mla_a" / "metrics.json").read_text())

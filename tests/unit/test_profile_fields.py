@@ -118,13 +118,22 @@ def test_a_bad_number_or_cron_is_a_profile_error_naming_file_and_field(tmp_path,
     assert str(bad) in str(e.value) and field in str(e.value)
 
 
+def dagster_accepts_cron(cron: str) -> bool:
+    """Whether Dagster takes `cron` as a schedule (its public API: a ScheduleDefinition refuses a bad one)."""
+    import dagster as dg
+
+    try:
+        dg.ScheduleDefinition(name="probe", cron_schedule=cron, job_name="probe")
+    except dg.DagsterInvalidDefinitionError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("cron", ["*/10 * * * *", "0 3 * * 1-5", "15,45 */2 1 jan,jul mon", "@daily", "0 0 L * *"])
 def test_cron_strings_dagster_accepts_are_accepted(tmp_path, cron):
-    from dagster._utils.schedules import is_valid_cron_string
-
     bad = _profile_with(tmp_path, "throughput_tokens_per_s: 5000",
                         f"throughput_tokens_per_s: 5000\n  backfill_cron: '{cron}'")
-    if is_valid_cron_string(cron):
+    if dagster_accepts_cron(cron):
         assert load_profile_file(bad).hidden.backfill_cron == cron
     else:
         with pytest.raises(ProfileError, match="hidden.backfill_cron"):

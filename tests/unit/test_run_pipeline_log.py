@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import run_pipeline  # noqa: E402
+import run_pipeline  # noqa: E402  (scripts/ is put on sys.path above)
 
 
 def test_messages_and_errors_with_their_causes_are_printed_once() -> None:

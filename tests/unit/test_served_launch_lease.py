@@ -98,7 +98,7 @@ def _launch_again(host: GpuHost, port: int) -> Exception | None:
     try:
         with sglang_server(host, _spec(port), on_log=lambda _l: None):
             return None
-    except Exception as e:  # noqa: BLE001 - the test names what it expects
+    except Exception as e:  # the test names what it expects
         return e
 
 

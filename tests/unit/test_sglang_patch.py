@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import sglang_wheels  # noqa: E402
+import sglang_wheels
 
-import importlib.util  # noqa: E402
+import importlib.util
 
-from eagle3_dagster import sglang_releases  # noqa: E402
-from eagle3_dagster.sglang import patch  # noqa: E402
-from tests.release_wheels import UNSUPPORTED_SGLANG  # noqa: E402
+from eagle3_dagster import sglang_releases
+from eagle3_dagster.sglang import patch
+from tests.release_wheels import UNSUPPORTED_SGLANG
 
 pytestmark = pytest.mark.slow  # every supported SGLang release's wheel: generated, patched, reverted
 

@@ -22,7 +22,7 @@ from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang.server import ServerError, ServerSpec, sglang_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sshd_server import free_port, local_and_ssh_hosts  # noqa: E402
+from sshd_server import free_port, local_and_ssh_hosts
 
 pytestmark = pytest.mark.slow  # a real sshd and server processes
 

@@ -20,7 +20,7 @@ from test_shards import SAMPLES, _write
 from eagle3_dagster.stages.train import TrainSettings
 
 
-def test_an_export_with_a_non_finite_weight_is_refused(tmp_path, target_dir):  # noqa: F811
+def test_an_export_with_a_non_finite_weight_is_refused(tmp_path, target_dir):
     out = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, dtype=torch.float32)
     assert check_export(out).ok
     weights = load_file(str(out / "model.safetensors"))

@@ -29,7 +29,7 @@ def naive_ttt_attention(q, k0, v0, extra_k, extra_v):
 
 def _inputs(steps: int, b=2, n=3, t=37, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda: torch.randn(b, n, t, d, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    mk = lambda: torch.randn(b, n, t, d, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731  (a one-line helper of this test)
     return mk(), mk(), mk(), [mk() for _ in range(steps)], [mk() for _ in range(steps)]
 
 
