@@ -41,7 +41,8 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "num_conversations_already_complete": "conversations complete before this run (nothing sent)",
         "num_conversations_interrupted": "conversations left incomplete by a stop (budget, failures): resumed next run",
         "num_conversations_failed": "conversations with a request that failed for good",
-        "num_turns": "assistant turns on record for the conversations seen (new and reused)",
+        "num_turns": "assistant turns this run answered or reused (on record already) for the conversations not "
+                     "complete before it; a conversation complete before the run is skipped, its turns not counted",
         "num_requests": "chat requests sent in this run",
         "num_successes": "requests answered and recorded in this run",
         "num_turns_reused": "turns already on record (same request id), not sent again",
