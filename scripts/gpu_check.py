@@ -1,6 +1,6 @@
 """Device check for one CUDA machine with no network: `scripts/gpu_check.sh [--device cpu]`.
 
-Three checks of the code paths that behave differently on a GPU, each against a reference
+Four checks of the code paths that behave differently on a GPU, each against a reference
 computed in the same run, then one table:
 
 1. dump hook: `HiddenStateDumper` with real CUDA tensors and its pinned-buffer copies,
