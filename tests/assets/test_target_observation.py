@@ -8,7 +8,6 @@ import shutil
 import sys
 
 import dagster as dg
-from dagster._core.definitions.observe import observe
 
 from assets import target_model
 from eagle3_dagster.config import load_profile
@@ -21,7 +20,10 @@ def _observe(model_dir, tmp_path, instance):
     profile = load_profile("micro", overrides={"target": {"kind": "external", "path": str(model_dir)}})
     asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
-    result = observe([asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)}, instance=instance)
+    # observed as a job selecting it observes it (Dagster's public API for what dagster._core's observe() does)
+    defs = dg.Definitions(assets=[asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
+                          jobs=[dg.define_asset_job("observe_target", selection=[asset.key])])
+    result = defs.resolve_job_def("observe_target").execute_in_process(instance=instance)
     assert result.success
     (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
     return event.event_specific_data.asset_observation

@@ -133,7 +133,6 @@ def test_target_info_lists_the_code_files_with_their_sha256(target, capsys):
 
 def test_the_observed_target_lists_its_code_files_and_an_edit_gives_a_new_data_version(target, tmp_path):
     import dagster as dg
-    from dagster._core.definitions.observe import observe
 
     from assets import target_model
     from eagle3_dagster.config import load_profile
@@ -144,9 +143,11 @@ def test_the_observed_target_lists_its_code_files_and_an_edit_gives_a_new_data_v
     asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
 
-    def observed(instance):
-        result = observe([asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
-                         instance=instance)
+    defs = dg.Definitions(assets=[asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
+                          jobs=[dg.define_asset_job("observe_target", selection=[asset.key])])
+
+    def observed(instance):  # a job selecting the observable target observes it (Dagster's public API)
+        result = defs.resolve_job_def("observe_target").execute_in_process(instance=instance)
         (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
         return event.event_specific_data.asset_observation
 
