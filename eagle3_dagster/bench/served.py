@@ -101,7 +101,7 @@ async def _one(client: httpx.AsyncClient, sem: asyncio.Semaphore, base_url: str,
         meta = r.json()["meta_info"]
         completion = int(meta["completion_tokens"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ServedBenchmarkError(f"SGLang server {base_url}: unusable /generate answer for prompt {where}: {e!r}")
+        raise ServedBenchmarkError(f"SGLang server {base_url}: unusable /generate answer for prompt {where}: {e!r}") from e
     return {"latency_s": latency, "completion_tokens": completion, "verify_ct": int(meta.get("spec_verify_ct") or 0),
             "spec_accept_length": meta.get("spec_accept_length"), "e2e_latency_s": meta.get("e2e_latency")}
 

@@ -91,7 +91,7 @@ def _chunk_files(dump_dir: Path, key: str) -> list[tuple[int, Path]]:
 
 def _covered(chunks: list[tuple[int, Path]], length: int) -> bool:
     total = 0
-    for start, p in chunks:
+    for _start, p in chunks:
         with safe_open(str(p), "pt") as f:
             total += int(f.metadata()["length"])
     return total >= length

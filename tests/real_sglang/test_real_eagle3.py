@@ -234,7 +234,7 @@ def served_against_simulated(sglang_python, target_dir: Path, profile, export: P
         on_log((tmp_path / "sglang.log").read_text())
 
     rows = []
-    for pid, ids in prompts:
+    for pid, _ids in prompts:
         out, meta, sim = served[pid]["output_ids"], served[pid]["meta_info"], simulated[pid]
         assert out == greedy[pid] == sim.output_ids, (pid, out, greedy[pid], sim.output_ids)
         rows.append({"prompt": pid, "tokens": len(out), "sglang_verify_ct": meta["spec_verify_ct"],

@@ -36,7 +36,7 @@ def test_the_profile_refuses_it_too_naming_the_field(option):
 
 
 def test_every_release_turns_the_radix_cache_off_for_extraction():
-    for version, release in sglang_releases.supported().items():
+    for version in sglang_releases.supported():
         argv = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version=version).argv("python")
         assert "--disable-radix-cache" in argv, version
 

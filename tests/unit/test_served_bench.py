@@ -92,7 +92,7 @@ def test_client_reports_its_acceptance_length_next_to_sglangs_own(direct_server)
                            served_model_name="ours")
     assert [r["set"] for r in rows] == ["mtbench", "gsm8k"]
     total_n = total_v = 0
-    for row, (name, prompts) in zip(rows, PROMPTS.items()):
+    for row, prompts in zip(rows, PROMPTS.values()):
         done = [_expected(ids, 12, 3) for _, ids in prompts]
         n, v = sum(d[0] for d in done), sum(d[1] for d in done)
         total_n, total_v = total_n + n, total_v + v

@@ -123,7 +123,7 @@ def test_a_launch_holding_the_host_in_another_lease_folder_is_refused_as_well(ex
 def _stale_group(host: GpuHost, port: int, record: dict | str | None) -> int:
     """A live server group of this project on the port (its pid file written by the launch), whose launcher
     is gone; `record`: what the launch record beside it says."""
-    proc = host.spawn(["sleep", "300"], None, f"sglang-{port}")
+    host.spawn(["sleep", "300"], None, f"sglang-{port}")
     pidfile = Path(host.spec.workdir) / f"sglang-{port}.pid"
     deadline = time.monotonic() + 30
     while not pidfile.exists() and time.monotonic() < deadline:
