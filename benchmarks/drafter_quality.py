@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 PLAIN_DRAFTER = {"attention": "gqa", "fc_norm": False, "norm_output": False}
 VARIANTS: dict[str, dict] = {
     "profile": {},
-    # the demo's recipe before issue 19: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
+    # the demo's earlier recipe: 2,048 tokens per rank and step, lr 2e-3, 8 epochs, betas (0.9, 0.95)
     "before": {"batch_tokens": 2048, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},
     # the same steps at a higher learning rate: is it the step count or the step size?
     "before_lr8e-3": {"batch_tokens": 2048, "lr": 8e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},

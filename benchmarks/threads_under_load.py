@@ -1,6 +1,6 @@
 """CPU-seconds per pre-training step of the demo's tiny target, alone and beside a competing load.
 
-Issue 23: with a load average near 10 on 2 cores, pre-training cost 4.05 CPU-seconds per step against
+Observed: with a load average near 10 on 2 cores, pre-training cost 4.05 CPU-seconds per step against
 0.84 quiet; the CPU share explains a slower wall clock, not more CPU per step. Extra CPU per step is
 torch's OpenMP pool waiting for its threads: libgomp spins at each parallel region's barrier while the
 thread it waits for is not running. This script measures that, per thread policy:

@@ -1,4 +1,4 @@
-"""The TTT objective as it was before issue 13 (commit f2da7bd), kept verbatim as the benchmark baseline.
+"""The TTT objective as it was before the fused teacher pass (commit f2da7bd), kept verbatim as the benchmark baseline.
 
 `benchmarks/ttt_step.py` measures the current objective against this one in the
 same run. Copied from eagle3_dagster/drafter/ttt.py and loss.py at that commit

@@ -1,9 +1,9 @@
 """One full TTT training step (forward, backward, clip, AdamW) on CPU: tokens/s and peak RSS, new vs baseline.
 
-Shapes are SpecForge's CPU-runnable ones (issue 13): drafter hidden 256, 4
+Shapes are SpecForge's CPU-runnable ones: drafter hidden 256, 4
 heads, intermediate 512, target hidden 256, TTT 7, batch 1, fp32, 2 threads;
 vocabularies (target, draft) = (8192, 2048) and (128000, 32000). The baseline
-is the objective before issue 13, kept in `benchmarks/ttt_baseline.py`.
+is the objective before the fused teacher pass, kept in `benchmarks/ttt_baseline.py`.
 
 Every measurement is a fresh subprocess (torch's allocator never returns
 memory, so a peak is only a peak per process): it builds the model, runs one

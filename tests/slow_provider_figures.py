@@ -1,4 +1,4 @@
-"""Billed vs recorded against a provider slower than `generation.timeout_s` (issue 21's figures).
+"""Billed vs recorded against a provider slower than `generation.timeout_s`: the figures a fix of the budget was measured by.
 
     PYTHONPATH=tests/unit .venv/bin/python tests/slow_provider_figures.py
 

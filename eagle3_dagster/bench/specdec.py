@@ -41,8 +41,8 @@ from transformers.cache_utils import DynamicCache
 from eagle3_dagster.bench.report import LengthBands, attach_speedups, band_entry, make_row
 from eagle3_dagster.progress import ProgressMeter
 
-# Timed rounds per method: enough for a median and a spread on a shared CPU (issue 13 saw one
-# back-to-back pair of single runs flip the ranking).
+# Timed rounds per method: enough for a median and a spread on a shared CPU (one back-to-back pair of
+# single runs was seen to flip the ranking).
 DEFAULT_ROUNDS = 3
 
 

@@ -199,7 +199,7 @@ def test_every_metadata_key_on_every_asset_page_is_described_in_its_legend(micro
     assert gaps == {name: [] for name in names}
 
 
-# ---- operating and auditing (issue 12) -------------------------------------------------------------
+# ---- operating and auditing ----------------------------------------------------------------------
 
 # The progress contract (eagle3_dagster.stages.ProgressMeter): label: done/total unit (pct), rate unit/s, ETA
 PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+) \4/s, ETA \d+:\d\d:\d\d")

@@ -21,7 +21,7 @@ Tolerance: none. Per prompt, SGLang's verify steps must equal the simulator's ex
 are equal too, the outputs being equal). Both sides run float32 on the same inputs, and the top-2 logit margin of
 every draft the simulator makes on the 12 prompts was 0.029 or more at TRAIN_STEPS = 100 (0.005 at 300), three
 orders of magnitude above float32 differences between two implementations; a real difference is not small either:
-the export served one layer off (issue 20) moved 3 of 7 prompts by a verify step. Accepted drafts are printed, not
+the export served one layer off (an earlier defect) moved 3 of 7 prompts by a verify step. Accepted drafts are printed, not
 compared: SGLang counts the drafts it accepted past `max_new_tokens` (`spec_num_correct_drafts`) and then
 truncates, while the simulator drafts no further than the tokens still wanted.
 """

@@ -150,7 +150,7 @@ def test_a_profile_with_eagle31_options_for_a_release_that_ignores_them_is_refus
 def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one_layer_off(tmp_path, target_dir):
     """`serving_spec` itself, not only the stage's host check: the real-SGLang EAGLE-3 test called it directly and
     served a 0.5.12 export (eagle_config ids [0, 1, 2] for canonical [1, 2, 3]) on 0.5.23, which captured layers
-    [0, 1, 2]; its acceptance then differed from the simulator's by exactly that (issue 20)."""
+    [0, 1, 2]; its acceptance then differed from the simulator's by exactly that."""
     from eagle3_dagster.bench.specdec import SpecConfig
     from eagle3_dagster.stages.bench import serving_spec
 

@@ -147,7 +147,7 @@ def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_ex
                                                draft_vocab_size=20)).to(torch.bfloat16)
 
     old = tmp_path / "float32_features"
-    export_specforge(version_dir, old, dtype=torch.float32)  # what the export wrote before issue 19
+    export_specforge(version_dir, old, dtype=torch.float32)  # what the export wrote before it was bfloat16
     raw = load_feature_file(str(specforge_path(old, 0)))
     with pytest.raises(RuntimeError, match="same dtype"):
         head(normalize_offline_sample(raw, 2048)["target"])

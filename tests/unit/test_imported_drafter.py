@@ -71,7 +71,7 @@ def _bf16_rounded(model: Eagle3Drafter) -> Eagle3Drafter:
 def test_specforge_sglang_export_without_aux_ids_loads_with_sglang_default_layers_and_says_so(tmp_path, target_dir):
     drafter = _trained_elsewhere(target_dir)
     export = write_specforge_export(drafter, tmp_path / "sf", draft_config(drafter), to="sglang")
-    assert "eagle_config" not in json.loads((export / "config.json").read_text())  # the KeyError of issue 19
+    assert "eagle_config" not in json.loads((export / "config.json").read_text())  # the KeyError SGLang raised on eagle_config
 
     got = load_any_drafter(export, target_dir)
     assert got.source == "external"

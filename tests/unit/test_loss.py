@@ -60,7 +60,7 @@ def test_step_weights_and_simulated_acceptance_length():
     assert acceptance_length([0.8, 0.5, 0.5], bonus=False) == pytest.approx(0.8 + 0.4 + 0.2)
 
 
-# ---- the implementation before issue 13, kept as the naive reference: whole-sequence teacher log-probs,
+# ---- the implementation before the fused teacher pass, kept as the naive reference: whole-sequence teacher log-probs,
 # full [B, T, V_draft] logits per step, autograd through log_softmax.
 
 def naive_teacher(last_hidden, loss_mask, lm_head, t2d):
