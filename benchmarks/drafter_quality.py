@@ -113,10 +113,10 @@ def train_variant(profile, layout, plan_path, log) -> dict:
     """Train (or read back) one variant; returns metrics.json plus the CPU seconds of its torchrun tree."""
     from eagle3_dagster.io import atomic_write_json
     from eagle3_dagster.storage import read_json
-    from eagle3_dagster.stages.train import prepare_training
+    from eagle3_dagster.stages.train import TrainSettings, prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
-    job = prepare_training(profile, layout, plan_path=plan_path)
+    job = prepare_training(TrainSettings.from_profile(profile), layout, plan_path=plan_path)
     cost_path = job.out_dir / "quality_bench_cost.json"
     if (job.out_dir / "metrics.json").exists() and cost_path.exists():
         log(f"    reusing {job.out_dir}")
@@ -268,7 +268,7 @@ def main() -> None:
     from eagle3_dagster.config import load_profile
     from eagle3_dagster.contracts import ArtifactLayout
     from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
-    from eagle3_dagster.stages.hidden import draft_kv_cache
+    from eagle3_dagster.stages.hidden import PlanSettings, draft_kv_cache
 
     base = load_profile(args.profile)
     layout = ArtifactLayout.from_profile(base)
@@ -292,7 +292,7 @@ def main() -> None:
             print(f"==> {name} seed {seed}: {json.dumps(known[name])}", flush=True)
             train = specforge_variant.train_specforge if name == specforge_variant.NAME else train_variant
             m = train(profile, layout, plan_path, lambda line: print(line, flush=True))
-            kv = draft_kv_cache(profile, acceptance.target_path)
+            kv = draft_kv_cache(PlanSettings.from_profile(profile), acceptance.target_path)
             heldout = m["final_eval"]
             if heldout.get("scope") != "heldout":
                 raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")

@@ -32,10 +32,10 @@ FP8 = "float8_e4m3fn"
 
 def run_one(profile, layout, log) -> dict:
     from eagle3_dagster.hidden.extraction_plan import build_plan, write_plan
-    from eagle3_dagster.stages.bench import benchmark_stage
+    from eagle3_dagster.stages.bench import BenchSettings, benchmark_stage
     from eagle3_dagster.hidden.estimate import actual_bytes
-    from eagle3_dagster.stages.hidden import extract_stage
-    from eagle3_dagster.stages.train import finish_training, prepare_training
+    from eagle3_dagster.stages.hidden import ExtractSettings, extract_stage
+    from eagle3_dagster.stages.train import TrainSettings, finish_training, prepare_training
     from eagle3_dagster.train import build_torchrun_command
 
     dtype = profile.hidden.dtype
@@ -43,18 +43,18 @@ def run_one(profile, layout, log) -> dict:
     plan = build_plan(profile, layout)
     plan_path = write_plan(plan)
     keys = [s.key for s in plan.shards]
-    extract_stage(profile, plan_path, keys, progress=log)
+    extract_stage(ExtractSettings.from_profile(profile), plan_path, keys, progress=log)
     t_extract = time.monotonic() - t0
-    job = prepare_training(profile, layout, plan_path=plan_path)
+    job = prepare_training(TrainSettings.from_profile(profile), layout, plan_path=plan_path)
     # The plain worker (no Pipes session outside Dagster), with the asset's own torchrun settings.
     command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node,
                                      python=sys.executable)
     subprocess.run(command, env={**os.environ, **job.env}, cwd=job.cwd, check=True)
     t_train = time.monotonic() - t0 - t_extract
-    report, ok, detail = finish_training(profile, layout, job)
+    report, ok, detail = finish_training(TrainSettings.from_profile(profile), layout, job)
     if not ok:
         raise ValueError(detail)
-    bench = benchmark_stage(profile, layout, export_dir=report.metadata["export_dir"], previous_results=None,
+    bench = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=report.metadata["export_dir"], previous_results=None,
                             run_id=f"fp8-compare-{dtype}", progress=log)
     meta = report.metadata
     scope = "heldout" if meta["eval_scope"] == "heldout" else "train_batches"

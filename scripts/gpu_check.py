@@ -391,7 +391,7 @@ def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig
     from eagle3_dagster.sglang.server import sglang_server
-    from eagle3_dagster.stages.bench import serving_spec
+    from eagle3_dagster.stages.bench import BenchSettings, serving_spec
 
     what = "MLA export served by SGLang = simulated"
     python = python or sys.executable
@@ -403,7 +403,7 @@ def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = serving_spec(demo_profile(), target, export, installed, spec, port=port)
+    server = serving_spec(BenchSettings.from_profile(demo_profile()), target, export, installed, spec, port=port)
     # the tiny target has no tokenizer: the check sends token ids and reads token ids
     server = dataclasses.replace(server, extra_args=(*server.extra_args, "--skip-tokenizer-init", *args),
                                  env={**server.env, **env},
