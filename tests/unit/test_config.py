@@ -55,18 +55,3 @@ def test_profile_is_chosen_by_environment_variable(monkeypatch) -> None:
         load_profile()
 
 
-def test_a_restricted_profile_gives_what_it_names_and_refuses_the_rest_naming_setting_and_stage() -> None:
-    from eagle3_dagster.config import UndeclaredSetting, restricted
-
-    profile = load_profile("micro")
-    given = restricted(profile, ["data.max_seq_len", "train", "datasets"], "merged_train")
-    assert given.data.max_seq_len == profile.data.max_seq_len
-    assert given.train == profile.train and given.dataset_names == profile.dataset_names
-    uses = [lambda: given.data.shuffle_seed + 1, lambda: f"{given.data.shuffle_seed}", lambda: given.hidden.root,
-            lambda: bool(given.generation), lambda: given.data.drop_datasets == [], lambda: list(given.data.drop_datasets)]
-    for use in uses:
-        with pytest.raises(UndeclaredSetting, match=r"merged_train uses (data\.\w+|hidden|generation), a setting it is "
-                           "not given"):
-            use()
-    assert not isinstance(UndeclaredSetting("x"), AttributeError)  # getattr(x, name, default) must not hide it
-    assert profile.data.shuffle_seed == load_profile("micro").data.shuffle_seed  # the profile itself is unchanged
