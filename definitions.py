@@ -12,8 +12,19 @@ from __future__ import annotations
 import dagster as dg
 
 from assets import (
-    automation, benchmark_report, cleanup_hidden_states, drafter_checkpoint, extraction_plan, hidden_states,
-    merged_train, raw_responses, settings, shard_status, target_model, tokenized_dataset, vocab_mapping,
+    automation,
+    benchmark_report,
+    cleanup_hidden_states,
+    drafter_checkpoint,
+    extraction_plan,
+    hidden_states,
+    merged_train,
+    raw_responses,
+    settings,
+    shard_status,
+    target_model,
+    tokenized_dataset,
+    vocab_mapping,
 )
 from assets._common import EXECUTOR, OWNERS, silenced_warnings
 from eagle3_dagster import storage
@@ -24,14 +35,24 @@ from resources.profile import ProfileResource
 from resources.upstream import UPSTREAM, UpstreamMaterializations
 
 # The modules of this code location's assets, in the graph's order; each gives its asset as a profile builds it.
-ASSET_MODULES = [target_model, raw_responses, tokenized_dataset, merged_train, vocab_mapping, extraction_plan,
-                 hidden_states, drafter_checkpoint, benchmark_report]
+ASSET_MODULES = [
+    target_model,
+    raw_responses,
+    tokenized_dataset,
+    merged_train,
+    vocab_mapping,
+    extraction_plan,
+    hidden_states,
+    drafter_checkpoint,
+    benchmark_report,
+]
 
 
 def build_definitions(profile: Profile) -> dg.Definitions:
     storage.configure(profile.storage)  # every store call of this code location and its run workers
     assets = settings.with_code_versions(
-        with_owners_and_source_links([module.for_profile(profile) for module in ASSET_MODULES]))
+        with_owners_and_source_links([module.for_profile(profile) for module in ASSET_MODULES])
+    )
     specs = [spec for a in assets if a.is_materializable for spec in a.specs]
     jobs = automation.build_jobs(profile)
     check, status_sensor = shard_status.build(next(s for s in specs if s.key == shard_status.ASSET))
@@ -41,8 +62,12 @@ def build_definitions(profile: Profile) -> dg.Definitions:
         asset_checks=[check],
         executor=EXECUTOR,
         jobs=[*jobs.values(), cleanup_hidden_states.cleanup_job(profile)],
-        sensors=[automation.build_sensor(profile), automation.build_automation_sensor(profile),
-                 settings.build_sensor(specs), status_sensor],
+        sensors=[
+            automation.build_sensor(profile),
+            automation.build_automation_sensor(profile),
+            settings.build_sensor(specs),
+            status_sensor,
+        ],
         resources={
             "profile": ProfileResource.of(profile),
             "chat_api": ChatApiResource(api_key=api_key),
@@ -57,10 +82,16 @@ def with_owners_and_source_links(assets: list[dg.AssetsDefinition]) -> list[dg.A
 
     The production target is an observed asset, which takes neither.
     """
-    built = [a.map_asset_specs(lambda spec: spec.replace_attributes(owners=OWNERS)) if a.is_materializable else a
-             for a in assets]
-    with silenced_warnings(dg.BetaWarning, "Function `with_source_code_references`",
-                           "Class `LocalFileCodeReference`", "Class `CodeReferencesMetadataValue`"):
+    built = [
+        a.map_asset_specs(lambda spec: spec.replace_attributes(owners=OWNERS)) if a.is_materializable else a
+        for a in assets
+    ]
+    with silenced_warnings(
+        dg.BetaWarning,
+        "Function `with_source_code_references`",
+        "Class `LocalFileCodeReference`",
+        "Class `CodeReferencesMetadataValue`",
+    ):
         # Beta in 1.13, and Dagster's only link to the source
         linked = dg.with_source_code_references([a for a in built if a.is_materializable])
     return [*linked, *[a for a in built if not a.is_materializable]]

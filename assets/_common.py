@@ -5,7 +5,6 @@ turn its report into Dagster metadata. The helpers here are the glue that would
 otherwise be repeated in each module.
 """
 
-
 import base64
 import re
 import warnings
@@ -42,8 +41,9 @@ def run_tags(profile: Profile, asset: str | None = None) -> dict[str, str]:
     return tags
 
 
-def tag_run(context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: Profile,
-            asset: str | None = None) -> None:
+def tag_run(
+    context: dg.AssetExecutionContext | dg.OpExecutionContext, profile: Profile, asset: str | None = None
+) -> None:
     """Put the asset's run tags on the run itself at its first step.
 
     Jobs and the automation sensor tag their runs when they are created; a run launched from an asset
@@ -89,9 +89,11 @@ def table(rows: list[Mapping[str, Any]], descriptions: Mapping[str, str] | None 
     """Rows → a Dagster table with a schema (numbers stay numbers, rounded), which the UI renders as a grid."""
     descriptions = descriptions or {}
     columns = list(dict.fromkeys(c for r in rows for c in r))
-    schema = dg.TableSchema(columns=[
-        dg.TableColumn(c, _column_type([r.get(c) for r in rows]), description=descriptions.get(c)) for c in columns
-    ])
+    schema = dg.TableSchema(
+        columns=[
+            dg.TableColumn(c, _column_type([r.get(c) for r in rows]), description=descriptions.get(c)) for c in columns
+        ]
+    )
     # Dagster requires every record to have every column; a missing value is None (shown empty).
     records = [dg.TableRecord({c: _cell(r.get(c)) for c in columns}) for r in rows]
     return dg.MetadataValue.table(records, schema=schema)
@@ -169,17 +171,22 @@ def sparkline(values: list[float], x_axis: str, width: int = 48) -> str:
     """A series as one line of block characters between its first and last value, short enough (< 1,000
     characters) for Dagster's asset page to render inline; longer series are averaged into `width` buckets."""
     n = len(values)
-    buckets = [values[i * n // width:(i + 1) * n // width] for i in range(width)] if n > width else [[v] for v in values]
+    buckets = (
+        [values[i * n // width : (i + 1) * n // width] for i in range(width)] if n > width else [[v] for v in values]
+    )
     means = [sum(b) / len(b) for b in buckets if b]
     lo, hi = min(means), max(means)
     span = (hi - lo) or 1.0
     line = "".join(SPARK_LEVELS[min(len(SPARK_LEVELS) - 1, int((v - lo) / span * len(SPARK_LEVELS)))] for v in means)
-    return (f"`{round_value(values[0])}` {line} `{round_value(values[-1])}` — {n:,} points by {x_axis}, "
-            f"min {round_value(min(values))}, max {round_value(max(values))}")
+    return (
+        f"`{round_value(values[0])}` {line} `{round_value(values[-1])}` — {n:,} points by {x_axis}, "
+        f"min {round_value(min(values))}, max {round_value(max(values))}"
+    )
 
 
-def materialize_result(context: dg.AssetExecutionContext, report: StageReport, *, data_version: str | None = None,
-                       **kwargs: Any) -> dg.MaterializeResult:
+def materialize_result(
+    context: dg.AssetExecutionContext, report: StageReport, *, data_version: str | None = None, **kwargs: Any
+) -> dg.MaterializeResult:
     """The stage's report as metadata, the settings it was built with, and a data version from its content."""
     from assets.metadata_legend import LEGEND_KEY, legend
     from assets.settings import recorded_settings
@@ -187,8 +194,9 @@ def materialize_result(context: dg.AssetExecutionContext, report: StageReport, *
     asset = context.asset_key.to_user_string()
     version = data_version or report.data_version
     if version is None:
-        raise ValueError(f"{asset}: the stage reported no content version; every asset's data version must come "
-                         "from its content")
+        raise ValueError(
+            f"{asset}: the stage reported no content version; every asset's data version must come from its content"
+        )
     metadata = {**report_metadata(report), **recorded_settings(context)}
     metadata[LEGEND_KEY] = legend(asset, metadata)
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version), **kwargs)

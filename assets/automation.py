@@ -12,7 +12,6 @@ An external target (production's) is an observable source, missing to the automa
 the same sensor observes it when it never was and at each tick.
 """
 
-
 from collections.abc import Sequence
 
 import dagster as dg
@@ -81,7 +80,8 @@ def target_observation_condition(cron: str) -> dg.AutomationCondition:
     data version at the next tick and marks everything built from the old one stale."""
     AC = dg.AutomationCondition
     return ((AC.missing() | AC.cron_tick_passed(cron)) & ~AC.in_progress()).with_label(
-        f"never observed, or a tick of {cron}")
+        f"never observed, or a tick of {cron}"
+    )
 
 
 # The jobs the UI and scripts/run_pipeline.py run: what each materializes. Their order is the graph's
@@ -89,12 +89,18 @@ def target_observation_condition(cron: str) -> dg.AutomationCondition:
 JOBS: dict[str, tuple[tuple[str, ...], str]] = {
     "target_job": (("target_model",), "Build and pre-train the tiny target (tiny targets only)."),
     "data_job": (("raw_responses", "tokenized_dataset"), "Regenerate and tokenize one dataset partition."),
-    "corpus_job": (("merged_train", "vocab_mapping", "extraction_plan"),
-                   "Merge and shuffle, build the draft vocabulary, plan the extraction."),
-    "extract_job": (("hidden_states",),
-                    "Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host)."),
-    "train_job": (("drafter_checkpoint", "benchmark_report"), "Train the drafter with torchrun, export it, "
-                  "benchmark it."),
+    "corpus_job": (
+        ("merged_train", "vocab_mapping", "extraction_plan"),
+        "Merge and shuffle, build the draft vocabulary, plan the extraction.",
+    ),
+    "extract_job": (
+        ("hidden_states",),
+        "Extract hidden states for shard partitions (one GPU run at a time: pool gpu_host).",
+    ),
+    "train_job": (
+        ("drafter_checkpoint", "benchmark_report"),
+        "Train the drafter with torchrun, export it, benchmark it.",
+    ),
 }
 
 
@@ -106,8 +112,9 @@ def build_jobs(profile: Profile) -> dict:
         selection = dg.AssetSelection.assets(*assets)
         if "hidden_states" in assets:
             # without shards_current: a verdict on every shard, reported by its sensor, not by each shard's run
-            selection = selection - dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey("hidden_states"),
-                                                                                SHARDS_CURRENT))
+            selection = selection - dg.AssetSelection.checks(
+                dg.AssetCheckKey(dg.AssetKey("hidden_states"), SHARDS_CURRENT)
+            )
         tags = run_tags(profile, "hidden_states" if "hidden_states" in assets else None)
         jobs[name] = dg.define_asset_job(name, selection=selection, tags=tags, description=description)
     return jobs
@@ -130,7 +137,8 @@ def _automation_sensor(profile: Profile) -> dg.AutomationConditionSensorDefiniti
         emit_backfills=False,  # one run per shard: a failed shard fails alone and is retried alone
         description=f"At each tick of {profile.hidden.backfill_cron}, requests up to {profile.hidden.backfill_batch} "
         "hidden_states shards that are missing, failed or outdated, none already queued or running"
-        + ("; observes the external target_model, at once when it never was" if observed else "") + ".",
+        + ("; observes the external target_model, at once when it never was" if observed else "")
+        + ".",
     )
 
 

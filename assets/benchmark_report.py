@@ -28,8 +28,9 @@ GROUP = "drafter"
     description="Acceptance length and speed per prompt set and speculative configuration, against no "
     "speculation, the n-gram drafter and the untrained drafter; compared with the previous report.",
 )
-def benchmark_report(context: dg.AssetExecutionContext, profile: ProfileResource, gpu_host: GpuHostResource,
-                     drafter: Materialized) -> dg.MaterializeResult:
+def benchmark_report(
+    context: dg.AssetExecutionContext, profile: ProfileResource, gpu_host: GpuHostResource, drafter: Materialized
+) -> dg.MaterializeResult:
     from eagle3_dagster.stages.bench import benchmark_stage
 
     loaded = profile.get()
@@ -39,8 +40,13 @@ def benchmark_report(context: dg.AssetExecutionContext, profile: ProfileResource
     export_dir = export_of(drafter)
     with gpu_host.lease(context) as host:  # a host of its own while it serves
         report = benchmark_stage(
-            BenchSettings.from_profile(loaded), layout(loaded), export_dir=export_dir, previous_results=previous,
-            run_id=context.run_id, gpu_host=host, progress=progress_logger(context),
+            BenchSettings.from_profile(loaded),
+            layout(loaded),
+            export_dir=export_dir,
+            previous_results=previous,
+            run_id=context.run_id,
+            gpu_host=host,
+            progress=progress_logger(context),
         )
     results = report.metadata["results_json"]
     report.metadata.update(results_metadata(results))
@@ -52,15 +58,20 @@ def for_profile(profile: Profile) -> dg.AssetsDefinition:
 
 
 RESULT_COLUMNS = {  # column → what it means, with its unit
-    "set": "prompt set", "method": "proposer (no_spec: plain decoding)", "spec": "num_steps,topk,num_draft_tokens",
+    "set": "prompt set",
+    "method": "proposer (no_spec: plain decoding)",
+    "spec": "num_steps,topk,num_draft_tokens",
     "temperature": "sampling temperature of the decode (0: greedy)",
     "acceptance_length": "tokens per verify step, bonus included",
     "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), on the set",
-    "speedup_min": "the lowest round's speed-up", "speedup_max": "the highest round's speed-up",
+    "speedup_min": "the lowest round's speed-up",
+    "speedup_max": "the highest round's speed-up",
     "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s: the ratio of the two tokens_per_s cells",
     "tokens_per_s": "completion tokens per second, the median over timing rounds",
-    "tokens_per_s_min": "the slowest round's tokens/s", "tokens_per_s_max": "the fastest round's tokens/s",
-    "num_prompts": "prompts", "completion_tokens": "tokens generated",
+    "tokens_per_s_min": "the slowest round's tokens/s",
+    "tokens_per_s_max": "the fastest round's tokens/s",
+    "num_prompts": "prompts",
+    "completion_tokens": "tokens generated",
 }
 
 
@@ -80,11 +91,15 @@ def export_of(drafter: Materialized) -> str:
     `refused_export_dir` and is never read, nor is an older export behind it."""
     refused = drafter.path("refused_export_dir")
     if refused is not None:
-        raise ValueError(f"benchmark_report: the latest drafter_checkpoint export ({refused}) failed its "
-                         f"{EXPORT_CHECK} check and is not benchmarked; see the check's detail, then materialize "
-                         "drafter_checkpoint again")
+        raise ValueError(
+            f"benchmark_report: the latest drafter_checkpoint export ({refused}) failed its "
+            f"{EXPORT_CHECK} check and is not benchmarked; see the check's detail, then materialize "
+            "drafter_checkpoint again"
+        )
     path = drafter.path("export_dir")
     if not path:
-        raise FileNotFoundError("benchmark_report: no drafter_checkpoint materialization names an export; "
-                                "materialize drafter_checkpoint first")
+        raise FileNotFoundError(
+            "benchmark_report: no drafter_checkpoint materialization names an export; "
+            "materialize drafter_checkpoint first"
+        )
     return path

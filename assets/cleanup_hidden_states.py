@@ -20,15 +20,21 @@ class CleanupConfig(dg.Config):
     ins={"plan": upstream_in("extraction_plan")},
     description="Delete hidden-state versions other than the current one. Dry run unless dry_run=false.",
 )
-def cleanup_superseded_hidden_states(context: dg.OpExecutionContext, config: CleanupConfig,
-                                     profile: ProfileResource, plan: Materialized) -> None:
+def cleanup_superseded_hidden_states(
+    context: dg.OpExecutionContext, config: CleanupConfig, profile: ProfileResource, plan: Materialized
+) -> None:
     from assets.extraction_plan import plan_path_of
     from eagle3_dagster.stages.hidden import cleanup_stage
 
     loaded = profile.get()
     tag_run(context, loaded)
-    report = cleanup_stage(ShardSettings.from_profile(loaded), layout(loaded), dry_run=config.dry_run,
-                           log=context.log.info, plan_path=plan_path_of(plan))
+    report = cleanup_stage(
+        ShardSettings.from_profile(loaded),
+        layout(loaded),
+        dry_run=config.dry_run,
+        log=context.log.info,
+        plan_path=plan_path_of(plan),
+    )
     context.log_event(
         dg.AssetObservation(asset_key="extraction_plan", metadata=report.metadata | {"dry_run": config.dry_run})
     )

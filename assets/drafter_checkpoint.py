@@ -34,18 +34,26 @@ PIPES_WORKER = "resources.pipes_child"
     pool=GPU_POOL,
     kinds={"pytorch"},
     ins={"plan": dg.AssetIn("extraction_plan", input_manager_key=UPSTREAM)},
-    metadata=gating_inputs(extraction_plan="names the shards of the hidden-state version; their content is "
-                           "hidden_states'"),
-    check_specs=[dg.AssetCheckSpec(EXPORT_CHECK, asset="drafter_checkpoint", blocking=True,
-                                   description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
-                                   "with its shape, finite, and nothing else; a failing export is named only as "
-                                   "refused_export_dir and nothing downstream runs on it")],
+    metadata=gating_inputs(
+        extraction_plan="names the shards of the hidden-state version; their content is hidden_states'"
+    ),
+    check_specs=[
+        dg.AssetCheckSpec(
+            EXPORT_CHECK,
+            asset="drafter_checkpoint",
+            blocking=True,
+            description="every tensor SGLang's LlamaForCausalLMEagle3 loads is present "
+            "with its shape, finite, and nothing else; a failing export is named only as "
+            "refused_export_dir and nothing downstream runs on it",
+        )
+    ],
     description="EAGLE-3 drafter trained with torchrun (DDP) on the hidden-state shards, exported in the "
     "layout SGLang and vLLM load.",
     retry_policy=dg.RetryPolicy(max_retries=1),
 )
-def drafter_checkpoint(context: dg.AssetExecutionContext, profile: ProfileResource,
-                       gpu_host: GpuHostResource, plan: Materialized) -> dg.MaterializeResult:
+def drafter_checkpoint(
+    context: dg.AssetExecutionContext, profile: ProfileResource, gpu_host: GpuHostResource, plan: Materialized
+) -> dg.MaterializeResult:
     from eagle3_dagster.stages.train import finish_training, prepare_training
     from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, node_commands
 
@@ -58,26 +66,31 @@ def drafter_checkpoint(context: dg.AssetExecutionContext, profile: ProfileResour
     except TooFewHostsError as e:
         raise dg.Failure(description=str(e)) from None
     # a retry resumes from the run folder's checkpoints: the job (hence the folder) is the same
-    launch = prepare_training(settings, layout(loaded),
-                              plan_path=plan_path_of(plan), worker=PIPES_WORKER)
+    launch = prepare_training(settings, layout(loaded), plan_path=plan_path_of(plan), worker=PIPES_WORKER)
     with gpu_host.lease_hosts(context, train.nnodes) as hosts:  # one torchrun node per host
         nodes = node_commands(launch.job_path, train, hosts, module=launch.worker)
         for node in nodes:
             context.log.info(f"launching on {node.host.name}: {' '.join(node.argv)}")
-        invocation = gpu_host.run_pipes_on_hosts(context=context, commands=nodes, env=launch.env,
-                                                 cwd=launch.cwd, name="train")
+        invocation = gpu_host.run_pipes_on_hosts(
+            context=context, commands=nodes, env=launch.env, cwd=launch.cwd, name="train"
+        )
     child_meta = {}
     for result in invocation.get_results():
         if isinstance(result, dg.MaterializeResult):
             child_meta.update(result.metadata or {})
     report, export_ok, export_detail = finish_training(settings, layout(loaded), launch)
-    meta = {**rounded(child_meta), **report_metadata(report), **provenance_metadata(plan, context),
-            **recorded_settings(context)}
+    meta = {
+        **rounded(child_meta),
+        **report_metadata(report),
+        **provenance_metadata(plan, context),
+        **recorded_settings(context),
+    }
     meta[LEGEND_KEY] = legend("drafter_checkpoint", meta)
     check = dg.AssetCheckResult(check_name=EXPORT_CHECK, passed=export_ok, metadata={"detail": export_detail})
     weights = launch.out_dir / "export" / "model.safetensors"
-    return dg.MaterializeResult(metadata=meta, check_results=[check],
-                                data_version=dg.DataVersion(file_version(weights)))
+    return dg.MaterializeResult(
+        metadata=meta, check_results=[check], data_version=dg.DataVersion(file_version(weights))
+    )
 
 
 def for_profile(profile: Profile) -> dg.AssetsDefinition:
@@ -93,8 +106,10 @@ def provenance_metadata(plan_materialization: Materialized, context: dg.AssetExe
 
     plan = load_plan(plan_path_of(plan_materialization))
     manifest = load_manifest(plan.version_dir)
-    shards = [{"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
-              for key, e in sorted(manifest.items())]
+    shards = [
+        {"shard": key, "sha256": e["sha256"], "num_samples": len(e["samples"]), "bytes": e["bytes"]}
+        for key, e in sorted(manifest.items())
+    ]
     return {
         "target_identity": plan.target.identity,
         "merged_train_sha256": plan.merged_train_sha256,

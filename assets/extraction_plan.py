@@ -28,14 +28,20 @@ FITS_CHECK = "fits_on_disk"
 @dg.asset(
     group_name=GROUP,
     deps=["merged_train", "target_model"],
-    check_specs=[dg.AssetCheckSpec(FITS_CHECK, asset="extraction_plan", blocking=True,
-                                   description="the shards of this hidden-state version fit in the free "
-                                   "space under hidden.root")],
+    check_specs=[
+        dg.AssetCheckSpec(
+            FITS_CHECK,
+            asset="extraction_plan",
+            blocking=True,
+            description="the shards of this hidden-state version fit in the free space under hidden.root",
+        )
+    ],
     description="Exact bytes and estimated hours of extraction for the current merged_train, free space "
     "where the shards go, and every superseded hidden-state version with its size.",
 )
-def extraction_plan(context: dg.AssetExecutionContext, profile: ProfileResource,
-                    gpu_host: GpuHostResource) -> dg.MaterializeResult:
+def extraction_plan(
+    context: dg.AssetExecutionContext, profile: ProfileResource, gpu_host: GpuHostResource
+) -> dg.MaterializeResult:
     from eagle3_dagster.stages.hidden import free_space_location, plan_stage
 
     loaded = profile.get()
@@ -50,8 +56,13 @@ def extraction_plan(context: dg.AssetExecutionContext, profile: ProfileResource,
         severity=dg.AssetCheckSeverity.ERROR,
         description=message,
         # version and root say which extraction this verdict is about
-        metadata={"version": meta["version"], "hidden_root": str(root), "free_bytes": meta["free_bytes"],
-                  "remaining_bytes": meta["remaining_bytes"], "total_bytes": meta["total_bytes"]},
+        metadata={
+            "version": meta["version"],
+            "hidden_root": str(root),
+            "free_bytes": meta["free_bytes"],
+            "remaining_bytes": meta["remaining_bytes"],
+            "total_bytes": meta["total_bytes"],
+        },
     )
     # The plan's content: what would be written where; free space is a reading, not content.
     content = {k: meta[k] for k in ("version", "num_shards", "num_samples", "num_tokens", "total_bytes")}
@@ -68,8 +79,9 @@ def plan_path_of(plan: Materialized) -> str:
     """The plan file extraction_plan's latest materialization wrote (later stages read it, never recompute it)."""
     path = plan.path(PLAN_PATH_KEY)
     if path is None:
-        raise dg.Failure(description="extraction_plan has no materialization with a plan path: materialize "
-                         "extraction_plan first.")
+        raise dg.Failure(
+            description="extraction_plan has no materialization with a plan path: materialize extraction_plan first."
+        )
     return path
 
 
@@ -77,8 +89,10 @@ def refuse_stale_plan(plan: Materialized, merged_train: Materialized) -> None:
     """Refuse a plan made for another merged_train than the latest one (its data version is its sha256)."""
     planned, latest = plan.metadata.get("merged_train_sha256"), merged_train.data_version
     if latest is not None and planned is not None and latest != planned:
-        raise dg.Failure(description=f"plan mismatch: extraction_plan was made for merged_train {planned[:12]}, "
-                         f"the latest merged_train is {latest[:12]}; materialize extraction_plan again.")
+        raise dg.Failure(
+            description=f"plan mismatch: extraction_plan was made for merged_train {planned[:12]}, "
+            f"the latest merged_train is {latest[:12]}; materialize extraction_plan again."
+        )
 
 
 def refuse_unfit_plan(plan: Materialized, hidden_root: str) -> None:

@@ -44,28 +44,47 @@ class HiddenStatesConfig(dg.Config):
 # Partitioned checks (Preview in 1.13): each verdict belongs to its shard, and blocks only that shard.
 with silenced_warnings(dg.PreviewWarning, "Specifying a partitions_def on an AssetCheckSpec"):
     SHARD_CHECKS = [
-        dg.AssetCheckSpec(BYTES_CHECK, asset="hidden_states", blocking=True, partitions_def=HIDDEN_STATE_SHARDS,
-                          description="bytes written equal the plan's prediction for this shard"),
-        dg.AssetCheckSpec(MANIFEST_CHECK, asset="hidden_states", blocking=True,
-                          partitions_def=HIDDEN_STATE_SHARDS, description="the shard's bytes match its manifest "
-                          "checksum"),
+        dg.AssetCheckSpec(
+            BYTES_CHECK,
+            asset="hidden_states",
+            blocking=True,
+            partitions_def=HIDDEN_STATE_SHARDS,
+            description="bytes written equal the plan's prediction for this shard",
+        ),
+        dg.AssetCheckSpec(
+            MANIFEST_CHECK,
+            asset="hidden_states",
+            blocking=True,
+            partitions_def=HIDDEN_STATE_SHARDS,
+            description="the shard's bytes match its manifest checksum",
+        ),
     ]
 
 
 @dg.asset(
     group_name=GROUP,
     partitions_def=HIDDEN_STATE_SHARDS,
-    ins={"plan": dg.AssetIn("extraction_plan", input_manager_key=UPSTREAM),
-         "merged_train": dg.AssetIn("merged_train", input_manager_key=UPSTREAM)},
+    ins={
+        "plan": dg.AssetIn("extraction_plan", input_manager_key=UPSTREAM),
+        "merged_train": dg.AssetIn("merged_train", input_manager_key=UPSTREAM),
+    },
     deps=["target_model"],
     pool=GPU_POOL,
     kinds={"safetensors"},
     check_specs=SHARD_CHECKS,
-    metadata=gating_inputs(extraction_plan="the shards' content is merged_train's and their own settings; the plan "
-                           "names them and its disk verdict must pass, its hours are not in them"),
+    metadata=gating_inputs(
+        extraction_plan="the shards' content is merged_train's and their own settings; the plan "
+        "names them and its disk verdict must pass, its hours are not in them"
+    ),
 )
-def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig, profile: ProfileResource,
-                  gpu_host: GpuHostResource, plan: Materialized, merged_train: Materialized) -> dg.MaterializeResult:
+def hidden_states(
+    context: dg.AssetExecutionContext,
+    config: HiddenStatesConfig,
+    profile: ProfileResource,
+    gpu_host: GpuHostResource,
+    plan: Materialized,
+    merged_train: Materialized,
+) -> dg.MaterializeResult:
     from eagle3_dagster.hidden.shards import load_manifest
     from eagle3_dagster.stages.hidden import extract_stage, extraction_preflight, free_space_location
 
@@ -82,20 +101,35 @@ def hidden_states(context: dg.AssetExecutionContext, config: HiddenStatesConfig,
         reports.append(extraction_preflight(settings, host, free_space_location(layout(loaded))))
 
     with gpu_host.lease(context, preflight=preflight, shards=keys) as host:
-        report, checks = extract_stage(settings, plan_path, keys, gpu_host=host, host_report=reports[-1],
-                                       force=config.force, progress=progress_logger(context))
+        report, checks = extract_stage(
+            settings,
+            plan_path,
+            keys,
+            gpu_host=host,
+            host_report=reports[-1],
+            force=config.force,
+            progress=progress_logger(context),
+        )
     report.metadata["gpu_host"] = host.name
     results = [
-        dg.AssetCheckResult(check_name=name, passed=passed, severity=dg.AssetCheckSeverity.ERROR,
-                            description=detail, metadata=_check_numbers(name, detail, report.metadata))
+        dg.AssetCheckResult(
+            check_name=name,
+            passed=passed,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description=detail,
+            metadata=_check_numbers(name, detail, report.metadata),
+        )
         for name, (passed, detail) in checks.items()
     ]
     manifest = load_manifest(report.metadata["version_dir"])
     sums = {k: manifest[k]["sha256"] for k in keys if k in manifest}
     report.metadata["shard_sha256"] = sums
     # One partition per run (no backfill policy): the data version is that shard's checksum.
-    version = sums[keys[0]] if len(keys) == 1 and keys[0] in sums else \
-        hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    version = (
+        sums[keys[0]]
+        if len(keys) == 1 and keys[0] in sums
+        else hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    )
     return materialize_result(context, report, data_version=version, check_results=results)
 
 
@@ -103,7 +137,8 @@ def for_profile(profile: Profile) -> dg.AssetsDefinition:
     """The profile's automation (how many shards per tick, how often) and run tags, and its backend named."""
     hidden = profile.hidden
     asset = with_stage_settings(
-        hidden_states, ExtractSettings.from_profile(profile),
+        hidden_states,
+        ExtractSettings.from_profile(profile),
         automation_condition=shard_automation_condition(hidden.backfill_batch, hidden.backfill_cron),
         description=f"Aux + last hidden states for each sample of merged_train, one partition per shard "
         f"({hidden.backend} backend). Resumes from the manifest when retried: a shard complete in its "

@@ -28,7 +28,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "path": "the append-only response log (JSONL) of this dataset",
         "dataset": "the dataset (partition) regenerated",
         "source": "what reading the prompts found: conversations kept, skipped as too long for data.max_seq_len, "
-                  "turns cut, and the reader's own counts",
+        "turns cut, and the reader's own counts",
         "regenerated": "false for a dataset whose answers are not regenerated: the file is registered as it is",
         "sha256": "sha256 of the registered file (its data version)",
         "bytes": "size of the registered file",
@@ -42,7 +42,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "num_conversations_interrupted": "conversations left incomplete by a stop (budget, failures): resumed next run",
         "num_conversations_failed": "conversations with a request that failed for good",
         "num_turns": "assistant turns this run answered or reused (on record already) for the conversations not "
-                     "complete before it; a conversation complete before the run is skipped, its turns not counted",
+        "complete before it; a conversation complete before the run is skipped, its turns not counted",
         "num_requests": "chat requests sent in this run",
         "num_successes": "requests answered and recorded in this run",
         "num_turns_reused": "turns already on record (same request id), not sent again",
@@ -50,7 +50,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "num_tries_maybe_paid": "tries that timed out after reaching the provider: booked at their cost bound",
         "num_failed_maybe_paid": "requests whose last try was such a timeout: held back by the next run",
         "num_requests_held_back_maybe_paid": "requests not re-sent because they may be paid already "
-                                             "(generation.resend_interrupted)",
+        "(generation.resend_interrupted)",
         "unsettled_usd_at_start": "cost bounds of tries an earlier run left in flight, booked as spent",
         "num_turns_set_aside": "turns on record from another producer (target, model or tokenizer): not used",
         "set_aside_by_reason": "num_turns_set_aside by reason",
@@ -63,7 +63,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "recorded_cost_usd": "USD spent on this dataset by every run so far",
         "num_paid_unusable": "answers paid for (HTTP 200) that could not be used",
         "num_replies_usage_malformed": "paid answers whose usage.cost or token counts were not amounts (negative, "
-                                       "NaN, infinite, not a number): each booked at its cost bound",
+        "NaN, infinite, not a number): each booked at its cost bound",
         "stopped_by_budget": "whether generation.budget_usd stopped the run",
         "repaired_bytes": "bytes of a torn last line cut from the log before appending",
         "wall_s": "seconds the run took",
@@ -82,7 +82,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "num_quarantined": "inputs quarantined (quarantine_path)",
         "quarantine_by_reason": "num_quarantined by reason",
         "num_usage_checked": "answers whose rebuilt completion length was compared with the provider's "
-                             "usage.completion_tokens",
+        "usage.completion_tokens",
         "num_usage_mismatch": "of those, the ones whose lengths differ beyond the tolerance",
         "usage_mismatch_rate": "num_usage_mismatch / num_usage_checked",
         "num_exact_completion_ids": "answers whose token ids came from the backend, not re-tokenized",
@@ -94,7 +94,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "path": "merged_train.jsonl: every kept record, truncated and shuffled",
         "sha256": "sha256 of merged_train.jsonl (its data version; the extraction plan names it)",
         "num_shards": "hidden-state shards this file makes at hidden.samples_per_shard: the partitions of "
-                      "hidden_states",
+        "hidden_states",
         "num_records": "records in merged_train",
         "num_tokens": "tokens in merged_train",
         "num_loss_tokens": "supervised tokens in merged_train",
@@ -113,21 +113,21 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "results_json": "every result row (sets × methods × configurations × temperatures) as written",
         "report": "the benchmark report: grids per prompt set, bands, caveats",
         "headline_config": "which row the headline figures are: the trained drafter at the first configuration on "
-                           "the first set, in its training band",
+        "the first set, in its training band",
         "spec": "the headline's num_steps,topk,num_draft_tokens",
         "set": "the headline's prompt set (held-out prompts, never trained on)",
         "acceptance_length": "tokens per verify step, bonus included, of the headline row in its training band",
         "acceptance_length_all_prompts": "the same over all prompts of the set",
         "untrained_acceptance_length": "acceptance length of the untrained drafter (the control) at the headline's "
-                                       "configuration, set and band",
+        "configuration, set and band",
         "ngram_acceptance_length": "acceptance length of n-gram speculation (no drafter) at the headline's "
-                                   "configuration, set and band",
+        "configuration, set and band",
         "headline_band": "the prompt-length band of the headline's acceptance length",
         "speedup": "median over timing rounds of (tokens/s ÷ no_spec's tokens/s in the same round), all prompts",
         "speedup_min": "the lowest timing round's speed-up (same round's no_spec), all prompts",
         "speedup_max": "the highest timing round's speed-up, all prompts",
         "speedup_of_medians": "median tokens/s ÷ no_spec's median tokens/s (the grid's two tokens/s cells), all "
-                              "prompts; differs from speedup when rounds vary in load",
+        "prompts; differs from speedup when rounds vary in load",
         "results": "the result rows as a table (column descriptions in its schema)",
     },
     "vocab_mapping": {
@@ -141,26 +141,26 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "num_distinct_loss_tokens": "distinct ids among them",
         "loss_token_coverage": "share of the supervised tokens whose id is in the draft vocabulary",
         "coverage_by_size": "share of the supervised tokens the n most frequent ids cover, n = 1,024, 2,048, ... "
-                            "up to the target's vocabulary: read it on the real corpus to choose "
-                            "data.draft_vocab_size (lm_head cost grows with n)",
+        "up to the target's vocabulary: read it on the real corpus to choose "
+        "data.draft_vocab_size (lm_head cost grows with n)",
     },
     "target_model": {
         "path": "the target's folder (tokenizer, chat template, weights)",
         "num_parameters": "parameters of the tiny target",
         "tokens_seen": "tokens of pre-training the tiny target saw",
         "final_loss": "mean pre-training loss of the tiny target's last 20 steps (of the last tenth of its steps when "
-                      "it ran fewer than 200), on its training batches",
+        "it ran fewer than 200), on its training batches",
         "build_seconds": "seconds the build took (tokenizer, pre-training, verified save)",
         "tokenizer_vocab_size": "tokens in the target's tokenizer",
         "identity": "the target's identity: a hash of its config, weights and code files (its data version)",
         "code_files": "the target folder's Python files (what trust_remote_code runs): name → sha256",
         "loss_curve": "the pre-training loss curve (loss_curve.png)",
         "loss_by_step": "pre-training loss on its training batches over the steps (means of windows of steps), as a "
-                        "sparkline",
+        "sparkline",
     },
     "extraction_plan": {
         "version": "hidden-state version: a hash of everything that changes the shard bytes (target, merged_train, "
-                   "layers, dtype, backend, shard size)",
+        "layers, dtype, backend, shard size)",
         "version_dir": "the folder (or store URL) this version's shards and manifests go to",
         "num_shards": "shards in the plan: the partitions of hidden_states",
         "num_samples": "samples of merged_train the plan covers (all shards)",
@@ -177,7 +177,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "needed_bytes": "bytes that must fit in free_bytes: remaining_bytes, or for a store the largest shard in flight",
         "fits": "needed_bytes <= free_bytes (the fits_on_disk check)",
         "superseded_versions": "other hidden-state versions under hidden.root with their size (job "
-                               "cleanup_hidden_states deletes them)",
+        "cleanup_hidden_states deletes them)",
         "superseded_bytes": "bytes the superseded versions take",
         "aux_layers_canonical": "the target layers whose input is captured, in canonical numbering",
         "merged_train_sha256": "sha256 of the merged_train file the plan was made for",
@@ -186,10 +186,10 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "draft_attention": "the drafter's attention (drafter.attention): gqa or mla",
         "draft_kv_dtype": "dtype of the drafter's served KV cache (the export's)",
         "draft_kv_values_per_token": "values the drafter's KV cache holds per token: 2 x num_key_value_heads x "
-                                     "head_dim (GQA), kv_lora_rank + qk_rope_head_dim (MLA)",
+        "head_dim (GQA), kv_lora_rank + qk_rope_head_dim (MLA)",
         "draft_kv_bytes_per_token": "bytes of the drafter's KV cache per token, served",
         "draft_kv_bytes_at_serving_context": "bytes of the drafter's KV cache for one sequence of "
-                                             "target.serving_context tokens",
+        "target.serving_context tokens",
         "draft_kv_at_serving_context_human": "draft_kv_bytes_at_serving_context, readable",
     },
     "hidden_states": {
@@ -216,9 +216,9 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "export_location": "where the export was published (train.export_location)",
         "steps": "optimizer steps trained",
         "tokens_per_s": "training throughput: tokens trained per second of this run's training loop, all ranks "
-                        "together (steps resumed from a checkpoint not counted)",
+        "together (steps resumed from a checkpoint not counted)",
         "eval_scope": "what the final figures were measured on: heldout (samples never trained on) or "
-                      "train_batches (training batches, which flatter the drafter)",
+        "train_batches (training batches, which flatter the drafter)",
         "heldout_loss": "final evaluation loss (forward KL to the target) on held-out samples never trained on",
         "heldout_sim_accept_length": "simulated acceptance length (tokens per verify step) on held-out samples",
         "heldout_samples": "held-out samples the final evaluation scored",
@@ -227,7 +227,7 @@ BY_ASSET: dict[str, dict[str, str]] = {
         "train_batches_sim_accept_length": "simulated acceptance length on training batches (flatters the drafter)",
         "untrained_acc_0": "acc_0 of the untrained drafter on the same samples, before the first step",
         "last_step_train_loss": "loss of the last optimizer step's own training batch (the end of the loss curve), "
-                                "not an evaluation",
+        "not an evaluation",
         "loss_by_step": "training loss by optimizer step (the training batches), as a sparkline",
         "acc_0_by_step": "acc_0 by optimizer step on the training batches, as a sparkline",
         "curves": "loss and per-step accuracy curves (curves.png)",
@@ -245,15 +245,21 @@ BY_ASSET: dict[str, dict[str, str]] = {
 # Keys numbered by draft position j (0 = the first drafted token).
 PATTERNS: dict[str, list[tuple[str, str]]] = {
     "benchmark_report": [
-        (r"acceptance_length_t([\d.]+)", "acceptance length of the headline configuration sampled at temperature {0}, "
-                                          "in the same band"),
+        (
+            r"acceptance_length_t([\d.]+)",
+            "acceptance length of the headline configuration sampled at temperature {0}, in the same band",
+        ),
         (r"drafter_(\w+)", "the benchmarked drafter's {0} (from results.json meta)"),
     ],
     "drafter_checkpoint": [
-        (r"heldout_acc_(\d+)", "argmax agreement with the target at draft position {0} on held-out samples never "
-                               "trained on"),
-        (r"train_batches_acc_(\d+)", "argmax agreement with the target at draft position {0} on training batches "
-                                     "(flatters the drafter)"),
+        (
+            r"heldout_acc_(\d+)",
+            "argmax agreement with the target at draft position {0} on held-out samples never trained on",
+        ),
+        (
+            r"train_batches_acc_(\d+)",
+            "argmax agreement with the target at draft position {0} on training batches (flatters the drafter)",
+        ),
     ],
 }
 

@@ -1,6 +1,5 @@
 """Partition definitions shared by assets, jobs, schedules and sensors."""
 
-
 import dagster as dg
 
 from eagle3_dagster.config import Profile

@@ -45,14 +45,14 @@ def stage_settings_metadata(*given: StageSettings) -> dict[str, dg.MetadataValue
     return {SETTINGS_KEY: dg.MetadataValue.json(dict(sorted(content.items())))}
 
 
-def with_stage_settings(asset: dg.AssetsDefinition, settings: StageSettings, **attributes: Any
-                        ) -> dg.AssetsDefinition:
+def with_stage_settings(asset: dg.AssetsDefinition, settings: StageSettings, **attributes: Any) -> dg.AssetsDefinition:
     """A module-level asset as a profile builds it: the settings its stage is given, as the asset's own part of
     its code version (`stage_settings_metadata`), and the spec attributes the profile decides (`attributes`:
     partitions, automation, a description naming the profile's values)."""
     metadata = stage_settings_metadata(settings)
     return asset.map_asset_specs(
-        lambda spec: spec.replace_attributes(metadata={**spec.metadata, **metadata}, **attributes))
+        lambda spec: spec.replace_attributes(metadata={**spec.metadata, **metadata}, **attributes)
+    )
 
 
 def gating_inputs(**why: str) -> dict[str, dg.MetadataValue]:
@@ -66,13 +66,13 @@ def content_inputs(specs: Iterable[dg.AssetSpec]) -> dict[str, tuple[str, ...]]:
     graph = {}
     for spec in specs:
         gates = spec.metadata[GATE_KEY].data if GATE_KEY in spec.metadata else {}
-        graph[spec.key.to_user_string()] = tuple(dep.asset_key.to_user_string() for dep in spec.deps
-                                                 if dep.asset_key.to_user_string() not in gates)
+        graph[spec.key.to_user_string()] = tuple(
+            dep.asset_key.to_user_string() for dep in spec.deps if dep.asset_key.to_user_string() not in gates
+        )
     return graph
 
 
-def _with_inputs(asset: str, own: Mapping[str, dict[str, Any]], graph: Mapping[str, tuple[str, ...]]
-                 ) -> dict[str, Any]:
+def _with_inputs(asset: str, own: Mapping[str, dict[str, Any]], graph: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
     """The asset's own settings and, transitively, those of every asset whose content it reads."""
     settings = dict(own.get(asset, {}))
     for parent in graph.get(asset, ()):  # an observed source asset has no inputs
@@ -92,14 +92,17 @@ def with_code_versions(assets: list) -> list:
     Computed from the built graph: an asset's code version cannot be known before its inputs'.
     """
     specs = [spec for a in assets for spec in a.specs]
-    own = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
-           if SETTINGS_KEY in spec.metadata}
+    own = {
+        spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs if SETTINGS_KEY in spec.metadata
+    }
     graph = content_inputs(specs)
 
     def with_settings(spec: dg.AssetSpec) -> dg.AssetSpec:
         settings = _with_inputs(spec.key.to_user_string(), own, graph)
-        return spec.replace_attributes(code_version=code_version(settings),
-                                       metadata={**spec.metadata, SETTINGS_KEY: dg.MetadataValue.json(settings)})
+        return spec.replace_attributes(
+            code_version=code_version(settings),
+            metadata={**spec.metadata, SETTINGS_KEY: dg.MetadataValue.json(settings)},
+        )
 
     # an observed asset (the production target) has settings, which its children hash, and no code version
     return [a.map_asset_specs(with_settings) if a.is_materializable else a for a in assets]
@@ -125,17 +128,20 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-CHANGED_SCHEMA = dg.TableSchema(columns=[
-    dg.TableColumn("setting", "string", description="dotted path in the profile"),
-    dg.TableColumn("before", "string", description="value at the asset's latest materialization"),
-    dg.TableColumn("after", "string", description="value in the loaded profile"),
-])
+CHANGED_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("setting", "string", description="dotted path in the profile"),
+        dg.TableColumn("before", "string", description="value at the asset's latest materialization"),
+        dg.TableColumn("after", "string", description="value in the loaded profile"),
+    ]
+)
 
 
 def build_sensor(specs: Iterable[dg.AssetSpec]) -> dg.SensorDefinition:
     """`specs`: the built graph's, carrying the settings `with_code_versions` wrote."""
-    current = {spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs
-               if SETTINGS_KEY in spec.metadata}
+    current = {
+        spec.key.to_user_string(): spec.metadata[SETTINGS_KEY].data for spec in specs if SETTINGS_KEY in spec.metadata
+    }
 
     @dg.sensor(
         name="changed_settings",
@@ -159,11 +165,18 @@ def build_sensor(specs: Iterable[dg.AssetSpec]) -> dg.SensorDefinition:
             # (a newer materialization supersedes the observation on the asset page itself)
             reverted = not rows and before and reported_against == str(materialization)
             if (rows and before != digest) or reverted:
-                events.append(dg.AssetObservation(asset_key=asset, metadata={
-                    CHANGED_KEY: dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=CHANGED_SCHEMA),
-                    "changed_setting_names": ", ".join(r["setting"] for r in rows),
-                    "num_changed_settings": len(rows),
-                }))
+                events.append(
+                    dg.AssetObservation(
+                        asset_key=asset,
+                        metadata={
+                            CHANGED_KEY: dg.MetadataValue.table(
+                                [dg.TableRecord(r) for r in rows], schema=CHANGED_SCHEMA
+                            ),
+                            "changed_setting_names": ", ".join(r["setting"] for r in rows),
+                            "num_changed_settings": len(rows),
+                        },
+                    )
+                )
             reported[asset] = f"{digest}@{materialization}"
         return dg.SensorResult(asset_events=events, cursor=json.dumps(reported, sort_keys=True))
 
@@ -178,4 +191,3 @@ def _recorded_settings(instance: dg.DagsterInstance, asset: str) -> tuple[dict[s
     data = records[0].asset_materialization.metadata.get(SETTINGS_KEY)
     data = data.value if isinstance(data, dg.MetadataValue) else data
     return (data if isinstance(data, dict) else None), records[0].storage_id
-

@@ -39,12 +39,18 @@ ASSET = dg.AssetKey("hidden_states")
 STATUSES = ("failed", "missing", "stale", "in progress")
 ERRORS = {"failed", "missing"}
 
-NOT_CURRENT_SCHEMA = dg.TableSchema(columns=[
-    dg.TableColumn("shard", "string", description="the hidden_states partition"),
-    dg.TableColumn("status", "string", description="failed (latest run failed), missing (never materialized), "
-                   "stale (built from other settings or inputs) or in progress"),
-    dg.TableColumn("cause", "string", description="why, in Dagster's staleness terms"),
-])
+NOT_CURRENT_SCHEMA = dg.TableSchema(
+    columns=[
+        dg.TableColumn("shard", "string", description="the hidden_states partition"),
+        dg.TableColumn(
+            "status",
+            "string",
+            description="failed (latest run failed), missing (never materialized), "
+            "stale (built from other settings or inputs) or in progress",
+        ),
+        dg.TableColumn("cause", "string", description="why, in Dagster's staleness terms"),
+    ]
+)
 METADATA = {
     "num_shards": "registered hidden_states partitions (one per shard of the latest merged_train)",
     "num_current": "shards materialized with the loaded settings from the current inputs",
@@ -92,8 +98,9 @@ def _latest_materializations(instance: dg.DagsterInstance, keys: list[str]) -> d
     found: dict[str, dg.EventLogRecord] = {}
     cursor = None
     while len(found) < len(keys):
-        page = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=keys),
-                                               limit=1000, cursor=cursor)
+        page = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=keys), limit=1000, cursor=cursor
+        )
         for record in page.records:  # newest first
             found.setdefault(record.partition_key, record)
         if not page.has_more:
@@ -104,7 +111,10 @@ def _latest_materializations(instance: dg.DagsterInstance, keys: list[str]) -> d
 
 def _data_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | None:
     """The input's current data version: its latest materialization's, or observation's (an external target)."""
-    records = [*instance.fetch_materializations(key, limit=1).records, *instance.fetch_observations(key, limit=1).records]
+    records = [
+        *instance.fetch_materializations(key, limit=1).records,
+        *instance.fetch_observations(key, limit=1).records,
+    ]
     if not records:
         return None
     event = max(records, key=lambda r: r.storage_id).asset_event
@@ -135,16 +145,23 @@ def verdict_fields(verdicts: list[ShardVerdict]) -> dict:
         "not_current": dg.MetadataValue.table([dg.TableRecord(v.__dict__) for v in bad], schema=NOT_CURRENT_SCHEMA),
     }
     if not verdicts:
-        return dict(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata=metadata,
-                    description="no shard is registered: hidden_states has no partitions until merged_train "
-                    "materializes (its sensor registers one per shard)")
+        return dict(
+            passed=False,
+            severity=dg.AssetCheckSeverity.ERROR,
+            metadata=metadata,
+            description="no shard is registered: hidden_states has no partitions until merged_train "
+            "materializes (its sensor registers one per shard)",
+        )
     if not bad:
         return dict(passed=True, metadata=metadata, description=f"all {len(verdicts)} shards are current")
     parts = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
     severity = dg.AssetCheckSeverity.ERROR if ERRORS & {v.status for v in bad} else dg.AssetCheckSeverity.WARN
-    return dict(passed=False, severity=severity, metadata=metadata,
-                description=f"{len(bad)} of {len(verdicts)} shards are not current ({parts}): see the table "
-                "not_current")
+    return dict(
+        passed=False,
+        severity=severity,
+        metadata=metadata,
+        description=f"{len(bad)} of {len(verdicts)} shards are not current ({parts}): see the table not_current",
+    )
 
 
 def build(spec: dg.AssetSpec) -> list:

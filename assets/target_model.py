@@ -40,6 +40,7 @@ def target_model(context: dg.AssetExecutionContext, profile: ProfileResource) ->
 
 # Beta in 1.13, and Dagster's way to give an asset built elsewhere a data version that marks its children stale.
 with silenced_warnings(dg.BetaWarning, "Function `multi_observable_source_asset` is currently in beta"):
+
     @dg.multi_observable_source_asset(
         specs=[dg.AssetSpec("target_model", group_name=GROUP)],
         required_resource_keys={"gpu_host", "profile"},
@@ -52,9 +53,11 @@ with silenced_warnings(dg.BetaWarning, "Function `multi_observable_source_asset`
         yield dg.ObserveResult(
             asset_key="target_model",
             data_version=dg.DataVersion(info["identity"]),
-            metadata={**{k: v for k, v in info.items() if isinstance(v, (int, float, str))},
-                      # the Python that trust_remote_code runs, part of the identity: what target.reviewed_code lists
-                      "code_files": dg.MetadataValue.json(info.get("code_files") or {})},
+            metadata={
+                **{k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+                # the Python that trust_remote_code runs, part of the identity: what target.reviewed_code lists
+                "code_files": dg.MetadataValue.json(info.get("code_files") or {}),
+            },
         )
 
 
@@ -63,7 +66,8 @@ def for_profile(profile: Profile) -> dg.AssetsDefinition:
     if profile.target.kind == "tiny":
         return with_stage_settings(target_model, TinyTargetSettings.from_profile(profile))
     return with_stage_settings(
-        observed_target_model, ExternalTargetSettings.from_profile(profile),
+        observed_target_model,
+        ExternalTargetSettings.from_profile(profile),
         description=f"The target model directory on the GPU host: {profile.target.path}. Observed, never built: "
         "its data version is the hash of config.json + the weight index + its Python files.",
         # observed by the automation sensor: the shards wait for a first observation (an unobserved source is

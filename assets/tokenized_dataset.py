@@ -30,12 +30,14 @@ def tokenized_dataset(context: dg.AssetExecutionContext, profile: ProfileResourc
     loaded = profile.get()
     tag_run(context, loaded)
     name = context.partition_key
-    report = tokenize_partition(TokenizeSettings.from_profile(loaded), name, layout(loaded),
-                                progress=progress_logger(context))
+    report = tokenize_partition(
+        TokenizeSettings.from_profile(loaded), name, layout(loaded), progress=progress_logger(context)
+    )
     return materialize_result(context, report, data_version=file_version(layout(loaded).tokenized(name)))
 
 
 def for_profile(profile: Profile) -> dg.AssetsDefinition:
     """One partition per dataset of the profile."""
-    return with_stage_settings(tokenized_dataset, TokenizeSettings.from_profile(profile),
-                               partitions_def=dataset_partitions(profile))
+    return with_stage_settings(
+        tokenized_dataset, TokenizeSettings.from_profile(profile), partitions_def=dataset_partitions(profile)
+    )

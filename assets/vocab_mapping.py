@@ -15,8 +15,7 @@ GROUP = "data"
     group_name=GROUP,
     deps=["merged_train", "target_model"],
     kinds={"pytorch"},
-    description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), "
-    "safetensors.",
+    description="Draft vocabulary from loss-masked token counts: d2t (int64 offsets) and t2d (bool mask), safetensors.",
 )
 def vocab_mapping(context: dg.AssetExecutionContext, profile: ProfileResource) -> dg.MaterializeResult:
     from eagle3_dagster.stages.data import build_vocab

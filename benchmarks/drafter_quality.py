@@ -56,36 +56,84 @@ VARIANTS: dict[str, dict] = {
     "before_lr8e-3": {"batch_tokens": 2048, "lr": 8e-3, "epochs": 8, "warmup_ratio": 0.05, "betas": (0.9, 0.95)},
     # SpecForge's shape of recipe: one sample per rank and step (batch_tokens below any sample's length)
     "one_sample_4ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
-    "one_sample_4ep_lr4e-3": {"batch_tokens": 16, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.015,
-                              "betas": (0.9, 0.999)},
-    "one_sample_6ep_lr3e-3": {"batch_tokens": 16, "lr": 3e-3, "epochs": 6, "warmup_ratio": 0.015,
-                              "betas": (0.9, 0.999)},
-    "one_sample_4ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 4, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
-                          "loss": "lk_lambda"},
+    "one_sample_4ep_lr4e-3": {
+        "batch_tokens": 16,
+        "lr": 4e-3,
+        "epochs": 4,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+    },
+    "one_sample_6ep_lr3e-3": {
+        "batch_tokens": 16,
+        "lr": 3e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+    },
+    "one_sample_4ep_lk": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 4,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "loss": "lk_lambda",
+    },
     "one_sample_6ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     # the demo's recipe with one change each: the LK lambda objective; Adam's beta2 of the old recipe
-    "one_sample_6ep_lk": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
-                          "loss": "lk_lambda"},
+    "one_sample_6ep_lk": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "loss": "lk_lambda",
+    },
     "one_sample_6ep_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.95)},
     # EAGLE 3.1: a norm on each captured state before fc, and the normed output carried to the next step
-    "one_sample_6ep_eagle31": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
-                               "betas": (0.9, 0.999), "drafter": {"fc_norm": True, "norm_output": True}},
+    "one_sample_6ep_eagle31": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "drafter": {"fc_norm": True, "norm_output": True},
+    },
     # the demo's recipe (EAGLE 3.1) with the old recipe's beta2: betas alone
-    "one_sample_6ep_eagle31_b95": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
-                                   "betas": (0.9, 0.95), "drafter": {"fc_norm": True, "norm_output": True}},
+    "one_sample_6ep_eagle31_b95": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.95),
+        "drafter": {"fc_norm": True, "norm_output": True},
+    },
     # the demo's recipe with multi-latent attention (drafter.attention: mla, the dimensions the target's; MLA has
     # no key/value heads of its own), plain EAGLE-3 and EAGLE 3.1: the drafter Kimi's serving recipes ship
-    "one_sample_6ep_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015, "betas": (0.9, 0.999),
-                           "drafter": {"attention": "mla", "num_key_value_heads": None}},
-    "one_sample_6ep_eagle31_mla": {"batch_tokens": 16, "lr": 2e-3, "epochs": 6, "warmup_ratio": 0.015,
-                                   "betas": (0.9, 0.999),
-                                   "drafter": {"attention": "mla", "num_key_value_heads": None, "fc_norm": True,
-                                               "norm_output": True}},
+    "one_sample_6ep_mla": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "drafter": {"attention": "mla", "num_key_value_heads": None},
+    },
+    "one_sample_6ep_eagle31_mla": {
+        "batch_tokens": 16,
+        "lr": 2e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "drafter": {"attention": "mla", "num_key_value_heads": None, "fc_norm": True, "norm_output": True},
+    },
     # the same at a higher learning rate: MLA's low-rank projections and their norms may want larger steps
-    "one_sample_6ep_eagle31_mla_lr3e-3": {"batch_tokens": 16, "lr": 3e-3, "epochs": 6, "warmup_ratio": 0.015,
-                                          "betas": (0.9, 0.999),
-                                          "drafter": {"attention": "mla", "num_key_value_heads": None,
-                                                      "fc_norm": True, "norm_output": True}},
+    "one_sample_6ep_eagle31_mla_lr3e-3": {
+        "batch_tokens": 16,
+        "lr": 3e-3,
+        "epochs": 6,
+        "warmup_ratio": 0.015,
+        "betas": (0.9, 0.999),
+        "drafter": {"attention": "mla", "num_key_value_heads": None, "fc_norm": True, "norm_output": True},
+    },
     "one_sample_8ep": {"batch_tokens": 16, "lr": 2e-3, "epochs": 8, "warmup_ratio": 0.015, "betas": (0.9, 0.999)},
     "bt256_4ep": {"batch_tokens": 256, "lr": 3e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
     "bt512_4ep": {"batch_tokens": 512, "lr": 4e-3, "epochs": 4, "warmup_ratio": 0.02, "betas": (0.9, 0.999)},
@@ -105,8 +153,12 @@ def variant_profile(base, overrides: dict, seed: int):
     named = bool(overrides)  # "profile" ({}) keeps the profile's drafter
     drafter = base.drafter.model_copy(update={**(PLAIN_DRAFTER if named else {}), **overrides.pop("drafter", {})})
     train = base.train.model_copy(update={**overrides, "seed": seed})
-    return base.model_copy(update={"train": type(base.train).model_validate(train.model_dump()),
-                                   "drafter": type(base.drafter).model_validate(drafter.model_dump())})
+    return base.model_copy(
+        update={
+            "train": type(base.train).model_validate(train.model_dump()),
+            "drafter": type(base.drafter).model_validate(drafter.model_dump()),
+        }
+    )
 
 
 def train_variant(profile, layout, plan_path, log) -> dict:
@@ -124,8 +176,14 @@ def train_variant(profile, layout, plan_path, log) -> dict:
     command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node, python=sys.executable)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    subprocess.run(command, env={**os.environ, **job.env}, cwd=job.cwd, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(
+        command,
+        env={**os.environ, **job.env},
+        cwd=job.cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -166,8 +224,11 @@ class Acceptance:
         from eagle3_dagster.io import atomic_write_json
         from eagle3_dagster.storage import read_json
 
-        key = {"prompts": {n: [pid for pid, _ in p] for n, p in self.sets.items()}, "specs": list(map(list, self.specs)),
-               "max_new_tokens": self.max_new_tokens}
+        key = {
+            "prompts": {n: [pid for pid, _ in p] for n, p in self.sets.items()},
+            "specs": list(map(list, self.specs)),
+            "max_new_tokens": self.max_new_tokens,
+        }
         path = run_dir / "quality_bench_acceptance.json"
         cached = read_json(path) if path.exists() else {}
         by_t = cached.get("by_temperature", {}) if cached.get("key") == key else {}
@@ -193,16 +254,25 @@ class Acceptance:
 
         drafter = load_drafter(export_dir, self.target_path).float()
         with torch.inference_mode():
-            rows = run_inprocess_benchmark(self.model, self.sets, {"eagle3": Eagle3Proposer(drafter, name="eagle3")},
-                                           [SpecConfig.parse(tuple(c)) for c in self.specs], self.max_new_tokens,
-                                           eos_ids=self.eos, check=True, rounds=1, bands=self.bands,
-                                           temperatures=temperatures)
+            rows = run_inprocess_benchmark(
+                self.model,
+                self.sets,
+                {"eagle3": Eagle3Proposer(drafter, name="eagle3")},
+                [SpecConfig.parse(tuple(c)) for c in self.specs],
+                self.max_new_tokens,
+                eos_ids=self.eos,
+                check=True,
+                rounds=1,
+                bands=self.bands,
+                temperatures=temperatures,
+            )
         out: dict[float, dict[str, dict[str, float]]] = {t: {} for t in temperatures}
         for row in rows:
             if row["method"] != "eagle3":
                 continue
             out[row["temperature"]][row["spec"]] = {"all": row["acceptance_length"]} | {
-                b["band"]: b["acceptance_length"] for b in row.get("bands", []) if b.get("acceptance_length")}
+                b["band"]: b["acceptance_length"] for b in row.get("bands", []) if b.get("acceptance_length")
+            }
         return out
 
 
@@ -220,14 +290,23 @@ def table(rows: list[dict], ttt_steps: int) -> str:
     names = list(dict.fromkeys(r["variant"] for r in rows))
     specs = list(dict.fromkeys(s for r in rows for s in r["acceptance"]))
     bands = list(dict.fromkeys(b for r in rows for s in r["acceptance"].values() for b in s))
-    head = (["variant", "seeds", "steps", "tokens/step"] + [f"acc_{j}" for j in range(ttt_steps)]
-            + ["sim. acceptance"] + [f"accept {s} {b}" for s in specs for b in bands] + ["train CPU s"]
-            + ["draft KV B/token"])
+    head = (
+        ["variant", "seeds", "steps", "tokens/step"]
+        + [f"acc_{j}" for j in range(ttt_steps)]
+        + ["sim. acceptance"]
+        + [f"accept {s} {b}" for s in specs for b in bands]
+        + ["train CPU s"]
+        + ["draft KV B/token"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         group = [r for r in rows if r["variant"] == name]
-        cells = [name, ",".join(str(r["seed"]) for r in group), _spread([r["steps"] for r in group], 0),
-                 _spread([r["tokens_per_step"] for r in group], 0)]
+        cells = [
+            name,
+            ",".join(str(r["seed"]) for r in group),
+            _spread([r["steps"] for r in group], 0),
+            _spread([r["tokens_per_step"] for r in group], 0),
+        ]
         cells += [_spread([r["heldout"][f"acc_{j}"] for r in group], 3) for j in range(ttt_steps)]
         cells.append(_spread([r["heldout"]["sim_accept_length"] for r in group], 3))
         cells += [_spread([r["acceptance"].get(s, {}).get(b) for r in group], 3) for s in specs for b in bands]
@@ -246,22 +325,35 @@ def decoding(temperatures: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
-    parser.add_argument("--variants", default=None,
-                        help=f"comma-separated, from {sorted(VARIANTS)} (default: before,profile; with --table-from: all)")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated, from {sorted(VARIANTS)} (default: before,profile; with --table-from: all)",
+    )
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--num-prompts", type=int, default=None, help="benchmark prompts (default: the profile's)")
-    parser.add_argument("--temperatures", default=None,
-                        help="comma-separated decoding temperatures of the acceptance benchmark, 0 = greedy "
-                        "(default: the profile's bench.temperatures and 1, the temperature Kimi-K2.5 thinks at)")
+    parser.add_argument(
+        "--temperatures",
+        default=None,
+        help="comma-separated decoding temperatures of the acceptance benchmark, 0 = greedy "
+        "(default: the profile's bench.temperatures and 1, the temperature Kimi-K2.5 thinks at)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--table-from", type=Path, nargs="+", metavar="JSON",
-                        help="print the table of rows earlier runs wrote with --json (no training, no decoding)")
+    parser.add_argument(
+        "--table-from",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="print the table of rows earlier runs wrote with --json (no training, no decoding)",
+    )
     args = parser.parse_args()
     if args.table_from:
         rows = [r for path in args.table_from for r in json.loads(path.read_text())]
         if args.variants:
             keep = args.variants.split(",")
-            rows = sorted((r for r in rows if r["variant"] in keep), key=lambda r: (keep.index(r["variant"]), r["seed"]))
+            rows = sorted(
+                (r for r in rows if r["variant"] in keep), key=lambda r: (keep.index(r["variant"]), r["seed"])
+            )
         print(table(rows, len([k for k in rows[0]["heldout"] if k.startswith("acc_")])))
         return
 
@@ -282,8 +374,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    temperatures = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
-                    else [*base.bench.temperatures, 1.0])
+    temperatures = (
+        [float(t) for t in args.temperatures.split(",")] if args.temperatures else [*base.bench.temperatures, 1.0]
+    )
     acceptance = Acceptance(base, layout, args.num_prompts, temperatures)
     rows = []
     for seed in seeds:
@@ -298,21 +391,37 @@ def main() -> None:
                 raise SystemExit(f"{name}: the training job measured no held-out samples (train.eval_fraction is 0)")
             acc = acceptance.measure_once(Path(m["run_dir"]))
             steps = m["steps"]
-            rows.append({"variant": name, "seed": seed, "overrides": known[name], "steps": steps,
-                         "tokens_per_step": m["tokens_seen"] / max(steps, 1), "heldout": heldout,
-                         "acceptance": acc, "train_cpu_s": m["train_cpu_s"], "train_wall_s": m["train_wall_s"],
-                         "load_avg_1m": m.get("load_avg_1m"), "run_dir": m["run_dir"],
-                         "draft_attention": kv["draft_attention"],
-                         "draft_kv_bytes_per_token": kv["draft_kv_bytes_per_token"]})
-            print(f"    {steps} steps, held-out acc_0 {heldout['acc_0']:.3f} sim {heldout['sim_accept_length']:.3f}, "
-                  f"acceptance {json.dumps(acc)}, {m['train_cpu_s']} CPU s", flush=True)
+            rows.append(
+                {
+                    "variant": name,
+                    "seed": seed,
+                    "overrides": known[name],
+                    "steps": steps,
+                    "tokens_per_step": m["tokens_seen"] / max(steps, 1),
+                    "heldout": heldout,
+                    "acceptance": acc,
+                    "train_cpu_s": m["train_cpu_s"],
+                    "train_wall_s": m["train_wall_s"],
+                    "load_avg_1m": m.get("load_avg_1m"),
+                    "run_dir": m["run_dir"],
+                    "draft_attention": kv["draft_attention"],
+                    "draft_kv_bytes_per_token": kv["draft_kv_bytes_per_token"],
+                }
+            )
+            print(
+                f"    {steps} steps, held-out acc_0 {heldout['acc_0']:.3f} sim {heldout['sim_accept_length']:.3f}, "
+                f"acceptance {json.dumps(acc)}, {m['train_cpu_s']} CPU s",
+                flush=True,
+            )
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=1))
     held = rows[0]["heldout"]
-    print(f"\nprofile {args.profile}: held-out {held.get('num_samples')} samples, {held.get('num_scored_tokens')} "
-          f"scored tokens; benchmark: {sum(len(p) for p in acceptance.sets.values())} held-out prompts, "
-          f"{decoding(acceptance.temperatures)}, {acceptance.max_new_tokens} new tokens; median (min–max) over seeds "
-          f"{seeds}\n")
+    print(
+        f"\nprofile {args.profile}: held-out {held.get('num_samples')} samples, {held.get('num_scored_tokens')} "
+        f"scored tokens; benchmark: {sum(len(p) for p in acceptance.sets.values())} held-out prompts, "
+        f"{decoding(acceptance.temperatures)}, {acceptance.max_new_tokens} new tokens; median (min–max) over seeds "
+        f"{seeds}\n"
+    )
     print(table(rows, base.train.ttt_steps))
 
 

@@ -39,11 +39,18 @@ def build_demo_size_target(out: Path) -> Path:
 def write_merged_train(path: Path, num_samples: int, min_len: int, max_len: int, vocab: int, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
-    write_jsonl(path, (
-        {"id": f"bench/{i}", "dataset": "bench", "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
-         "loss_mask": [1] * n}
-        for i, n in enumerate(lengths)
-    ))
+    write_jsonl(
+        path,
+        (
+            {
+                "id": f"bench/{i}",
+                "dataset": "bench",
+                "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
+                "loss_mask": [1] * n,
+            }
+            for i, n in enumerate(lengths)
+        ),
+    )
     return path
 
 
@@ -78,8 +85,9 @@ def main() -> None:
         model = load_target_hf(model_dir, args.dtype, args.device)
         device = next(model.parameters()).device
         aux = default_aux_layers(model.config.num_hidden_layers)
-        merged = write_merged_train(tmp / "merged_train.jsonl", args.num_samples, args.min_len, args.max_len,
-                                    model.config.vocab_size, seed=0)
+        merged = write_merged_train(
+            tmp / "merged_train.jsonl", args.num_samples, args.min_len, args.max_len, model.config.vocab_size, seed=0
+        )
         specs = plan_shards(merged, args.samples_per_shard)
         tokens = sum(s.num_tokens for s in specs)
         batches = [b for s in specs for b in length_buckets(read_shard_records(merged, s), args.batch_tokens)]
@@ -91,16 +99,29 @@ def main() -> None:
             version_dir = tmp / f"hs-{rep:012d}"
             start = time.perf_counter()
             for spec in specs:
-                extract_shard_hf(model_dir, merged, spec, version_dir, aux_layers=aux, dtype=args.dtype,
-                                 batch_tokens=args.batch_tokens, target_identity="bench", model=model)
+                extract_shard_hf(
+                    model_dir,
+                    merged,
+                    spec,
+                    version_dir,
+                    aux_layers=aux,
+                    dtype=args.dtype,
+                    batch_tokens=args.batch_tokens,
+                    target_identity="bench",
+                    model=model,
+                )
             ext.append(time.perf_counter() - start)
             written = actual_bytes(version_dir, [s.key for s in specs])
 
         f, e = min(fwd), min(ext)
-        print(f"target: {model_dir} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}), "
-              f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}")
-        print(f"data: {args.num_samples} samples, {tokens} tokens, {len(specs)} shards, {len(batches)} batches "
-              f"of <= {args.batch_tokens} padded tokens; aux layers {aux}")
+        print(
+            f"target: {model_dir} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}), "
+            f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}"
+        )
+        print(
+            f"data: {args.num_samples} samples, {tokens} tokens, {len(specs)} shards, {len(batches)} batches "
+            f"of <= {args.batch_tokens} padded tokens; aux layers {aux}"
+        )
         print(f"forward only : {f:8.3f} s  ({tokens / f:,.0f} tok/s)   runs {[round(x, 3) for x in fwd]}")
         print(f"extraction   : {e:8.3f} s  ({tokens / e:,.0f} tok/s)   runs {[round(x, 3) for x in ext]}")
         print(f"written      : {written / 2**20:.1f} MiB")

@@ -47,25 +47,36 @@ def run_one(profile, layout, log) -> dict:
     t_extract = time.monotonic() - t0
     job = prepare_training(TrainSettings.from_profile(profile), layout, plan_path=plan_path)
     # The plain worker (no Pipes session outside Dagster), with the asset's own torchrun settings.
-    command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node,
-                                     python=sys.executable)
+    command = build_torchrun_command(job.job_path, nproc_per_node=profile.train.nproc_per_node, python=sys.executable)
     subprocess.run(command, env={**os.environ, **job.env}, cwd=job.cwd, check=True)
     t_train = time.monotonic() - t0 - t_extract
     report, ok, detail = finish_training(TrainSettings.from_profile(profile), layout, job)
     if not ok:
         raise ValueError(detail)
-    bench = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=report.metadata["export_dir"], previous_results=None,
-                            run_id=f"fp8-compare-{dtype}", progress=log)
+    bench = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        layout,
+        export_dir=report.metadata["export_dir"],
+        previous_results=None,
+        run_id=f"fp8-compare-{dtype}",
+        progress=log,
+    )
     meta = report.metadata
     scope = "heldout" if meta["eval_scope"] == "heldout" else "train_batches"
     return {
-        "dtype": dtype, "version": plan.version, "bytes": actual_bytes(plan.version_dir, keys),
-        "num_tokens": sum(s.num_tokens for s in plan.shards), "steps": meta["steps"],
-        "acc": [meta[f"{scope}_acc_{j}"] for j in range(profile.train.ttt_steps)], "eval_scope": scope,
-        "sim_accept_length": meta[f"{scope}_sim_accept_length"], "final_loss": meta[f"{scope}_loss"],
+        "dtype": dtype,
+        "version": plan.version,
+        "bytes": actual_bytes(plan.version_dir, keys),
+        "num_tokens": sum(s.num_tokens for s in plan.shards),
+        "steps": meta["steps"],
+        "acc": [meta[f"{scope}_acc_{j}"] for j in range(profile.train.ttt_steps)],
+        "eval_scope": scope,
+        "sim_accept_length": meta[f"{scope}_sim_accept_length"],
+        "final_loss": meta[f"{scope}_loss"],
         "bench_acceptance_length": bench.metadata.get("acceptance_length"),
         "bench_config": bench.metadata.get("headline_config"),
-        "extract_s": round(t_extract, 1), "train_s": round(t_train, 1),
+        "extract_s": round(t_extract, 1),
+        "train_s": round(t_train, 1),
     }
 
 
@@ -81,8 +92,13 @@ def main() -> None:
     base = load_profile(args.profile)
     if base.hidden.dtype == FP8:
         raise SystemExit(f"profile {args.profile} already stores fp8: nothing to compare it with")
-    fp8 = base.model_copy(update={"hidden": base.hidden.model_copy(update={
-        "dtype": FP8, "root": str(Path(base.run_root) / "fp8_compare" / "hidden_states")})})
+    fp8 = base.model_copy(
+        update={
+            "hidden": base.hidden.model_copy(
+                update={"dtype": FP8, "root": str(Path(base.run_root) / "fp8_compare" / "hidden_states")}
+            )
+        }
+    )
     rows = []
     for profile in (base, fp8):
         print(f"==> hidden.dtype {profile.hidden.dtype}", flush=True)
@@ -90,18 +106,27 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     full, low = rows
-    print(f"\nprofile {args.profile}: {full['num_tokens']:,} tokens, {full['steps']} training steps each; "
-          f"benchmark: {full['bench_config']}\n")
-    print("| hidden.dtype | bytes | bytes / full | " + " | ".join(f"acc_{j}" for j in range(len(full["acc"])))
-          + " | sim. acceptance | benchmark acceptance | final loss |")
+    print(
+        f"\nprofile {args.profile}: {full['num_tokens']:,} tokens, {full['steps']} training steps each; "
+        f"benchmark: {full['bench_config']}\n"
+    )
+    print(
+        "| hidden.dtype | bytes | bytes / full | "
+        + " | ".join(f"acc_{j}" for j in range(len(full["acc"])))
+        + " | sim. acceptance | benchmark acceptance | final loss |"
+    )
     print("|---|---:|---:|" + "---:|" * len(full["acc"]) + "---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['bytes']:,} | {r['bytes'] / full['bytes']:.3f} | "
-              + " | ".join(f"{a:.4f}" for a in r["acc"])
-              + f" | {r['sim_accept_length']:.4f} | {r['bench_acceptance_length']} | {r['final_loss']:.4f} |")
-    print(f"\nfp8 − full: acc_0 {low['acc'][0] - full['acc'][0]:+.4f}, simulated acceptance "
-          f"{low['sim_accept_length'] - full['sim_accept_length']:+.4f}, benchmark acceptance "
-          f"{(low['bench_acceptance_length'] or 0) - (full['bench_acceptance_length'] or 0):+.4f}")
+        print(
+            f"| {r['dtype']} | {r['bytes']:,} | {r['bytes'] / full['bytes']:.3f} | "
+            + " | ".join(f"{a:.4f}" for a in r["acc"])
+            + f" | {r['sim_accept_length']:.4f} | {r['bench_acceptance_length']} | {r['final_loss']:.4f} |"
+        )
+    print(
+        f"\nfp8 − full: acc_0 {low['acc'][0] - full['acc'][0]:+.4f}, simulated acceptance "
+        f"{low['sim_accept_length'] - full['sim_accept_length']:+.4f}, benchmark acceptance "
+        f"{(low['bench_acceptance_length'] or 0) - (full['bench_acceptance_length'] or 0):+.4f}"
+    )
 
 
 if __name__ == "__main__":

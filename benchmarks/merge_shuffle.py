@@ -66,12 +66,14 @@ def make_corpus(workdir: Path, scale: float, seed: int = 0) -> dict[str, Path]:
         for i, length in enumerate(lengths.tolist()):
             d = DATASETS[i % len(DATASETS)]
             start = int(rng.integers(0, 1000)) if length > 1000 else 0
-            ids = pool[(commas[start - 1] + 1 if start else 0): commas[start + length - 1]]
+            ids = pool[(commas[start - 1] + 1 if start else 0) : commas[start + length - 1]]
             prompt = int(length * rng.uniform(0.2, 0.8))
             m0 = int(lengths.max()) - prompt
-            mask = mask_pool[2 * m0: 2 * (m0 + length) - 1]
-            handles[d].write(b'{"id":"%s/%d","dataset":"%s","input_ids":[%s],"loss_mask":[%s],"source":"synthetic"}\n'
-                             % (d.encode(), i, d.encode(), ids, mask))
+            mask = mask_pool[2 * m0 : 2 * (m0 + length) - 1]
+            handles[d].write(
+                b'{"id":"%s/%d","dataset":"%s","input_ids":[%s],"loss_mask":[%s],"source":"synthetic"}\n'
+                % (d.encode(), i, d.encode(), ids, mask)
+            )
     finally:
         for h in handles.values():
             h.close()
@@ -79,8 +81,9 @@ def make_corpus(workdir: Path, scale: float, seed: int = 0) -> dict[str, Path]:
 
 
 def measure(cmd: list[str], stdout_path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(stdout_path), *cmd], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(stdout_path), *cmd], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout)
 
 
@@ -104,14 +107,26 @@ def main() -> None:
                 f.write(p.read_bytes())
         shuf = measure(["shuf", str(workdir / "all.jsonl")], workdir / "shuf.out")
         # merged_train is durable (fsync before the rename); this baseline pays the same flush
-        shuf_sync = measure(["sh", "-c", 'shuf "$0" > "$1" && sync "$1"', str(workdir / "all.jsonl"),
-                             str(workdir / "shuf_sync.out")], workdir / "shuf_sync.stdout")
-        ours = measure([sys.executable, "-c", _MERGE, str(workdir / "merged_train.jsonl"),
-                        *(f"{d}={p}" for d, p in files.items())], workdir / "merge.stdout")
+        shuf_sync = measure(
+            ["sh", "-c", 'shuf "$0" > "$1" && sync "$1"', str(workdir / "all.jsonl"), str(workdir / "shuf_sync.out")],
+            workdir / "shuf_sync.stdout",
+        )
+        ours = measure(
+            [
+                sys.executable,
+                "-c",
+                _MERGE,
+                str(workdir / "merged_train.jsonl"),
+                *(f"{d}={p}" for d, p in files.items()),
+            ],
+            workdir / "merge.stdout",
+        )
         result = json.loads((workdir / "merge.stdout").read_text())
         wall_ratio = ours["wall_s"] / shuf["wall_s"]
-        print(f"merge: {result['records']} records, {result['tokens'] / 1e6:.1f} M tokens, "
-              f"{result['truncated']} truncated, {result['dropped']} dropped by truncation")
+        print(
+            f"merge: {result['records']} records, {result['tokens'] / 1e6:.1f} M tokens, "
+            f"{result['truncated']} truncated, {result['dropped']} dropped by truncation"
+        )
         print()
         print(f"| {'':22} | {'wall s':>8} | {'peak RSS MB':>11} |")
         print(f"|{'-' * 24}|{'-' * 10}|{'-' * 13}|")
@@ -121,8 +136,10 @@ def main() -> None:
         print()
         print(f"wall ratio merge/shuf: {wall_ratio:.2f}x (target <= 1.5x) {'OK' if wall_ratio <= 1.5 else 'MISSED'}")
         print(f"wall ratio merge/(shuf + fsync of its output): {ours['wall_s'] / shuf_sync['wall_s']:.2f}x")
-        print(f"peak RSS: {ours['peak_rss_mb']:.1f} MB = {ours['peak_rss_mb'] / 64:.2f}x the 64 MB bound "
-              f"{'OK' if ours['peak_rss_mb'] <= 64 else 'MISSED'}")
+        print(
+            f"peak RSS: {ours['peak_rss_mb']:.1f} MB = {ours['peak_rss_mb'] / 64:.2f}x the 64 MB bound "
+            f"{'OK' if ours['peak_rss_mb'] <= 64 else 'MISSED'}"
+        )
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

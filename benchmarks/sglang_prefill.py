@@ -113,18 +113,26 @@ def self_cpu_seconds() -> float:
 def prefill_all(base_url: str, records: list[SampleRecord]) -> None:
     """The pristine side: the driver's prefill request for every record, all in flight at once."""
     limits = httpx.Limits(max_connections=len(records))
-    with (httpx.Client(base_url=base_url, timeout=600.0, limits=limits) as client,
-          ThreadPoolExecutor(len(records)) as pool):
+    with (
+        httpx.Client(base_url=base_url, timeout=600.0, limits=limits) as client,
+        ThreadPoolExecutor(len(records)) as pool,
+    ):
         for meta in pool.map(lambda r: prefill(client, r), records):
             assert meta.get("prompt_tokens", 0) > 0, meta
 
 
 def round_samples(path: Path, rnd: int, requests: int, tokens: int, vocab: int) -> list[SampleRecord]:
     g = torch.Generator().manual_seed(rnd)
-    records = [SampleRecord(f"bench/r{rnd}/{k}", torch.randint(3, vocab, (tokens,), generator=g).tolist(), [1] * tokens)
-               for k in range(requests)]
-    path.write_bytes(b"".join(orjson.dumps({"id": r.id, "dataset": "bench", "input_ids": r.input_ids,
-                                            "loss_mask": r.loss_mask}) + b"\n" for r in records))
+    records = [
+        SampleRecord(f"bench/r{rnd}/{k}", torch.randint(3, vocab, (tokens,), generator=g).tolist(), [1] * tokens)
+        for k in range(requests)
+    ]
+    path.write_bytes(
+        b"".join(
+            orjson.dumps({"id": r.id, "dataset": "bench", "input_ids": r.input_ids, "loss_mask": r.loss_mask}) + b"\n"
+            for r in records
+        )
+    )
     return records
 
 
@@ -142,9 +150,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=384, help="tokens per prompt")
     ap.add_argument("--workdir", type=Path, help="keep targets, dumps, shards and server logs here")
     ap.add_argument("--json", type=Path, help="also write every figure here")
-    ap.add_argument("--patched-python", type=Path, help="with --pristine-python: two interpreters with the release "
-                    "installed (a GPU host's), used instead of the tier's CPU venvs and launched without the CPU "
-                    "options; the dump patch is applied to this one and reverted on the other all the same")
+    ap.add_argument(
+        "--patched-python",
+        type=Path,
+        help="with --pristine-python: two interpreters with the release "
+        "installed (a GPU host's), used instead of the tier's CPU venvs and launched without the CPU "
+        "options; the dump patch is applied to this one and reverted on the other all the same",
+    )
     ap.add_argument("--pristine-python", type=Path)
     args = ap.parse_args()
     if (args.patched_python is None) != (args.pristine_python is None):
@@ -156,9 +168,14 @@ def main() -> None:
         tmp = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sglang-prefill-")))
         tmp.mkdir(parents=True, exist_ok=True)
         log = lambda line: print(f"[venv] {line}", file=sys.stderr)  # noqa: E731  (a one-line logger for the venv builder)
-        pythons = {PRISTINE: sglang_venv.build(args.version, log=log, variant=PRISTINE),
-                   "patched": sglang_venv.build(args.version, log=log)} if on_cpu else \
-            {PRISTINE: args.pristine_python, "patched": args.patched_python}
+        pythons = (
+            {
+                PRISTINE: sglang_venv.build(args.version, log=log, variant=PRISTINE),
+                "patched": sglang_venv.build(args.version, log=log),
+            }
+            if on_cpu
+            else {PRISTINE: args.pristine_python, "patched": args.patched_python}
+        )
         print(sglang_venv.dump_patch(pythons[PRISTINE], "revert"), file=sys.stderr)
         print(sglang_venv.dump_patch(pythons["patched"], "apply"), file=sys.stderr)
         model_dir = args.model_dir or build_target(tmp / "target", args.profile)
@@ -171,14 +188,31 @@ def main() -> None:
         # capped by --max-total-tokens either way. SGLang's scheduler polls for requests in a busy loop unless
         # --sleep-on-idle (then it waits in zmq's poll, which returns as a request arrives): without it the idle
         # server of the pair took as much CPU as the measured one (5.7 against 7.9 CPU s a round), on 2 cores.
-        extra = (*sglang_venv.SERVER_ARGS, "--max-total-tokens", str(max(4096, 2 * args.requests * args.tokens)),
-                 "--mem-fraction-static", "0.5", "--sleep-on-idle") if on_cpu else ()
+        extra = (
+            (
+                *sglang_venv.SERVER_ARGS,
+                "--max-total-tokens",
+                str(max(4096, 2 * args.requests * args.tokens)),
+                "--mem-fraction-static",
+                "0.5",
+                "--sleep-on-idle",
+            )
+            if on_cpu
+            else ()
+        )
         running, dump_dirs, logs = {}, {}, {}
         for side, python in pythons.items():
             dump_dirs[side] = tmp / side / "dumps"
-            spec = ServerSpec(model_path=str(model_dir), port=free_port(), dump_dir=str(dump_dirs[side]),
-                              dump_layers=tuple(aux), sglang_version=args.version, extra_args=extra,
-                              env=sglang_venv.server_env(python) if on_cpu else {}, health_timeout_s=1800)
+            spec = ServerSpec(
+                model_path=str(model_dir),
+                port=free_port(),
+                dump_dir=str(dump_dirs[side]),
+                dump_layers=tuple(aux),
+                sglang_version=args.version,
+                extra_args=extra,
+                env=sglang_venv.server_env(python) if on_cpu else {},
+                health_timeout_s=1800,
+            )
             host = GpuHost(HostConfig(transport="local", python=str(python), workdir=str(tmp / side / "host")))
             logs[side] = stack.enter_context(contextlib.closing(LogTail(tmp / side / "sglang.log")))
             print(f"starting the {side} server ({python})", file=sys.stderr)
@@ -186,8 +220,14 @@ def main() -> None:
 
         sides = {
             PRISTINE: lambda rnd, merged, records: prefill_all(running[PRISTINE].base_url, records),
-            "patched": lambda rnd, merged, records: _extract(running["patched"].base_url, dump_dirs["patched"], merged,
-                                                             tmp / "patched" / f"hs-{rnd:04d}", aux, hidden),
+            "patched": lambda rnd, merged, records: _extract(
+                running["patched"].base_url,
+                dump_dirs["patched"],
+                merged,
+                tmp / "patched" / f"hs-{rnd:04d}",
+                aux,
+                hidden,
+            ),
             REQUESTS: lambda rnd, merged, records: prefill_all(running["patched"].base_url, records),
         }
         for side in sides:  # warm-up: the first forwards allocate and load what later ones reuse
@@ -196,9 +236,9 @@ def main() -> None:
             if side == REQUESTS:
                 _remove_chunks(dump_dirs["patched"])
 
-        figures: dict[str, dict[str, list[float]]] = {s: {"tok_s": [], "server_cpu_s": [], "driver_cpu_s": [],
-                                                          "idle_server_cpu_s": []}
-                                                      for s in sides}
+        figures: dict[str, dict[str, list[float]]] = {
+            s: {"tok_s": [], "server_cpu_s": [], "driver_cpu_s": [], "idle_server_cpu_s": []} for s in sides
+        }
         tokens = args.requests * args.tokens
         for rnd in range(args.rounds):
             merged = tmp / f"round-{rnd:04d}.jsonl"
@@ -216,8 +256,11 @@ def main() -> None:
                 figures[side]["idle_server_cpu_s"].append(tree_cpu_seconds(other) - idle0)
                 if side == REQUESTS:  # the driver would have read and removed them
                     _remove_chunks(dump_dirs["patched"])
-            print(f"round {rnd} ({' then '.join(order)}): " + ", ".join(
-                f"{s} {figures[s]['tok_s'][-1]:,.0f} tok/s" for s in sides), file=sys.stderr)
+            print(
+                f"round {rnd} ({' then '.join(order)}): "
+                + ", ".join(f"{s} {figures[s]['tok_s'][-1]:,.0f} tok/s" for s in sides),
+                file=sys.stderr,
+            )
         assert not list(dump_dirs[PRISTINE].glob("*")), "the pristine server dumped: it is not the unpatched release"
         probe = []
         for rnd in range(3):
@@ -230,31 +273,56 @@ def main() -> None:
     p, d = figures[PRISTINE]["tok_s"], figures["patched"]["tok_s"]
     ratio = statistics.median(d) / statistics.median(p)
     per_round = [b / a for a, b in zip(p, d)]
-    print(f"SGLang {args.version}, target {model_dir if args.model_dir else args.profile + ' tiny target'} "
-          f"(hidden {hidden}, {layers} layers, aux {aux}), torch threads per server: SGLang's choice")
-    print(f"{args.rounds} rounds (A C B, B C A, ...) of {args.requests} prefills x {args.tokens} tokens = {tokens} tokens")
+    print(
+        f"SGLang {args.version}, target {model_dir if args.model_dir else args.profile + ' tiny target'} "
+        f"(hidden {hidden}, {layers} layers, aux {aux}), torch threads per server: SGLang's choice"
+    )
+    print(
+        f"{args.rounds} rounds (A C B, B C A, ...) of {args.requests} prefills x {args.tokens} tokens = {tokens} tokens"
+    )
     for side in sides:
         f = figures[side]
-        print(f"{side}: {median_range(f['tok_s'])} tok/s; server CPU s/round {median_range(f['server_cpu_s'], '{:.2f}')}"
-              f", driver CPU s/round {median_range(f['driver_cpu_s'], '{:.2f}')}"
-              f", the other (idle) server's CPU s meanwhile {median_range(f['idle_server_cpu_s'], '{:.2f}')}")
-    print(f"ratio of medians patched / pristine = {ratio:.3f} (goal >= 0.90); per round "
-          f"{median_range(per_round, '{:.3f}')}; of each side's fastest round {max(d) / max(p):.3f} (on a shared "
-          f"machine the least disturbed)")
+        print(
+            f"{side}: {median_range(f['tok_s'])} tok/s; server CPU s/round {median_range(f['server_cpu_s'], '{:.2f}')}"
+            f", driver CPU s/round {median_range(f['driver_cpu_s'], '{:.2f}')}"
+            f", the other (idle) server's CPU s meanwhile {median_range(f['idle_server_cpu_s'], '{:.2f}')}"
+        )
+    print(
+        f"ratio of medians patched / pristine = {ratio:.3f} (goal >= 0.90); per round "
+        f"{median_range(per_round, '{:.3f}')}; of each side's fastest round {max(d) / max(p):.3f} (on a shared "
+        f"machine the least disturbed)"
+    )
     print("rounds (tok/s): " + "; ".join(f"{a:,.0f} / {b:,.0f}" for a, b in zip(p, d)) + " (pristine / patched)")
     r = figures[REQUESTS]["tok_s"]
-    print(f"where the patched side's time goes: requests to the dumping server / pristine "
-          f"{statistics.median(r) / statistics.median(p):.3f} (the server's hook and writer), patched / requests only "
-          f"{statistics.median(d) / statistics.median(r):.3f} (the driver: waiting for, reading and stitching the chunk "
-          f"files, committing the shard)")
+    print(
+        f"where the patched side's time goes: requests to the dumping server / pristine "
+        f"{statistics.median(r) / statistics.median(p):.3f} (the server's hook and writer), patched / requests only "
+        f"{statistics.median(d) / statistics.median(r):.3f} (the driver: waiting for, reading and stitching the chunk "
+        f"files, committing the shard)"
+    )
     overhead = statistics.median(probe) / (tokens / statistics.median(p))
-    print(f"a round of {args.requests} 1-token prefills on the pristine server: {median_range(probe, '{:.3f}')} s, "
-          f"{overhead:.0%} of a pristine round's median")
+    print(
+        f"a round of {args.requests} 1-token prefills on the pristine server: {median_range(probe, '{:.3f}')} s, "
+        f"{overhead:.0%} of a pristine round's median"
+    )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
-        args.json.write_text(json.dumps({"version": args.version, "hidden": hidden, "layers": layers,
-                                         "requests": args.requests, "tokens": args.tokens, "figures": figures,
-                                         "ratio_of_medians": ratio, "one_token_round_s": probe, "loadavg": os.getloadavg()}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "version": args.version,
+                    "hidden": hidden,
+                    "layers": layers,
+                    "requests": args.requests,
+                    "tokens": args.tokens,
+                    "figures": figures,
+                    "ratio_of_medians": ratio,
+                    "one_token_round_s": probe,
+                    "loadavg": os.getloadavg(),
+                },
+                indent=1,
+            )
+        )
 
 
 def _remove_chunks(dump_dir: Path) -> None:
@@ -269,9 +337,16 @@ def _remove_chunks(dump_dir: Path) -> None:
 def _extract(base_url: str, dump_dir: Path, merged: Path, version_dir: Path, aux: list[int], hidden: int) -> None:
     """The patched side: the shard through the driver, as the hidden_states stage runs it on the GPU host."""
     (spec,) = plan_shards(merged, 10**9)
-    result = extract_shard_sglang(DriverSettings(base_url, dump_dir, concurrency=spec.num_records), merged, spec,
-                                  version_dir, aux_layers=aux, hidden_size=hidden, dtype="bfloat16",
-                                  target_identity="bench")
+    result = extract_shard_sglang(
+        DriverSettings(base_url, dump_dir, concurrency=spec.num_records),
+        merged,
+        spec,
+        version_dir,
+        aux_layers=aux,
+        hidden_size=hidden,
+        dtype="bfloat16",
+        target_identity="bench",
+    )
     assert result.num_tokens == spec.num_tokens and not result.skipped, result
 
 

@@ -71,12 +71,19 @@ VENV_ROOT = ROOT / ".cache" / "specforge-venv"
 # another release, pinned. transformers, and the huggingface-hub and tokenizers it needs, at SpecForge's own pin
 # (transformers==5.8.1); kernels inside transformers 5.8.1's own range (its `kernels` extra, <0.13: the project's
 # newer one raises at transformers' import); accelerate (`specforge.cli` seeds with it) and psutil, its dependency.
-REQUIREMENTS = ("transformers==5.8.1", "huggingface_hub==1.33.0", "tokenizers==0.22.2", "kernels==0.12.3",
-                "accelerate==1.15.0", "psutil==7.2.2")
+REQUIREMENTS = (
+    "transformers==5.8.1",
+    "huggingface_hub==1.33.0",
+    "tokenizers==0.22.2",
+    "kernels==0.12.3",
+    "accelerate==1.15.0",
+    "psutil==7.2.2",
+)
 RECIPE = 1  # bump when specforge_python installs something differently
 
 
 # ---------------------------------------------------------------------------------------------------- the venv
+
 
 def specforge_python(log=print) -> Path:
     """The interpreter of SpecForge's venv, built (or rebuilt, when its inputs changed) under a lock."""
@@ -103,8 +110,18 @@ def specforge_python(log=print) -> Path:
             raise RuntimeError(f"{site} is not inside the venv {target}")
         # the project's environment after the venv's own packages: the venv's pins win, torch is the project's
         (site / "eagle3_base.pth").write_text(f"import site; site.addsitedir({str(base)!r})\n")
-        pip = [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", "-q", "install",
-               "-c", str(ROOT / "constraints.txt")]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "--disable-pip-version-check",
+            "-q",
+            "install",
+            "-c",
+            str(ROOT / "constraints.txt"),
+        ]
         subprocess.run([*pip, *REQUIREMENTS], check=True)
         hashed = target / "specforge-wheel.txt"  # pip's hash-checking mode: the file must have PyPI's sha256
         hashed.write_text(hashed_requirement("specforge", VERSION, spec=str(release)) + "\n")
@@ -115,6 +132,7 @@ def specforge_python(log=print) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------- the data
+
 
 def link_training_samples(export_dir: Path, out_dir: Path, eval_fraction: float) -> tuple[list[str], list[str]]:
     """`out_dir` (made afresh) with a hard link to each sample of the SpecForge export `export_dir` that our training
@@ -155,6 +173,7 @@ def training_features(plan, root: Path, eval_fraction: float, log) -> tuple[Path
 
 # ---------------------------------------------------------------------------------------------------- the run
 
+
 def draft_config(profile, plan, draft_vocab_size: int) -> dict:
     """The LlamaForCausalLMEagle3 config SpecForge builds its draft from: the shape of our plain drafter."""
     from eagle3_dagster.config import DrafterOverrides
@@ -162,42 +181,69 @@ def draft_config(profile, plan, draft_vocab_size: int) -> dict:
     from eagle3_dagster.drafter.target_head import TargetArch
 
     overrides = DrafterOverrides.model_validate({**profile.drafter.model_dump(), **PLAIN})
-    c = DrafterConfig.from_profile(overrides, TargetArch.from_dir(plan.target.path), draft_vocab_size=draft_vocab_size,
-                                   aux_layers=plan.target.aux_layers, serving_context=profile.target.serving_context)
+    c = DrafterConfig.from_profile(
+        overrides,
+        TargetArch.from_dir(plan.target.path),
+        draft_vocab_size=draft_vocab_size,
+        aux_layers=plan.target.aux_layers,
+        serving_context=profile.target.serving_context,
+    )
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": c.hidden_size, "target_hidden_size": c.target_hidden_size,
-        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "target_hidden_size": c.target_hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
         # SGLang's output numbering (canonical - 1, eagle3_dagster/layers.py), read back by load_drafter, which
         # the evaluation checks against the shards' layers
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers],
-                         "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layers],
+            "use_aux_hidden_state": True,
+        },
     }
 
 
-def run_config(profile, *, features: Path, target: Path, draft: Path, vocab: Path, out: Path,
-               max_steps: int | None) -> dict:
+def run_config(
+    profile, *, features: Path, target: Path, draft: Path, vocab: Path, out: Path, max_steps: int | None
+) -> dict:
     """SpecForge's run config (`specforge/config/schema.py`): the profile's recipe, SpecForge's defaults elsewhere."""
     t = profile.train
     training = {
-        "num_epochs": t.epochs, "learning_rate": t.lr, "ttt_length": t.ttt_steps, "batch_size": 1,
-        "accumulation_steps": t.grad_accum, "seed": t.seed, "log_interval": 10,
-        "fsdp_sharding": "NO_SHARD", "attention_backend": "sdpa",  # its CPU path (module docstring)
+        "num_epochs": t.epochs,
+        "learning_rate": t.lr,
+        "ttt_length": t.ttt_steps,
+        "batch_size": 1,
+        "accumulation_steps": t.grad_accum,
+        "seed": t.seed,
+        "log_interval": 10,
+        "fsdp_sharding": "NO_SHARD",
+        "attention_backend": "sdpa",  # its CPU path (module docstring)
     }
     if max_steps:
         training["max_steps"] = max_steps
     return {
-        "model": {"target_model_path": str(target), "draft_model_config": str(draft),
-                  "vocab_mapping_path": str(vocab)},
-        "data": {"hidden_states_path": str(features), "max_length": profile.data.max_seq_len,
-                 "cache_dir": str(out / "cache")},
+        "model": {"target_model_path": str(target), "draft_model_config": str(draft), "vocab_mapping_path": str(vocab)},
+        "data": {
+            "hidden_states_path": str(features),
+            "max_length": profile.data.max_seq_len,
+            "cache_dir": str(out / "cache"),
+        },
         "training": training,
         "deployment": {"trainer": {"nproc_per_node": t.nproc_per_node}},
-        "output_dir": str(out / "output"), "run_id": NAME,
+        "output_dir": str(out / "output"),
+        "run_id": NAME,
     }
 
 
@@ -206,8 +252,13 @@ def _env(nproc: int) -> dict[str, str]:
 
     from eagle3_dagster.threads import thread_env
 
-    env = {**os.environ, **thread_env(nproc), "PYTHONPATH": str(SHIM), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        **thread_env(nproc),
+        "PYTHONPATH": str(SHIM),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
     if not torch.cuda.is_available():
         env["SPECFORGE_DEVICE"] = "cpu"
     return env
@@ -215,8 +266,11 @@ def _env(nproc: int) -> dict[str, str]:
 
 def _latest_checkpoint(output_dir: Path) -> tuple[Path, int]:
     """SpecForge's final checkpoint (`<run_id>-step<N>`, the newest step) and its optimizer step."""
-    found = [(int(m.group(1)), p) for p in output_dir.glob(f"{NAME}-step*")
-             if (m := re.fullmatch(rf"{NAME}-step(\d+)", p.name)) and (p / "training_state.pt").exists()]
+    found = [
+        (int(m.group(1)), p)
+        for p in output_dir.glob(f"{NAME}-step*")
+        if (m := re.fullmatch(rf"{NAME}-step(\d+)", p.name)) and (p / "training_state.pt").exists()
+    ]
     if not found:
         raise RuntimeError(f"{output_dir}: SpecForge wrote no checkpoint")
     step, path = max(found)
@@ -239,10 +293,16 @@ def train_specforge(profile, layout, plan_path, log, *, max_steps: int | None = 
     features, train_ids, heldout_ids = training_features(plan, root, profile.train.eval_fraction, log)
     mapping = load_file(str(layout.vocab_mapping))
     draft = draft_config(profile, plan, int(mapping["d2t"].shape[0]))
-    key = {"specforge": VERSION, "recipe": RECIPE, "hidden_version": plan.version, "draft": draft,
-           "vocab_mapping": hashlib.sha256(layout.vocab_mapping.read_bytes()).hexdigest(),
-           "train": profile.train.model_dump(mode="json"), "max_length": profile.data.max_seq_len,
-           "max_steps": max_steps}
+    key = {
+        "specforge": VERSION,
+        "recipe": RECIPE,
+        "hidden_version": plan.version,
+        "draft": draft,
+        "vocab_mapping": hashlib.sha256(layout.vocab_mapping.read_bytes()).hexdigest(),
+        "train": profile.train.model_dump(mode="json"),
+        "max_length": profile.data.max_seq_len,
+        "max_steps": max_steps,
+    }
     run_dir = root / f"run-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}"
     metrics_path = run_dir / "metrics.json"
     if metrics_path.exists():
@@ -257,8 +317,15 @@ def train_specforge(profile, layout, plan_path, log, *, max_steps: int | None = 
     torch.save({"d2t": mapping["d2t"], "t2d": mapping["t2d"]}, vocab)
     target = specforge_target_dir(plan.target.path, root)  # TargetHead wants a *.index.json beside the weights
     shutil.rmtree(run_dir / "output", ignore_errors=True)  # a killed run's checkpoints: start it afresh
-    config = run_config(profile, features=features, target=target, draft=run_dir / "draft_config.json", vocab=vocab,
-                        out=run_dir, max_steps=max_steps)
+    config = run_config(
+        profile,
+        features=features,
+        target=target,
+        draft=run_dir / "draft_config.json",
+        vocab=vocab,
+        out=run_dir,
+        max_steps=max_steps,
+    )
     atomic_write_json(run_dir / "run_config.json", config)
     env = _env(profile.train.nproc_per_node)
 
@@ -266,8 +333,13 @@ def train_specforge(profile, layout, plan_path, log, *, max_steps: int | None = 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     with open(run_dir / "train.log", "w") as out:
-        proc = subprocess.run([str(python), "-m", "specforge.cli", "train", "--config", str(run_dir / "run_config.json")],
-                              env=env, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [str(python), "-m", "specforge.cli", "train", "--config", str(run_dir / "run_config.json")],
+            env=env,
+            cwd=run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -278,23 +350,55 @@ def train_specforge(profile, layout, plan_path, log, *, max_steps: int | None = 
     export_dir = run_dir / "export"
     shutil.rmtree(export_dir, ignore_errors=True)
     with open(run_dir / "export.log", "w") as out:
-        subprocess.run([str(python), "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", str(checkpoint),
-                        "--draft-config", str(run_dir / "draft_config.json"), "--output-dir", str(export_dir),
-                        "--vocab-mapping", str(vocab)], env=env, cwd=run_dir, stdout=out, stderr=subprocess.STDOUT,
-                       check=True)
+        subprocess.run(
+            [
+                str(python),
+                "-m",
+                "specforge.cli",
+                "export",
+                "--to",
+                "sglang",
+                "--checkpoint",
+                str(checkpoint),
+                "--draft-config",
+                str(run_dir / "draft_config.json"),
+                "--output-dir",
+                str(export_dir),
+                "--vocab-mapping",
+                str(vocab),
+            ],
+            env=env,
+            cwd=run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
 
     final = heldout_eval(profile, plan, export_dir)
     if final["num_samples"] != len(heldout_ids):
-        raise RuntimeError(f"held-out evaluation scored {final['num_samples']} samples, {len(heldout_ids)} were held out")
+        raise RuntimeError(
+            f"held-out evaluation scored {final['num_samples']} samples, {len(heldout_ids)} were held out"
+        )
     lengths = _train_lengths(plan, set(train_ids), profile.data.max_seq_len)
     # SpecForge reports no token count: each training sample once per epoch, as its sampler deals them
     epochs = profile.train.epochs if not max_steps else steps * profile.train.nproc_per_node / max(len(lengths), 1)
-    metrics = {"variant": NAME, "specforge_version": VERSION, "final_eval": final, "steps": steps,
-               "tokens_seen": round(sum(lengths) * epochs), "train_cpu_s": round(cpu, 1), "train_wall_s": round(wall, 1),
-               "load_avg_1m": os.getloadavg()[0], "wall_s_per_step": round(wall / max(steps, 1), 4),
-               "steady_s_per_step": steady_step_seconds(run_dir / "train.log"),
-               "num_train_samples": len(train_ids), "num_heldout_samples": len(heldout_ids),
-               "features": str(features), "checkpoint": str(checkpoint), "max_steps": max_steps}
+    metrics = {
+        "variant": NAME,
+        "specforge_version": VERSION,
+        "final_eval": final,
+        "steps": steps,
+        "tokens_seen": round(sum(lengths) * epochs),
+        "train_cpu_s": round(cpu, 1),
+        "train_wall_s": round(wall, 1),
+        "load_avg_1m": os.getloadavg()[0],
+        "wall_s_per_step": round(wall / max(steps, 1), 4),
+        "steady_s_per_step": steady_step_seconds(run_dir / "train.log"),
+        "num_train_samples": len(train_ids),
+        "num_heldout_samples": len(heldout_ids),
+        "features": str(features),
+        "checkpoint": str(checkpoint),
+        "max_steps": max_steps,
+    }
     atomic_write_json(metrics_path, metrics)
     return metrics | {"run_dir": str(run_dir)}
 
@@ -322,6 +426,7 @@ def _train_lengths(plan, train_ids: set[str], max_length: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------- the score
 
+
 def heldout_eval(profile, plan, export_dir: Path) -> dict:
     """The training job's final evaluation (`Trainer.evaluate` over the held-out samples of `split_heldout`), of
     the drafter in `export_dir` as the benchmark loads it; one process (the job splits the same batches over its
@@ -338,8 +443,10 @@ def heldout_eval(profile, plan, export_dir: Path) -> dict:
 
     imported = load_any_drafter(export_dir, plan.target.path)
     if tuple(imported.aux_layers) != tuple(plan.target.aux_layers):
-        raise RuntimeError(f"{export_dir}: the drafter reads aux layers {imported.aux_layers} "
-                           f"({imported.aux_layers_from}), the shards hold {plan.target.aux_layers}")
+        raise RuntimeError(
+            f"{export_dir}: the drafter reads aux layers {imported.aux_layers} "
+            f"({imported.aux_layers_from}), the shards hold {plan.target.aux_layers}"
+        )
     drafter = imported.model.float().eval()
     t = profile.train
     dataset = HiddenStatesDataset(plan.version_dir)
@@ -359,8 +466,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="demo")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="stop after this many optimizer steps (SpecForge's training.max_steps): a short check")
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="stop after this many optimizer steps (SpecForge's training.max_steps): a short check",
+    )
     args = parser.parse_args()
 
     from eagle3_dagster.config import load_profile
@@ -377,16 +488,20 @@ def main() -> None:
     m = train_specforge(profile, layout, plan_path, lambda line: print(line, flush=True), max_steps=args.max_steps)
     held = m["final_eval"]
     accs = " ".join(f"{held[f'acc_{j}']:.3f}" for j in range(profile.train.ttt_steps))
-    print(f"{m['steps']} steps, {m['train_wall_s']} s wall ({m['wall_s_per_step']} s per step), {m['train_cpu_s']} CPU s;"
-          f" held-out ({held['num_samples']} samples, {held['num_scored_tokens']} tokens) acc {accs}, "
-          f"sim. acceptance {held['sim_accept_length']:.3f}")
+    print(
+        f"{m['steps']} steps, {m['train_wall_s']} s wall ({m['wall_s_per_step']} s per step), {m['train_cpu_s']} CPU s;"
+        f" held-out ({held['num_samples']} samples, {held['num_scored_tokens']} tokens) acc {accs}, "
+        f"sim. acceptance {held['sim_accept_length']:.3f}"
+    )
     if args.max_steps:
         ds = HiddenStatesDataset(load_plan(plan_path).version_dir)
         full = train_schedule(ds.lengths(), ds.sample_ids, profile.train, profile.train.nproc_per_node).total_steps
         steady = m.get("steady_s_per_step") or m["wall_s_per_step"]
         overhead = m["train_wall_s"] - m["steps"] * steady  # start-up and the first steps' compilation
-        print(f"steady state {steady:.3f} s per optimizer step; the full recipe's {full} steps: about "
-              f"{(overhead + full * steady) / 3600:.2f} h of wall time at this rate")
+        print(
+            f"steady state {steady:.3f} s per optimizer step; the full recipe's {full} steps: about "
+            f"{(overhead + full * steady) / 3600:.2f} h of wall time at this rate"
+        )
 
 
 if __name__ == "__main__":

@@ -28,16 +28,20 @@ import torch
 def write_shard(folder: Path, hidden: int, num_samples: int, tokens: int) -> None:
     from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 
-    fmt = ShardFormat(hidden_size=hidden, dtype="bfloat16", aux_layers=(2, 3, 4), target_identity="bench",
-                      code_version="hf-1")
+    fmt = ShardFormat(
+        hidden_size=hidden, dtype="bfloat16", aux_layers=(2, 3, 4), target_identity="bench", code_version="hf-1"
+    )
     ids = [f"b/{i}" for i in range(num_samples)]
     g = torch.Generator().manual_seed(0)
     with ShardWriter(folder, "shard-00000", fmt, ids, [tokens] * num_samples) as w:
         for sid in ids:
-            w.write_sample(sid, input_ids=torch.zeros(tokens, dtype=torch.int64),
-                           loss_mask=torch.ones(tokens, dtype=torch.uint8),
-                           aux_hidden=torch.randn(tokens, 3 * hidden, generator=g),
-                           last_hidden=torch.randn(tokens, hidden, generator=g))
+            w.write_sample(
+                sid,
+                input_ids=torch.zeros(tokens, dtype=torch.int64),
+                loss_mask=torch.ones(tokens, dtype=torch.uint8),
+                aux_hidden=torch.randn(tokens, 3 * hidden, generator=g),
+                last_hidden=torch.randn(tokens, hidden, generator=g),
+            )
 
 
 def start_moto_server() -> tuple[subprocess.Popen, str]:
@@ -49,8 +53,11 @@ def start_moto_server() -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -73,8 +80,12 @@ def main() -> None:
 
     # moto in its own process: in this one its request threads would share the readers' GIL
     server, endpoint = start_moto_server()
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     from eagle3_dagster import storage
     from eagle3_dagster.hidden.extract import publish_shard
     from eagle3_dagster.hidden.dataset import HiddenStatesDataset
@@ -100,8 +111,11 @@ def main() -> None:
                 tensors = load(url.join("shard-00000.safetensors").read_bytes())
                 return {k: v[start:end] for k, v in tensors.items() if k != "offsets"}
 
-            readers = {"local mmap": mapped.__getitem__, "store ranges": remote.__getitem__,
-                       "store whole shard": whole_shard}
+            readers = {
+                "local mmap": mapped.__getitem__,
+                "store ranges": remote.__getitem__,
+                "store whole shard": whole_shard,
+            }
             times: dict[str, list[float]] = {k: [] for k in readers}
             for _ in range(a.reps):
                 for name, read in readers.items():  # interleaved: every repetition measures all three
@@ -118,8 +132,10 @@ def main() -> None:
     print(f"shard {shard_bytes} bytes, {a.samples_per_shard} samples of {a.tokens} tokens, hidden {a.hidden_size}")
     for name, ts in times.items():
         moved = shard_bytes if name == "store whole shard" else a.tokens * per_token
-        print(f"{name:<18} median {statistics.median(ts) * 1e3:8.2f} ms/sample  (min {min(ts) * 1e3:.2f}, "
-              f"max {max(ts) * 1e3:.2f})  ratio {statistics.median(ts) / base:7.2f}  bytes/sample {moved}")
+        print(
+            f"{name:<18} median {statistics.median(ts) * 1e3:8.2f} ms/sample  (min {min(ts) * 1e3:.2f}, "
+            f"max {max(ts) * 1e3:.2f})  ratio {statistics.median(ts) / base:7.2f}  bytes/sample {moved}"
+        )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def child(policy: str, steps: int, warmup: int) -> dict:
     model = create_tiny_model(config, cfg.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
-    batch_BT = torch.randint(0, cfg.vocab_size, (cfg.pretrain_batch_size, cfg.pretrain_seq_len),
-                             generator=torch.Generator().manual_seed(0))
+    batch_BT = torch.randint(
+        0, cfg.vocab_size, (cfg.pretrain_batch_size, cfg.pretrain_seq_len), generator=torch.Generator().manual_seed(0)
+    )
 
     def step() -> None:
         loss = model(input_ids=batch_BT, labels=batch_BT).loss
@@ -79,8 +80,13 @@ def child(policy: str, steps: int, warmup: int) -> dict:
         step()
     t1, c1 = time.monotonic(), os.times()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
-    return {"policy": policy, "threads": threads, "cpu_s_per_step": cpu / steps, "wall_s_per_step": (t1 - t0) / steps,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    return {
+        "policy": policy,
+        "threads": threads,
+        "cpu_s_per_step": cpu / steps,
+        "wall_s_per_step": (t1 - t0) / steps,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
 
 
 def measure(policy: str, condition: str, args) -> dict:
@@ -93,8 +99,13 @@ def measure(policy: str, condition: str, args) -> dict:
     try:
         if busy:
             time.sleep(1.0)  # the busy loops are running before the child starts
-        out = subprocess.run([sys.executable, __file__, "--child", policy, "--steps", str(args.steps),
-                              "--warmup", str(args.warmup)], env=env, capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", policy, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     finally:
         for p in busy:
             p.kill()
@@ -110,9 +121,11 @@ def spread(values: list[float], fmt: str) -> str:
 
 
 def table(rows: list[dict], policies: list[str]) -> str:
-    lines = ["| policy | threads | condition | CPU s / step | wall s / step | CPU s / step ÷ default's | "
-             "CPU s / step loaded ÷ alone |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| policy | threads | condition | CPU s / step | wall s / step | CPU s / step ÷ default's | "
+        "CPU s / step loaded ÷ alone |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     by = {(r["policy"], r["condition"]): [] for r in rows}
     for r in rows:
         by[(r["policy"], r["condition"])].append(r)
@@ -135,7 +148,8 @@ def table(rows: list[dict], policies: list[str]) -> str:
                 f"| {policy} | {got[0]['threads']} | {condition} | {spread([r['cpu_s_per_step'] for r in got], '.3f')} | "
                 f"{spread([r['wall_s_per_step'] for r in got], '.3f')} | "
                 f"{spread(vs_default, '.2f') + '×' if policy != 'default' and vs_default else '–'} | "
-                f"{spread(vs_alone, '.2f') + '×' if vs_alone else '–'} |")
+                f"{spread(vs_alone, '.2f') + '×' if vs_alone else '–'} |"
+            )
     return "\n".join(lines)
 
 
@@ -160,11 +174,14 @@ def main() -> None:
     rows = []
     for k in range(args.rounds):
         order = [(p, c) for c in CONDITIONS for p in policies]
-        for policy, condition in (order if k % 2 == 0 else order[::-1]):
+        for policy, condition in order if k % 2 == 0 else order[::-1]:
             row = {**measure(policy, condition, args), "round": k}
             rows.append(row)
-            print(f"round {k} {policy:8s} {condition:6s} threads {row['threads']} "
-                  f"cpu {row['cpu_s_per_step']:.3f} s/step wall {row['wall_s_per_step']:.3f} s/step", flush=True)
+            print(
+                f"round {k} {policy:8s} {condition:6s} threads {row['threads']} "
+                f"cpu {row['cpu_s_per_step']:.3f} s/step wall {row['wall_s_per_step']:.3f} s/step",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(table(rows, policies))

@@ -62,8 +62,17 @@ def pytest_configure(config) -> None:
 
 def pytest_runtest_logreport(report) -> None:
     if "log" in _state:
-        _state["log"].write(json.dumps({"t": time.time(), "id": report.nodeid, "when": report.when,
-                                        "cpu": _cpu_seconds(_state["group"], _state["usage"])}) + "\n")
+        _state["log"].write(
+            json.dumps(
+                {
+                    "t": time.time(),
+                    "id": report.nodeid,
+                    "when": report.when,
+                    "cpu": _cpu_seconds(_state["group"], _state["usage"]),
+                }
+            )
+            + "\n"
+        )
 
 
 def summarize(folder: Path) -> str:

@@ -129,6 +129,7 @@ def ttt_unroll(
         hidden = model.midlayer.finish(attn, hidden)
         yield model.logits(hidden)
 
+
 STEP_WEIGHT_DECAY = 0.8  # EAGLE main.py `ploss_weight = [0.8 ** i ...]`
 
 
@@ -162,7 +163,9 @@ def build_teacher(
         logps.append(F.log_softmax(draft_logits, dim=-1))
         argmaxes.append(draft_logits.argmax(-1))
     logp = torch.cat(logps).view(b, t, -1)
-    supervised_next = torch.cat([loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1)
+    supervised_next = torch.cat(
+        [loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1
+    )
     valid = torch.cat(inside).view(b, t) & supervised_next
     return Teacher(logp_BTV=logp, argmax_BT=torch.cat(argmaxes).view(b, t), valid_BT=valid)
 
@@ -203,8 +206,9 @@ def step_loss(draft_logits_BTV: torch.Tensor, teacher: Teacher) -> StepResult:
     return StepResult(loss=loss, num_valid=n, num_correct=correct, kl_sum=float(masked.detach().sum()))
 
 
-def objective(drafter: Eagle3Drafter, target_lm_head_VH, ttt_steps, input_ids_BT, loss_mask_BT, aux_hidden_BT3H,
-              last_hidden_BTH):
+def objective(
+    drafter: Eagle3Drafter, target_lm_head_VH, ttt_steps, input_ids_BT, loss_mask_BT, aux_hidden_BT3H, last_hidden_BTH
+):
     """`TTTObjective.forward` at that commit: weighted loss and per-step (kl_sum, num_valid, num_correct)."""
     weights = [STEP_WEIGHT_DECAY**j for j in range(ttt_steps)]
     teacher = build_teacher(last_hidden_BTH, loss_mask_BT, target_lm_head_VH, drafter.t2d)

@@ -38,9 +38,17 @@ def measure(length: int, steps: int) -> dict:
 
     torch.manual_seed(0)
     vocab, draft_vocab, h = 2048, 1024, 128
-    cfg = DrafterConfig(target_hidden_size=h, hidden_size=h, intermediate_size=256, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=32, vocab_size=vocab, draft_vocab_size=draft_vocab,
-                        aux_layers=(1, 2, 3))
+    cfg = DrafterConfig(
+        target_hidden_size=h,
+        hidden_size=h,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layers=(1, 2, 3),
+    )
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:draft_vocab] = True
     model = Eagle3Drafter(cfg, torch.randn(vocab, h), torch.zeros(draft_vocab, dtype=torch.long), t2d)
@@ -51,8 +59,12 @@ def measure(length: int, steps: int) -> dict:
     t0 = time.perf_counter()
     total, _ = ttt_loss(list(ttt_unroll(model, ids, aux, steps)), model.lm_head.weight, teacher)
     total.backward()
-    return {"tokens": length, "steps": steps, "peak_delta_mib": (_status_kib("VmHWM") - before) / 1024,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "tokens": length,
+        "steps": steps,
+        "peak_delta_mib": (_status_kib("VmHWM") - before) / 1024,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -66,8 +78,12 @@ def main() -> None:
         return
     rows = []
     for n in args.lengths:
-        out = subprocess.run([sys.executable, __file__, "--one", str(n), "--steps", str(args.steps)],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", str(n), "--steps", str(args.steps)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     print(f"{'tokens':>7} {'peak MiB':>9} {'growth':>7} {'seconds':>8}")
     for prev, row in zip([None, *rows], rows):

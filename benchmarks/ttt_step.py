@@ -57,9 +57,17 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     h = 256
-    cfg = DrafterConfig(target_hidden_size=h, hidden_size=h, intermediate_size=512, num_attention_heads=4,
-                        num_key_value_heads=4, head_dim=64, vocab_size=vocab, draft_vocab_size=draft_vocab,
-                        aux_layers=(1, 2, 3))
+    cfg = DrafterConfig(
+        target_hidden_size=h,
+        hidden_size=h,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layers=(1, 2, 3),
+    )
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.randperm(vocab)[:draft_vocab]] = True
     d2t = t2d.nonzero().squeeze(-1) - torch.arange(draft_vocab)
@@ -105,9 +113,17 @@ def measure(impl: str, length: int, vocab: int, draft_vocab: int, threads: int, 
         loss = step()
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    return {"impl": impl, "tokens": length, "vocab": vocab, "draft_vocab": draft_vocab, "seconds": seconds,
-            "tokens_per_s": length / seconds, "peak_rss_mib": _peak_rss_mib(), "loss": loss,
-            "valid_rows": valid_fraction(lm_head, last, t2d)}
+    return {
+        "impl": impl,
+        "tokens": length,
+        "vocab": vocab,
+        "draft_vocab": draft_vocab,
+        "seconds": seconds,
+        "tokens_per_s": length / seconds,
+        "peak_rss_mib": _peak_rss_mib(),
+        "loss": loss,
+        "valid_rows": valid_fraction(lm_head, last, t2d),
+    }
 
 
 def valid_fraction(lm_head, last, t2d) -> float:
@@ -118,7 +134,9 @@ def _run_child(impl: str, length: int, vocab: int, draft_vocab: int, threads: in
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.run(
         [sys.executable, __file__, "--one", impl, str(length), str(vocab), str(draft_vocab), "--threads", str(threads)],
-        capture_output=True, text=True, env=env,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [""])[-1]
@@ -128,7 +146,11 @@ def _run_child(impl: str, length: int, vocab: int, draft_vocab: int, threads: in
 
 def _spread(values: list[float], digits: int = 0) -> str:
     med = statistics.median(values)
-    return f"{med:,.{digits}f} ({min(values):,.{digits}f}–{max(values):,.{digits}f})" if len(values) > 1 else f"{med:,.{digits}f}"
+    return (
+        f"{med:,.{digits}f} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
+        if len(values) > 1
+        else f"{med:,.{digits}f}"
+    )
 
 
 def main() -> None:
@@ -136,11 +158,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--vocabs", nargs="+", default=["8192:2048", "128000:32000"], help="target:draft")
-    parser.add_argument("--baseline-max-tokens", nargs="*", default=["128000:32000=2048"],
-                        help="target:draft=N: skip the baseline above N tokens (it needs ~6.5 GB at 2k, 24+ GB at 8k)")
+    parser.add_argument(
+        "--baseline-max-tokens",
+        nargs="*",
+        default=["128000:32000=2048"],
+        help="target:draft=N: skip the baseline above N tokens (it needs ~6.5 GB at 2k, 24+ GB at 8k)",
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS),
-                        help="baseline, new, new_default_malloc (new without Trainer's glibc setting)")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=list(IMPLS),
+        help="baseline, new, new_default_malloc (new without Trainer's glibc setting)",
+    )
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # child: impl length vocab draft_vocab
     args = parser.parse_args()
@@ -158,31 +188,64 @@ def main() -> None:
                 for impl in order:
                     if impl == "baseline" and n > caps.get((vocab, draft), 1 << 30):
                         continue
-                    row = _run_child(impl, n, vocab, draft, args.threads) | {"round": r, "vocab": vocab,
-                                                                              "draft_vocab": draft}
+                    row = _run_child(impl, n, vocab, draft, args.threads) | {
+                        "round": r,
+                        "vocab": vocab,
+                        "draft_vocab": draft,
+                    }
                     results.append(row)
-                    print(f"# round {r} {impl:8} V={vocab}/{draft} {n:>5} tokens: "
-                          + (f"{row['tokens_per_s']:.1f} tok/s, peak {row['peak_rss_mib']:.0f} MiB"
-                             if "error" not in row else f"failed: {row['error']}"), file=sys.stderr, flush=True)
+                    print(
+                        f"# round {r} {impl:8} V={vocab}/{draft} {n:>5} tokens: "
+                        + (
+                            f"{row['tokens_per_s']:.1f} tok/s, peak {row['peak_rss_mib']:.0f} MiB"
+                            if "error" not in row
+                            else f"failed: {row['error']}"
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     impls = args.impls
     others = [i for i in impls if i != "baseline"]
-    print(f"rounds {args.rounds}, {args.threads} threads, median (min–max) over rounds; peak = process VmHWM; "
-          "speed ratio = per-round tok/s over the baseline's of the same round\n")
-    print("| target/draft vocab | tokens | " + " | ".join(f"{i} tok/s" for i in impls) + " | "
-          + " | ".join(f"{i} / baseline" for i in others) + " | " + " | ".join(f"{i} peak MiB" for i in impls) + " |")
+    print(
+        f"rounds {args.rounds}, {args.threads} threads, median (min–max) over rounds; peak = process VmHWM; "
+        "speed ratio = per-round tok/s over the baseline's of the same round\n"
+    )
+    print(
+        "| target/draft vocab | tokens | "
+        + " | ".join(f"{i} tok/s" for i in impls)
+        + " | "
+        + " | ".join(f"{i} / baseline" for i in others)
+        + " | "
+        + " | ".join(f"{i} peak MiB" for i in impls)
+        + " |"
+    )
     print("|---|---:" + "|---:" * (2 * len(impls) + len(others)) + "|")
     for vocab, draft in vocabs:
         for n in args.lengths:
-            got = {impl: [x for x in results if x["impl"] == impl and x["tokens"] == n and x["vocab"] == vocab
-                          and x["draft_vocab"] == draft and "error" not in x] for impl in impls}
+            got = {
+                impl: [
+                    x
+                    for x in results
+                    if x["impl"] == impl
+                    and x["tokens"] == n
+                    and x["vocab"] == vocab
+                    and x["draft_vocab"] == draft
+                    and "error" not in x
+                ]
+                for impl in impls
+            }
             speed = [_spread([x["tokens_per_s"] for x in got[i]], 1) if got[i] else "not run" for i in impls]
             peak = [_spread([x["peak_rss_mib"] for x in got[i]]) if got[i] else "–" for i in impls]
             ratios = []
             for impl in others:
-                pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a in got[impl] for b in got.get("baseline", [])
-                         if a["round"] == b["round"]]
+                pairs = [
+                    a["tokens_per_s"] / b["tokens_per_s"]
+                    for a in got[impl]
+                    for b in got.get("baseline", [])
+                    if a["round"] == b["round"]
+                ]
                 ratios.append(_spread(pairs, 2) + "×" if pairs else "–")
             print(f"| {vocab:,}/{draft:,} | {n:,} | " + " | ".join(speed + ratios + peak) + " |")
 

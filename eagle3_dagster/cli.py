@@ -32,42 +32,67 @@ def build_parser() -> argparse.ArgumentParser:
     # --profile is accepted before or after the subcommand: each subparser knows it too, and the
     # subparser's copy defaults to SUPPRESS so it never overwrites a value given before the subcommand.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--profile", default=argparse.SUPPRESS,
-                        help="profile name or YAML path (default: $EAGLE3_PROFILE or demo)")
-    parser = argparse.ArgumentParser(prog="eagle3", description=__doc__.split("\n\n")[0].replace("\n", " "),
-                                     parents=[common])
+    common.add_argument(
+        "--profile", default=argparse.SUPPRESS, help="profile name or YAML path (default: $EAGLE3_PROFILE or demo)"
+    )
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description=__doc__.split("\n\n")[0].replace("\n", " "), parents=[common]
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=f"{summary}. {details}".strip(), parents=[common])
 
-    p = add("patch", "Apply, verify or revert the SGLang hidden-state dump patch",
-            "Works on the SGLang installed in the given interpreter; refuses releases it does not know.")
+    p = add(
+        "patch",
+        "Apply, verify or revert the SGLang hidden-state dump patch",
+        "Works on the SGLang installed in the given interpreter; refuses releases it does not know.",
+    )
     p.add_argument("action", choices=["apply", "verify", "revert"])
     p.add_argument("--python", required=True, help="the interpreter whose SGLang is patched")
-    add("preflight", "Check the GPU host: interpreter, SGLang and patch, GPUs, free disk",
-        "Prints a pass/fail table; exits 1 if any check the profile needs fails.")
-    add("plan", "Print the extraction plan: bytes, hours, free space, superseded versions",
+    add(
+        "preflight",
+        "Check the GPU host: interpreter, SGLang and patch, GPUs, free disk",
+        "Prints a pass/fail table; exits 1 if any check the profile needs fails.",
+    )
+    add(
+        "plan",
+        "Print the extraction plan: bytes, hours, free space, superseded versions",
         "Hours are for the profile's GPU hosts, with 1, 2 and 4 hosts beside them. Exits 1 when the shards "
-        "would not fit.")
-    add("pool-limits", "Print the Dagster pool limits the profile implies, one 'POOL LIMIT' per line",
+        "would not fit.",
+    )
+    add(
+        "pool-limits",
+        "Print the Dagster pool limits the profile implies, one 'POOL LIMIT' per line",
         "One gpu_host slot per GPU host. scripts/ui.sh and scripts/demo.sh apply them with `dagster instance "
-        "concurrency set POOL LIMIT` before anything is queued.")
+        "concurrency set POOL LIMIT` before anything is queued.",
+    )
     c = add("cleanup", "Delete superseded hidden-state versions", "A dry run unless --delete is given.")
     c.add_argument("--delete", action="store_true", help="really delete (default: only list what would go)")
     e = add("export-shards", "Export the current hidden-state shards to another tool's layout")
     e.add_argument("--format", choices=["specforge", "speculators"], required=True)
     e.add_argument("--out", type=Path, required=True, help="output folder")
-    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="specforge: dtype of the states (default bfloat16, what SpecForge's TargetHead and draft "
-                        "compute in; a float32 feature fails there)")
-    b = add("bench", "Benchmark a drafter directory against the profile's target, like benchmark_report",
-            "Any standard EAGLE-3 export (LlamaForCausalLMEagle3 config.json + safetensors) is accepted, also one "
-            "trained elsewhere (SpecForge's `export --to sglang` or `--to hf`); fields it lacks are defaulted the "
-            "way SGLang serves it, and each default is printed.")
+    e.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        default=None,
+        help="specforge: dtype of the states (default bfloat16, what SpecForge's TargetHead and draft "
+        "compute in; a float32 feature fails there)",
+    )
+    b = add(
+        "bench",
+        "Benchmark a drafter directory against the profile's target, like benchmark_report",
+        "Any standard EAGLE-3 export (LlamaForCausalLMEagle3 config.json + safetensors) is accepted, also one "
+        "trained elsewhere (SpecForge's `export --to sglang` or `--to hf`); fields it lacks are defaulted the "
+        "way SGLang serves it, and each default is printed.",
+    )
     b.add_argument("--drafter", type=Path, required=True, help="the drafter directory (config.json + weights)")
-    b.add_argument("--out", type=Path, default=None,
-                   help="where results, report.md and plots go (default: <bench folder>/drafter-<dir name>)")
+    b.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where results, report.md and plots go (default: <bench folder>/drafter-<dir name>)",
+    )
     b.add_argument("--previous", type=Path, default=None, help="a previous results JSON to compare with")
     t = add("target-info", "Print a model directory's identity, summary and code files (name: sha256) as JSON")
     t.add_argument("model_dir", type=Path)
@@ -97,8 +122,15 @@ def _run(args: argparse.Namespace) -> int:
 
         if not (args.model_dir / "config.json").exists():
             raise UserError(f"{args.model_dir}: not a model directory (no config.json)")
-        print(json.dumps({"identity": target_identity(args.model_dir), **target_summary(args.model_dir),
-                          "code_files": code_files(args.model_dir)}))
+        print(
+            json.dumps(
+                {
+                    "identity": target_identity(args.model_dir),
+                    **target_summary(args.model_dir),
+                    "code_files": code_files(args.model_dir),
+                }
+            )
+        )
         return 0
 
     from eagle3_dagster.config import load_profile
@@ -148,11 +180,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def hours_table(hours_by_hosts: dict[str, float], num_hosts: int) -> str:
     """The remaining extraction's wall hours on 1, 2, 4 and the profile's number of hosts, side by side."""
-    cells = [(f"{n} host{'s' if int(n) > 1 else ''}" + (" (profile)" if int(n) == num_hosts else ""), f"{h:,.1f} h")
-             for n, h in sorted(hours_by_hosts.items(), key=lambda kv: int(kv[0]))]
+    cells = [
+        (f"{n} host{'s' if int(n) > 1 else ''}" + (" (profile)" if int(n) == num_hosts else ""), f"{h:,.1f} h")
+        for n, h in sorted(hours_by_hosts.items(), key=lambda kv: int(kv[0]))
+    ]
     widths = [max(len(a), len(b)) for a, b in cells]
-    return "\n".join(["hours   " + "  ".join(a.rjust(w) for (a, _), w in zip(cells, widths)),
-                      "        " + "  ".join(b.rjust(w) for (_, b), w in zip(cells, widths))])
+    return "\n".join(
+        [
+            "hours   " + "  ".join(a.rjust(w) for (a, _), w in zip(cells, widths)),
+            "        " + "  ".join(b.rjust(w) for (_, b), w in zip(cells, widths)),
+        ]
+    )
 
 
 def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list[tuple[str, str, str]]:
@@ -171,17 +209,32 @@ def preflight_checks(profile, report: dict, num_gpus: int | None = None) -> list
     return [
         ("interpreter", "PASS", f"{report.get('python')} (Python {report.get('python_version')})"),
         row("sglang", needs_sglang, not report.get("sglang_error"), str(sglang)),
-        row("sglang_release", needs_sglang and profile.gpu_host.sglang_version is not None,
+        row(
+            "sglang_release",
+            needs_sglang and profile.gpu_host.sglang_version is not None,
             other_sglang_release(report, profile.gpu_host.sglang_version) is None,
-            f"{report.get('sglang_version')} installed, gpu_host.sglang_version {profile.gpu_host.sglang_version}"),
+            f"{report.get('sglang_version')} installed, gpu_host.sglang_version {profile.gpu_host.sglang_version}",
+        ),
         row("patch", needs_sglang, report.get("patch_state") == "patched", str(report.get("patch_state", "n/a"))),
-        row("eagle3_dagster", needs_sglang, bool(report.get("eagle3_dagster")),
-            "importable" if report.get("eagle3_dagster") else "not importable on the host"),
-        row("gpus", min_gpus > 0, report.get("gpu_count", 0) >= min_gpus,
+        row(
+            "eagle3_dagster",
+            needs_sglang,
+            bool(report.get("eagle3_dagster")),
+            "importable" if report.get("eagle3_dagster") else "not importable on the host",
+        ),
+        row(
+            "gpus",
+            min_gpus > 0,
+            report.get("gpu_count", 0) >= min_gpus,
             f"{report.get('gpu_count', 0)} visible, {min_gpus} needed"
-            + (f" ({report['gpu_error']})" if report.get("gpu_error") else "")),
-        row("free_disk", True, report.get("free_bytes", 0) > 0,
-            f"{report.get('free_bytes', 0) / 2**30:.1f} GiB free at {profile.hidden.root}"),
+            + (f" ({report['gpu_error']})" if report.get("gpu_error") else ""),
+        ),
+        row(
+            "free_disk",
+            True,
+            report.get("free_bytes", 0) > 0,
+            f"{report.get('free_bytes', 0) / 2**30:.1f} GiB free at {profile.hidden.root}",
+        ),
     ]
 
 
@@ -251,8 +304,10 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
         target = specforge_target_dir(plan.target.path, out)
         lm_head = _find(_weight_map(Path(target)), SUFFIXES["lm_head"])
         # SpecForge 0.2.0 config/schema.py: model.target_model_path, data.hidden_states_path, model.lm_head_key
-        print(f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"
-              + (f"  model.lm_head_key: {lm_head}" if lm_head and lm_head != "lm_head.weight" else ""))
+        print(
+            f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"
+            + (f"  model.lm_head_key: {lm_head}" if lm_head and lm_head != "lm_head.weight" else "")
+        )
     return 0
 
 
@@ -276,9 +331,16 @@ def _bench(profile, layout, drafter: Path, out: Path | None, previous: Path | No
     run_id = time.strftime("%Y%m%d-%H%M%S")
     try:
         with _leased_host(profile, run_id) as host:  # served: a host of its own while it serves, as a run's
-            report = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=drafter,
-                                     previous_results=str(previous) if previous
-                                     else None, run_id=run_id, gpu_host=host, progress=print, out_dir=out)
+            report = benchmark_stage(
+                BenchSettings.from_profile(profile),
+                layout,
+                export_dir=drafter,
+                previous_results=str(previous) if previous else None,
+                run_id=run_id,
+                gpu_host=host,
+                progress=print,
+                out_dir=out,
+            )
     except ForeignInputError as e:
         raise UserError(_one_line(e)) from None
     except (KeyError, ValueError) as e:  # a directory that is not an EAGLE-3 drafter for this target
@@ -304,8 +366,13 @@ def _leased_host(profile, run_id: str):
     hosts = [GpuHost(h) for h in profile.gpu_host.hosts]
     holder = {"run_id": f"eagle3-bench-{run_id}", "command": "eagle3 bench"}
     try:
-        with lease_host([(h.name, h) for h in hosts], lease_folder(profile), holder=holder, log=print,
-                        wait_s=profile.gpu_host.lease_wait_s) as lease:
+        with lease_host(
+            [(h.name, h) for h in hosts],
+            lease_folder(profile),
+            holder=holder,
+            log=print,
+            wait_s=profile.gpu_host.lease_wait_s,
+        ) as lease:
             yield lease.host
     except NoHostError as e:
         raise UserError(_one_line(e)) from None
@@ -319,9 +386,11 @@ def lease_folder(profile) -> Path:
         return Path(profile.gpu_host.lease_dir)
     home = os.environ.get("DAGSTER_HOME")
     if not home:
-        raise UserError("the served benchmark leases its GPU host where the Dagster runs lease theirs, and that "
-                        "folder is unknown: set gpu_host.lease_dir in the profile, or DAGSTER_HOME to the instance's "
-                        "folder")
+        raise UserError(
+            "the served benchmark leases its GPU host where the Dagster runs lease theirs, and that "
+            "folder is unknown: set gpu_host.lease_dir in the profile, or DAGSTER_HOME to the instance's "
+            "folder"
+        )
     import yaml
 
     storage = Path(home) / "storage"
@@ -329,13 +398,18 @@ def lease_folder(profile) -> Path:
         instance = yaml.safe_load((Path(home) / "dagster.yaml").read_text()) or {}
     except FileNotFoundError:
         instance = {}
-    base_dir = ((instance.get("local_artifact_storage") or {}).get("config") or {}).get("base_dir") \
-        if isinstance(instance, dict) else None
+    base_dir = (
+        ((instance.get("local_artifact_storage") or {}).get("config") or {}).get("base_dir")
+        if isinstance(instance, dict)
+        else None
+    )
     if isinstance(base_dir, dict) and isinstance(base_dir.get("env"), str):
         base_dir = os.environ.get(base_dir["env"])
     if base_dir is not None and not isinstance(base_dir, str):
-        raise UserError(f"{Path(home) / 'dagster.yaml'}: local_artifact_storage base_dir {base_dir!r} is not a "
-                        "path; set gpu_host.lease_dir in the profile")
+        raise UserError(
+            f"{Path(home) / 'dagster.yaml'}: local_artifact_storage base_dir {base_dir!r} is not a "
+            "path; set gpu_host.lease_dir in the profile"
+        )
     return (Path(base_dir) if base_dir else storage) / "gpu_host_leases"
 
 

@@ -18,7 +18,9 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
-from pydantic.fields import PydanticUndefined  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
+from pydantic.fields import (
+    PydanticUndefined,
+)  # pydantic re-exports it: the GPU host installs pydantic, not pydantic-core by name
 
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.sglang_releases import (
@@ -40,9 +42,13 @@ CONFIG_DIR = PROJECT_ROOT / "configs"
 # @-aliases). Checked here because the engine may not import Dagster and croniter is not a dependency; a
 # test compares this with Dagster's own `is_valid_cron_string`.
 _CRON_ALIASES = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
-_CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day of month", 1, 31, ()),
-                ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")),
-                ("day of week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")))
+_CRON_FIELDS = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day of month", 1, 31, ()),
+    ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")),
+    ("day of week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")),
+)
 
 
 def cron_problem(cron: str) -> str | None:
@@ -63,8 +69,9 @@ def cron_problem(cron: str) -> str | None:
             if len(bounds) > 2:
                 return f"{name}: bad range {base!r}"
             for b in bounds:
-                value = names.index(b) + (1 if name == "month" else 0) if b in names else \
-                    (int(b) if b.isdigit() else None)
+                value = (
+                    names.index(b) + (1 if name == "month" else 0) if b in names else (int(b) if b.isdigit() else None)
+                )
                 if value is None or not lo <= value <= hi:
                     return f"{name}: {b!r} is not in {lo}-{hi}"
     return None
@@ -90,8 +97,11 @@ def url_credentials(value: str) -> str | None:
     # an hf:// URL's '@' is a revision (hf://org/repo@main), an ssh:// URL's a user name, neither a secret
     if ("@" in parts.netloc and scheme.lower() not in ("hf", "ssh")) or _USER_PASSWORD.match(value):
         return "a user name or password before the host (user:password@; an '@' in a path is written %40)"
-    names = [name for text in (parts.query, parts.fragment)
-             for name, _ in urllib.parse.parse_qsl(text, keep_blank_values=True)]
+    names = [
+        name
+        for text in (parts.query, parts.fragment)
+        for name, _ in urllib.parse.parse_qsl(text, keep_blank_values=True)
+    ]
     if secret := [n for n in names if _SECRET_PARAM.search(n)]:
         return f"a query parameter named {secret[0]!r}"
     return None
@@ -120,8 +130,10 @@ def _a_folder(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     local = rest if sep and scheme in ("file", "local") else None if sep else value  # None: an object store
     if local is not None and os.path.normpath(PROJECT_ROOT / local) == os.sep:
-        raise ValueError(f"{value!r} is the file system's root; name a folder of this profile's own "
-                         "(its stages create folders in it, and remove superseded ones)")
+        raise ValueError(
+            f"{value!r} is the file system's root; name a folder of this profile's own "
+            "(its stages create folders in it, and remove superseded ones)"
+        )
     return value
 
 
@@ -138,8 +150,10 @@ def _bounded(default=PydanticUndefined, *, why: str, **field):
 
 
 WHY_SEED = "seeds are 32-bit (numpy's generator takes at most 2**32 - 1)"
-WHY_TINY = ("the tiny target is built and pre-trained on a CPU; a model this large is an external target "
-            "(target.kind: external)")
+WHY_TINY = (
+    "the tiny target is built and pre-trained on a CPU; a model this large is an external target "
+    "(target.kind: external)"
+)
 WHY_WIDTH = "wider than any released target (DeepSeek-V3 and Kimi-K2.5: hidden 7168, 128 heads, MLP 18432)"
 WHY_TOKENS = "tokens in one sequence or batch: 16x Kimi-K2.5's 262,144-token context"
 WHY_FRACTION = "a share of the records, between 0 and 1"
@@ -155,8 +169,13 @@ WHY_RETRIES = "more tries than this only delay the error; a store or server that
 class TinyTargetConfig(_Strict):
     """The demo's target: a DeepSeek-V3 model small enough to pre-train on a CPU."""
 
-    seed: int = _bounded(0, ge=0, le=2**32 - 1, why=WHY_SEED,
-                         description="seed of the tokenizer training, the weights and the pre-training")
+    seed: int = _bounded(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        why=WHY_SEED,
+        description="seed of the tokenizer training, the weights and the pre-training",
+    )
     vocab_size: int = _bounded(4096, ge=300, le=2**18, why=WHY_TINY, description="BPE vocabulary incl. special tokens")
     hidden_size: int = _bounded(128, ge=8, le=4096, why=WHY_TINY, description="model width H")
     intermediate_size: int = _bounded(256, ge=1, le=16384, why=WHY_TINY, description="MLP width of the dense layers")
@@ -165,30 +184,48 @@ class TinyTargetConfig(_Strict):
     num_attention_heads: int = _bounded(4, ge=1, le=128, why=WHY_TINY, description="attention heads (MLA)")
     q_lora_rank: int = _bounded(64, ge=1, le=4096, why=WHY_TINY, description="MLA query low-rank dimension")
     kv_lora_rank: int = _bounded(32, ge=1, le=4096, why=WHY_TINY, description="MLA key/value low-rank dimension")
-    qk_rope_head_dim: int = _bounded(16, ge=2, le=1024, why=WHY_TINY,
-                                     description="MLA rotary part of each query/key head")
-    qk_nope_head_dim: int = _bounded(16, ge=1, le=1024, why=WHY_TINY,
-                                     description="MLA non-rotary part of each query/key head")
+    qk_rope_head_dim: int = _bounded(
+        16, ge=2, le=1024, why=WHY_TINY, description="MLA rotary part of each query/key head"
+    )
+    qk_nope_head_dim: int = _bounded(
+        16, ge=1, le=1024, why=WHY_TINY, description="MLA non-rotary part of each query/key head"
+    )
     v_head_dim: int = _bounded(32, ge=1, le=1024, why=WHY_TINY, description="MLA value head dimension")
     n_routed_experts: int = _bounded(8, ge=1, le=1024, why=WHY_TINY, description="routed experts per MoE layer")
     num_experts_per_tok: int = _bounded(2, ge=1, le=1024, why=WHY_TINY, description="experts each token is routed to")
     n_shared_experts: int = _bounded(1, ge=0, le=64, why=WHY_TINY, description="always-active experts per MoE layer")
-    first_k_dense_replace: int = _bounded(1, ge=0, le=128, why=WHY_TINY,
-                                          description="leading layers with a dense MLP instead of MoE")
-    max_position_embeddings: int = _bounded(2048, ge=16, le=2**22, why=WHY_TOKENS,
-                                            description="longest context the tiny target supports")
+    first_k_dense_replace: int = _bounded(
+        1, ge=0, le=128, why=WHY_TINY, description="leading layers with a dense MLP instead of MoE"
+    )
+    max_position_embeddings: int = _bounded(
+        2048, ge=16, le=2**22, why=WHY_TOKENS, description="longest context the tiny target supports"
+    )
     tokenizer_train_conversations: int = _bounded(
-        3000, ge=1, le=10**7, why="more conversations than the bundled ShareGPT file has (about 94,000)",
-        description="ShareGPT conversations the BPE is trained on")
-    pretrain_tokens: int = _bounded(400_000, ge=1, le=10**10, why="pre-training runs on a CPU, where 10**10 tokens "
-                                    "take months", description="token budget of the pre-training run")
-    pretrain_seq_len: int = _bounded(256, ge=8, le=2**22, why=WHY_TOKENS,
-                                     description="tokens per pre-training sequence")
+        3000,
+        ge=1,
+        le=10**7,
+        why="more conversations than the bundled ShareGPT file has (about 94,000)",
+        description="ShareGPT conversations the BPE is trained on",
+    )
+    pretrain_tokens: int = _bounded(
+        400_000,
+        ge=1,
+        le=10**10,
+        why="pre-training runs on a CPU, where 10**10 tokens take months",
+        description="token budget of the pre-training run",
+    )
+    pretrain_seq_len: int = _bounded(
+        256, ge=8, le=2**22, why=WHY_TOKENS, description="tokens per pre-training sequence"
+    )
     pretrain_batch_size: int = _bounded(8, ge=1, le=4096, why=WHY_TINY, description="sequences per pre-training step")
     pretrain_lr: float = _bounded(3e-3, gt=0, le=1, why=WHY_LR, description="peak learning rate of the pre-training")
     pretrain_answer_words: int | None = _bounded(
-        None, ge=1, le=10**6, why=WHY_COUNT, description="clip each assistant answer to this many words in "
-        "pre-training, so the target learns to close its turns within the demo's generation budget"
+        None,
+        ge=1,
+        le=10**6,
+        why=WHY_COUNT,
+        description="clip each assistant answer to this many words in "
+        "pre-training, so the target learns to close its turns within the demo's generation budget",
     )
 
 
@@ -199,18 +236,23 @@ class TargetConfig(_Strict):
     path: str | None = Field(None, description="model directory for kind=external (on the GPU host)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype the target is loaded in")
     trust_remote_code: bool = Field(
-        False, description="let transformers run Python code shipped with the target's checkpoint (Kimi-K2.5 "
-        "needs it for its tokenizer); off unless the profile turns it on"
+        False,
+        description="let transformers run Python code shipped with the target's checkpoint (Kimi-K2.5 "
+        "needs it for its tokenizer); off unless the profile turns it on",
     )
     reviewed_code: dict[str, str] | None = Field(
-        None, description="the target's code as reviewed: file name (relative to the target folder) -> sha256 "
+        None,
+        description="the target's code as reviewed: file name (relative to the target folder) -> sha256 "
         "of every *.py there and each module an auto_map names (the target_model asset lists them as code_files). "
         "Set, and with trust_remote_code on, a code file not listed or with another hash is refused before any "
-        "code runs"
+        "code runs",
     )
     serving_context: int = _bounded(
-        2048, ge=16, le=2**22, why=WHY_TOKENS,
-        description="longest context the drafter is served at; sets the export's max_position_embeddings"
+        2048,
+        ge=16,
+        le=2**22,
+        why=WHY_TOKENS,
+        description="longest context the drafter is served at; sets the export's max_position_embeddings",
     )
     tiny: TinyTargetConfig = Field(TinyTargetConfig(), description="the demo target's shape (kind=tiny)")
 
@@ -235,8 +277,10 @@ DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 class DatasetConfig(_Strict):
-    name: str = Field(description="partition key and file-name part, e.g. A1_deepswekimi or sharegpt: letters, "
-                      "digits, '_' and '-', starting with a letter or digit, at most 64 characters")
+    name: str = Field(
+        description="partition key and file-name part, e.g. A1_deepswekimi or sharegpt: letters, "
+        "digits, '_' and '-', starting with a letter or digit, at most 64 characters"
+    )
     source: Literal["sharegpt", "prompts_jsonl", "conversations_jsonl", "pretokenized_jsonl"] = Field(
         description="sharegpt: the bundled ShareGPT file; prompts_jsonl/conversations_jsonl: chat records; "
         "pretokenized_jsonl: records with input_ids + loss_mask"
@@ -244,17 +288,21 @@ class DatasetConfig(_Strict):
     path: str | None = Field(None, description="local file or hub dataset for the *_jsonl sources")
     regenerate: bool = Field(True, description="replace assistant turns with the target's own answers")
     max_conversations: int | None = _bounded(
-        None, ge=1, le=10**9, why=WHY_COUNT, description="use at most this many conversations")
+        None, ge=1, le=10**9, why=WHY_COUNT, description="use at most this many conversations"
+    )
     max_turns: int = _bounded(
-        8, ge=1, le=10_000, why=WHY_COUNT, description="assistant turns regenerated per conversation at most")
+        8, ge=1, le=10_000, why=WHY_COUNT, description="assistant turns regenerated per conversation at most"
+    )
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, value: str) -> str:
         if not DATASET_NAME.fullmatch(value):
-            raise ValueError(f"{value!r} is not a dataset name: use letters, digits, '_' and '-' (starting with a "
-                             "letter or digit, at most 64 characters); the name is a partition key and part of "
-                             "file names under run_root")
+            raise ValueError(
+                f"{value!r} is not a dataset name: use letters, digits, '_' and '-' (starting with a "
+                "letter or digit, at most 64 characters); the name is a partition key and part of "
+                "file names under run_root"
+            )
         return value
 
     @model_validator(mode="after")
@@ -272,40 +320,59 @@ class GenerationConfig(_Strict):
     model: str | None = Field(None, description="model name the server knows, e.g. moonshotai/kimi-k2.5")
     api_key_env: str = Field("OPENROUTER_API_KEY", description="name of the environment variable holding the key")
     max_new_tokens: int = _bounded(
-        256, ge=1, le=1_000_000, why="more than any served model generates in one answer",
-        description="completion tokens per request at most")
+        256,
+        ge=1,
+        le=1_000_000,
+        why="more than any served model generates in one answer",
+        description="completion tokens per request at most",
+    )
     temperature: float = _bounded(0.0, ge=0, le=2, why=WHY_TEMPERATURE, description="sampling temperature; 0 is greedy")
     concurrency: int = _bounded(8, ge=1, le=4096, why=WHY_CONCURRENCY, description="requests in flight")
     max_retries: int = _bounded(
-        6, ge=0, le=100, why=WHY_RETRIES, description="retries of a request after a retryable failure")
+        6, ge=0, le=100, why=WHY_RETRIES, description="retries of a request after a retryable failure"
+    )
     timeout_s: float = _bounded(
-        120.0, gt=0, le=86400, why="a request that takes a day has failed", description="seconds one request may take")
+        120.0, gt=0, le=86400, why="a request that takes a day has failed", description="seconds one request may take"
+    )
     budget_usd: float | None = _bounded(
-        None, gt=0, le=1_000_000, why="a spend cap of a million dollars per partition is a typo",
+        None,
+        gt=0,
+        le=1_000_000,
+        why="a spend cap of a million dollars per partition is a typo",
         description="spend cap of a partition: a request is sent only when its worst-case cost "
-        "(see price_usd_per_completion_token) still fits, so the cap holds at any concurrency"
+        "(see price_usd_per_completion_token) still fits, so the cap holds at any concurrency",
     )
     price_usd_per_completion_token: float | None = _bounded(
-        None, ge=0, le=1, why="no model charges a dollar per token",
+        None,
+        ge=0,
+        le=1,
+        why="no model charges a dollar per token",
         description="the model's price of one completion token (USD), at least what the "
-        "provider charges: each request reserves max_new_tokens x this before it is sent; needed with budget_usd"
+        "provider charges: each request reserves max_new_tokens x this before it is sent; needed with budget_usd",
     )
     price_usd_per_prompt_token: float = _bounded(
-        0.0, ge=0, le=1, why="no model charges a dollar per token",
+        0.0,
+        ge=0,
+        le=1,
+        why="no model charges a dollar per token",
         description="the model's price of one prompt token (USD); the reservation bounds a "
-        "prompt's tokens by its UTF-8 bytes"
+        "prompt's tokens by its UTF-8 bytes",
     )
     max_failure_fraction: float = _bounded(
-        0.05, ge=0, le=1, why=WHY_FRACTION,
-        description="raw_responses fails when more of a run's requests than this fail for good"
+        0.05,
+        ge=0,
+        le=1,
+        why=WHY_FRACTION,
+        description="raw_responses fails when more of a run's requests than this fail for good",
     )
     reasoning: bool = Field(True, description="ask for and keep reasoning_content")
     reasoning_style: Literal["openrouter", "chat_template"] = Field(
         "openrouter", description="openrouter: `reasoning` request field; chat_template: SGLang/vLLM thinking kwarg"
     )
     resend_interrupted: bool = Field(
-        False, description="re-send requests whose answer was lost after they may have reached the provider: in "
-        "flight when a run died, or timed out (they may be paid twice)"
+        False,
+        description="re-send requests whose answer was lost after they may have reached the provider: in "
+        "flight when a run died, or timed out (they may be paid twice)",
     )
     extra_body: dict = Field(default_factory=dict, description="merged into each request, e.g. provider pinning")
 
@@ -314,25 +381,40 @@ class GenerationConfig(_Strict):
         if self.backend == "openai" and not (self.base_url and self.model):
             raise ValueError("generation.base_url and generation.model are required for backend 'openai'")
         if self.backend == "openai" and self.budget_usd is not None and self.price_usd_per_completion_token is None:
-            raise ValueError("generation.price_usd_per_completion_token is required when generation.budget_usd is "
-                             "set: each request reserves max_new_tokens x this price before it is sent")
+            raise ValueError(
+                "generation.price_usd_per_completion_token is required when generation.budget_usd is "
+                "set: each request reserves max_new_tokens x this price before it is sent"
+            )
         return self
 
 
 class DataConfig(_Strict):
     max_seq_len: int = _bounded(
-        8192, ge=16, le=2**20, why="tokens per sample: 4x Kimi-K2.5's 262,144-token context",
-        description="tokens per training sample at most; longer ones are cut")
+        8192,
+        ge=16,
+        le=2**20,
+        why="tokens per sample: 4x Kimi-K2.5's 262,144-token context",
+        description="tokens per training sample at most; longer ones are cut",
+    )
     shuffle_seed: int = _bounded(42, ge=0, le=2**32 - 1, why=WHY_SEED, description="seed of merged_train's shuffle")
     drop_datasets: list[str] = Field(default_factory=list, description="datasets left out of merged_train")
     bad_fraction_threshold: float = _bounded(
-        0.05, ge=0, le=1, why=WHY_FRACTION, description="tokenized_dataset fails above this")
+        0.05, ge=0, le=1, why=WHY_FRACTION, description="tokenized_dataset fails above this"
+    )
     heldout_fraction: float = _bounded(
-        0.05, ge=0, lt=1, why="a share of the conversations; all of them held out leaves nothing to train on",
-        description="conversations kept out of training")
+        0.05,
+        ge=0,
+        lt=1,
+        why="a share of the conversations; all of them held out leaves nothing to train on",
+        description="conversations kept out of training",
+    )
     draft_vocab_size: int = _bounded(
-        32000, ge=1, le=2**24, why="larger than any target's vocabulary (Kimi-K2.5: 163,840)",
-        description="tokens in the drafter's vocabulary")
+        32000,
+        ge=1,
+        le=2**24,
+        why="larger than any target's vocabulary (Kimi-K2.5: 163,840)",
+        description="tokens in the drafter's vocabulary",
+    )
 
 
 class HostsConfig(_Strict):
@@ -340,15 +422,23 @@ class HostsConfig(_Strict):
     resource `gpu_host` is this class (resources/gpu_host.py), its hosts made Dagster config."""
 
     hosts: list[HostConfig] = Field(
-        default_factory=lambda: [HostConfig()], min_length=1,
+        default_factory=lambda: [HostConfig()],
+        min_length=1,
         description="the GPU hosts; each hidden_states run leases one, and the gpu_host pool gets one slot per "
-        "host. Default: this machine, with the interpreter that runs the pipeline")
+        "host. Default: this machine, with the interpreter that runs the pipeline",
+    )
     lease_dir: str | None = Field(
-        None, description="where the per-host lease files are locked (flock); must be one folder seen by every "
-        "run worker of the instance. Unset: gpu_host_leases under the Dagster instance's storage")
+        None,
+        description="where the per-host lease files are locked (flock); must be one folder seen by every "
+        "run worker of the instance. Unset: gpu_host_leases under the Dagster instance's storage",
+    )
     lease_wait_s: float = _bounded(
-        600.0, ge=0, le=MAX_RUN_S, why=WHY_WAIT,
-        description="how long a run waits for a host leased by another run before it fails")
+        600.0,
+        ge=0,
+        le=MAX_RUN_S,
+        why=WHY_WAIT,
+        description="how long a run waits for a host leased by another run before it fails",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -379,8 +469,10 @@ class GpuHostConfig(HostsConfig):
     """The profile's `gpu_host`: the hosts, and the SGLang release installed on them."""
 
     sglang_version: str | None = Field(
-        None, description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
-        "ids are written for it; unset: ids right on every supported release that can express the aux layers")
+        None,
+        description="the SGLang release on the host (patches/sglang/README.md); the drafter export's aux "
+        "ids are written for it; unset: ids right on every supported release that can express the aux layers",
+    )
 
     @model_validator(mode="after")
     def _known_release(self) -> "GpuHostConfig":
@@ -395,45 +487,71 @@ class GpuHostConfig(HostsConfig):
 class HiddenConfig(_Strict):
     backend: Literal["hf", "sglang"] = Field("hf", description="hf: transformers (CPU or GPU); sglang: patched server")
     aux_layers: list[Annotated[int, Field(ge=0, le=1024)]] | None = _bounded(
-        None, why="layer numbers of a model: 0 (the embedding) up to more layers than any released model has",
-        description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]"
+        None,
+        why="layer numbers of a model: 0 (the embedding) up to more layers than any released model has",
+        description="canonical numbering (HF output_hidden_states index); default [2, L//2, L-3]",
     )
     dtype: Literal["float32", "bfloat16", "float16", "float8_e4m3fn"] = Field(
-        "float32", description="dtype of the stored states; float8_e4m3fn stores fp8 with one scale per token row "
-        "of each state, about half the bytes of bfloat16")
-    root: str = Field(description="hidden-states root, one folder per version below it: a local path or an "
-                      "fsspec URL (s3://bucket/prefix, gs://…; credentials and endpoint from the environment)")
+        "float32",
+        description="dtype of the stored states; float8_e4m3fn stores fp8 with one scale per token row "
+        "of each state, about half the bytes of bfloat16",
+    )
+    root: str = Field(
+        description="hidden-states root, one folder per version below it: a local path or an "
+        "fsspec URL (s3://bucket/prefix, gs://…; credentials and endpoint from the environment)"
+    )
     staging_dir: str | None = Field(
-        None, description="local folder where shards are written and checked before upload when hidden.root is a "
-        "URL (holds only the shards in flight); default <run_root>/hidden_staging")
+        None,
+        description="local folder where shards are written and checked before upload when hidden.root is a "
+        "URL (holds only the shards in flight); default <run_root>/hidden_staging",
+    )
     samples_per_shard: int = _bounded(
-        256, ge=1, le=2**20,
+        256,
+        ge=1,
+        le=2**20,
         why="one shard is one partition, written and uploaded whole: a million samples at production width "
-            "is terabytes",
-        description="samples per shard (one partition each)")
+        "is terabytes",
+        description="samples per shard (one partition each)",
+    )
     batch_tokens: int = _bounded(
-        4096, ge=16, le=2**22, why=WHY_TOKENS, description="hf backend: tokens per length-bucketed batch")
+        4096, ge=16, le=2**22, why=WHY_TOKENS, description="hf backend: tokens per length-bucketed batch"
+    )
     throughput_tokens_per_s: float = _bounded(
-        2000.0, gt=0, le=10**9, why="faster than any host prefills", description="for the plan's time estimate")
+        2000.0, gt=0, le=10**9, why="faster than any host prefills", description="for the plan's time estimate"
+    )
     tp_size: int = _bounded(
-        1, ge=1, le=1024, why="more GPUs than one server spans", description="SGLang tensor-parallel size")
+        1, ge=1, le=1024, why="more GPUs than one server spans", description="SGLang tensor-parallel size"
+    )
     sglang_port: int = _bounded(
-        30000, ge=1, le=65535, why="TCP ports are 1-65535", description="port of the SGLang server on the GPU host")
+        30000, ge=1, le=65535, why="TCP ports are 1-65535", description="port of the SGLang server on the GPU host"
+    )
     sglang_concurrency: int = _bounded(
-        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="prefill requests in flight during extraction")
+        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="prefill requests in flight during extraction"
+    )
     sglang_server_args: list[str] = Field(
-        default_factory=list, description="extra options for the SGLang server on the GPU host, after the "
+        default_factory=list,
+        description="extra options for the SGLang server on the GPU host, after the "
         "release's own, for extraction and the served benchmark alike (e.g. --mem-fraction-static 0.85; a CPU "
         "host: --device cpu --attention-backend torch_native); options that would store other states or skip "
-        "rows (radix/hierarchical cache, mixed chunks, ...) are refused")
+        "rows (radix/hierarchical cache, mixed chunks, ...) are refused",
+    )
     backfill_batch: int = _bounded(
-        4, ge=1, le=1000, why="runs one automation tick puts on the queue: more would swamp the run queue",
-        description="shard partitions the hidden_states automation requests per tick")
-    backfill_cron: str = Field("*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards")
+        4,
+        ge=1,
+        le=1000,
+        why="runs one automation tick puts on the queue: more would swamp the run queue",
+        description="shard partitions the hidden_states automation requests per tick",
+    )
+    backfill_cron: str = Field(
+        "*/10 * * * *", description="when the hidden_states automation looks for missing or failed shards"
+    )
     max_runtime_s: int = _bounded(
-        6 * 3600, ge=60, le=MAX_RUN_S,
+        6 * 3600,
+        ge=60,
+        le=MAX_RUN_S,
         why="the instance cancels any run after run_monitoring.max_runtime_seconds (3 days, dagster.yaml)",
-        description="a shard run longer than this is cancelled")
+        description="a shard run longer than this is cancelled",
+    )
 
     @field_validator("sglang_server_args")
     @classmethod
@@ -450,8 +568,9 @@ class HiddenConfig(_Strict):
             try:
                 location(value).local_path()
             except ValueError:
-                raise ValueError(f"must be a local folder (shards are written there before upload), got {value!r}") \
-                    from None
+                raise ValueError(
+                    f"must be a local folder (shards are written there before upload), got {value!r}"
+                ) from None
         return value
 
     @field_validator("root")
@@ -476,43 +595,70 @@ MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 
 class DrafterOverrides(_Strict):
     attention: Literal["gqa", "mla"] = Field(
-        "gqa", description="gqa: a Llama decoder layer with grouped-query attention (SGLang's "
+        "gqa",
+        description="gqa: a Llama decoder layer with grouped-query attention (SGLang's "
         "LlamaForCausalLMEagle3); mla: DeepSeek's multi-latent attention, the layer of Kimi's served drafters "
         "(SGLang >= 0.5.12 Eagle3DeepseekV2ForCausalLM), whose draft KV cache holds kv_lora_rank + "
-        "qk_rope_head_dim values per token")
+        "qk_rope_head_dim values per token",
+    )
     hidden_size: int | None = _bounded(
-        None, ge=8, le=65536, why=WHY_WIDTH, description="default: the target's hidden size")
+        None, ge=8, le=65536, why=WHY_WIDTH, description="default: the target's hidden size"
+    )
     intermediate_size: int | None = _bounded(
-        None, ge=1, le=2**18, why=WHY_WIDTH, description="MLP width; default: the target's")
+        None, ge=1, le=2**18, why=WHY_WIDTH, description="MLP width; default: the target's"
+    )
     num_attention_heads: int | None = _bounded(
-        None, ge=1, le=1024, why=WHY_WIDTH, description="attention heads; default: the target's")
+        None, ge=1, le=1024, why=WHY_WIDTH, description="attention heads; default: the target's"
+    )
     num_key_value_heads: int | None = _bounded(
-        None, ge=1, le=1024, why=WHY_WIDTH, description="key/value heads; default: attention heads")
+        None, ge=1, le=1024, why=WHY_WIDTH, description="key/value heads; default: attention heads"
+    )
     q_lora_rank: int | None = _bounded(
-        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA query low-rank dimension; default: the target's")
+        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA query low-rank dimension; default: the target's"
+    )
     kv_lora_rank: int | None = _bounded(
-        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA key/value latent dimension; default: the target's")
+        None, ge=1, le=65536, why=WHY_WIDTH, description="MLA key/value latent dimension; default: the target's"
+    )
     qk_nope_head_dim: int | None = _bounded(
-        None, ge=1, le=4096, why=WHY_WIDTH, description="MLA non-rotary part of each query/key head; default: the "
-        "target's")
+        None,
+        ge=1,
+        le=4096,
+        why=WHY_WIDTH,
+        description="MLA non-rotary part of each query/key head; default: the target's",
+    )
     qk_rope_head_dim: int | None = _bounded(
-        None, ge=2, le=4096, why=WHY_WIDTH, description="MLA rotary part of each query/key head (even); default: "
-        "the target's")
+        None,
+        ge=2,
+        le=4096,
+        why=WHY_WIDTH,
+        description="MLA rotary part of each query/key head (even); default: the target's",
+    )
     v_head_dim: int | None = _bounded(
-        None, ge=1, le=4096, why=WHY_WIDTH, description="MLA value head dimension; default: the target's")
-    fc_norm: bool = Field(False, description="EAGLE 3.1: an RMSNorm on each captured target state before fc (served "
-                          "by SGLang >= 0.5.12 and vLLM, which read config.json `fc_norm`; refused for older releases)")
-    norm_output: bool = Field(False, description="EAGLE 3.1: the next draft step gets the normed output, not the "
-                              "pre-norm sum (config.json `norm_output`; SGLang >= 0.5.12 and vLLM)")
+        None, ge=1, le=4096, why=WHY_WIDTH, description="MLA value head dimension; default: the target's"
+    )
+    fc_norm: bool = Field(
+        False,
+        description="EAGLE 3.1: an RMSNorm on each captured target state before fc (served "
+        "by SGLang >= 0.5.12 and vLLM, which read config.json `fc_norm`; refused for older releases)",
+    )
+    norm_output: bool = Field(
+        False,
+        description="EAGLE 3.1: the next draft step gets the normed output, not the "
+        "pre-norm sum (config.json `norm_output`; SGLang >= 0.5.12 and vLLM)",
+    )
 
     @model_validator(mode="after")
     def _attention_fields(self) -> "DrafterOverrides":
         if self.attention == "gqa" and (given := [d for d in MLA_DIMS if getattr(self, d) is not None]):
-            raise ValueError(f"drafter.{given[0]}: set, but only drafter.attention: mla uses it; remove it or set "
-                             "drafter.attention: mla")
+            raise ValueError(
+                f"drafter.{given[0]}: set, but only drafter.attention: mla uses it; remove it or set "
+                "drafter.attention: mla"
+            )
         if self.attention == "mla" and self.num_key_value_heads is not None:
-            raise ValueError("drafter.num_key_value_heads: MLA shares one key/value latent across all heads; remove "
-                             "it (drafter.attention is mla)")
+            raise ValueError(
+                "drafter.num_key_value_heads: MLA shares one key/value latent across all heads; remove "
+                "it (drafter.attention is mla)"
+            )
         if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
             raise ValueError(f"drafter.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; RoPE rotates pairs")
         return self
@@ -532,58 +678,93 @@ class DrafterOverrides(_Strict):
 
 class TrainConfig(_Strict):
     ttt_steps: int = _bounded(
-        7, ge=1, le=64,
+        7,
+        ge=1,
+        le=64,
         why="each step is a forward pass of the drafter kept for the backward pass; served drafts use under 16",
-        description="training-time-test unroll steps k")
+        description="training-time-test unroll steps k",
+    )
     epochs: int = _bounded(1, ge=1, le=1000, why=WHY_COUNT, description="passes over the hidden states")
     max_steps: int | None = _bounded(
-        None, ge=1, le=10**9, why=WHY_COUNT, description="stop after this many optimizer steps")
+        None, ge=1, le=10**9, why=WHY_COUNT, description="stop after this many optimizer steps"
+    )
     lr: float = _bounded(1e-4, gt=0, le=1, why=WHY_LR, description="peak learning rate")
     warmup_ratio: float = _bounded(
-        0.02, ge=0, lt=1, why="a share of the steps; all of them warming up never reaches the peak",
-        description="share of the steps spent warming up")
+        0.02,
+        ge=0,
+        lt=1,
+        why="a share of the steps; all of them warming up never reaches the peak",
+        description="share of the steps spent warming up",
+    )
     batch_tokens: int = _bounded(
-        4096, ge=16, le=2**22, why=WHY_TOKENS, description="padded tokens per micro-batch and rank")
+        4096, ge=16, le=2**22, why=WHY_TOKENS, description="padded tokens per micro-batch and rank"
+    )
     grad_accum: int = _bounded(1, ge=1, le=4096, why=WHY_COUNT, description="micro-batches per optimizer step")
     grad_clip: float = _bounded(
-        0.5, gt=0, le=10**4, why="a clip this high never clips a drafter's gradient", description="gradient norm clip")
+        0.5, gt=0, le=10**4, why="a clip this high never clips a drafter's gradient", description="gradient norm clip"
+    )
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = _bounded(
-        (0.9, 0.95), why="AdamW's moment decay rates lie in [0, 1)", description="AdamW (beta1, beta2)")
+        (0.9, 0.95), why="AdamW's moment decay rates lie in [0, 1)", description="AdamW (beta1, beta2)"
+    )
     loss: Literal["kl", "lk_lambda"] = Field(
-        "kl", description="kl: forward KL to the target (EAGLE-3); lk_lambda: SpecForge's LK lambda objective, "
+        "kl",
+        description="kl: forward KL to the target (EAGLE-3); lk_lambda: SpecForge's LK lambda objective, "
         "per TTT step λ·KL + (1 - λ)(1 - acceptance), λ = lk_kl_scale · exp(-lk_kl_decay · acceptance), "
-        "acceptance = E[min(p_target, q_draft)] (arXiv 2602.23881)")
+        "acceptance = E[min(p_target, q_draft)] (arXiv 2602.23881)",
+    )
     lk_kl_scale: float = _bounded(
-        1.0, ge=0, le=1, why="a weight of the KL term, between 0 and 1 (SpecForge)",
-        description="lk_lambda: the KL weight at zero acceptance")
+        1.0,
+        ge=0,
+        le=1,
+        why="a weight of the KL term, between 0 and 1 (SpecForge)",
+        description="lk_lambda: the KL weight at zero acceptance",
+    )
     lk_kl_decay: float = _bounded(
-        1.0, ge=0, le=100, why="exp(-100 x acceptance) is 0 for any acceptance the drafter reaches",
-        description="lk_lambda: how fast the KL weight falls as acceptance rises")
+        1.0,
+        ge=0,
+        le=100,
+        why="exp(-100 x acceptance) is 0 for any acceptance the drafter reaches",
+        description="lk_lambda: how fast the KL weight falls as acceptance rises",
+    )
     eval_fraction: float = _bounded(
-        0.02, ge=0, lt=0.5, why="at least half of the samples are trained on",
+        0.02,
+        ge=0,
+        lt=0.5,
+        why="at least half of the samples are trained on",
         description="share of the hidden-state samples (chosen by a hash of the sample id, "
         "the same for every recipe) kept out of training; the drafter's reported acc_j and simulated acceptance "
-        "are measured on them. 0: measured on training batches instead (flattering)")
+        "are measured on them. 0: measured on training batches instead (flattering)",
+    )
     checkpoint_every: int = _bounded(
-        200, ge=1, le=10**9, why=WHY_COUNT, description="optimizer steps between checkpoints")
+        200, ge=1, le=10**9, why=WHY_COUNT, description="optimizer steps between checkpoints"
+    )
     seed: int = _bounded(0, ge=0, le=2**32 - 1, why=WHY_SEED, description="seed of the drafter's init and the sampler")
     nproc_per_node: int = _bounded(
-        1, ge=1, le=1024, why="more GPUs than one node has", description="torchrun workers per node")
+        1, ge=1, le=1024, why="more GPUs than one node has", description="torchrun workers per node"
+    )
     nnodes: int = _bounded(
-        1, ge=1, le=1024, why="more nodes than a drafter training uses",
+        1,
+        ge=1,
+        le=1024,
+        why="more nodes than a drafter training uses",
         description="torchrun nodes: drafter_checkpoint leases this many hosts of gpu_host.hosts (at least as "
-        "many must be listed) and starts torchrun on each; the hosts share the run_root file system")
+        "many must be listed) and starts torchrun on each; the hosts share the run_root file system",
+    )
     rdzv_endpoint: str | None = Field(
-        None, description="host:port of the c10d rendezvous every node joins. Unset: with nnodes > 1, the first "
+        None,
+        description="host:port of the c10d rendezvous every node joins. Unset: with nnodes > 1, the first "
         "leased host's ssh target host name (127.0.0.1 for a local host) and a port free there at launch, that "
         "host's torchrun hosting the store (set this when the other hosts cannot reach that name, e.g. an ssh "
-        "alias); with one node, a standalone rendezvous")
+        "alias); with one node, a standalone rendezvous",
+    )
     rdzv_id: str = Field("eagle3-drafter", min_length=1, description="rendezvous id shared by the nodes of one run")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend")
     export_location: str | None = Field(
-        None, description="where the checked drafter export is also published, one folder per training run: a "
+        None,
+        description="where the checked drafter export is also published, one folder per training run: a "
         "local path or an fsspec URL (s3://bucket/prefix; credentials from the environment); unset: the run "
-        "folder only")
+        "folder only",
+    )
 
     @field_validator("export_location")
     @classmethod
@@ -605,12 +786,14 @@ _DraftCount = Annotated[int, Field(ge=1, le=1024)]  # one of (num_steps, topk, n
 
 class BenchConfig(_Strict):
     mode: Literal["inprocess", "served"] = Field(
-        "inprocess", description="inprocess: the target and the drafter in the benchmark's own process (a CPU "
-        "target); served: SGLang on the GPU host, started with and without the drafter (`gpu_host`)")
+        "inprocess",
+        description="inprocess: the target and the drafter in the benchmark's own process (a CPU "
+        "target); served: SGLang on the GPU host, started with and without the drafter (`gpu_host`)",
+    )
     spec_configs: list[tuple[_DraftCount, _DraftCount, _DraftCount]] = _bounded(
         default_factory=lambda: [(3, 1, 4), (7, 1, 8)],
         why="more draft steps, branches or tokens than a server verifies in one pass",
-        description="(num_steps, topk, num_draft_tokens)"
+        description="(num_steps, topk, num_draft_tokens)",
     )
     num_prompts: int = _bounded(20, ge=1, le=10**6, why=WHY_COUNT, description="prompts per set")
     max_new_tokens: int = _bounded(64, ge=1, le=2**22, why=WHY_TOKENS, description="tokens generated per prompt")
@@ -619,14 +802,21 @@ class BenchConfig(_Strict):
         default_factory=dict, description="local jsonl/parquet per prompt set (tool_use has no hub copy)"
     )
     max_prompt_tokens: int | None = _bounded(
-        None, ge=1, le=2**22, why=WHY_TOKENS, description="prompts longer than this are left out")
+        None, ge=1, le=2**22, why=WHY_TOKENS, description="prompts longer than this are left out"
+    )
     concurrency: int = _bounded(
-        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="served benchmark: requests in flight")
+        8, ge=1, le=4096, why=WHY_CONCURRENCY, description="served benchmark: requests in flight"
+    )
     ngram_max: int = _bounded(
-        3, ge=1, le=64, why="an n-gram this long never recurs in a prompt",
-        description="n-gram baseline: longest n-gram looked up in the context")
+        3,
+        ge=1,
+        le=64,
+        why="an n-gram this long never recurs in a prompt",
+        description="n-gram baseline: longest n-gram looked up in the context",
+    )
     temperatures: list[Annotated[float, Field(ge=0, le=2)]] = _bounded(
-        default_factory=lambda: [0.0], why=WHY_TEMPERATURE,
+        default_factory=lambda: [0.0],
+        why=WHY_TEMPERATURE,
         description="in-process benchmark: temperatures to measure at (0 = greedy); each T > 0 uses "
         "speculative sampling with SGLang's lossless rule. Default: 0 and generation.temperature when above 0",
     )
@@ -650,19 +840,35 @@ class StorageConfig(_Strict):
     botocore's backoff), with a progress line every `progress_every_s` while the call waits."""
 
     connect_timeout_s: float = _bounded(
-        StorageSettings.connect_timeout_s, gt=0, le=600, why="a connection not made in 10 minutes will not be made",
-        description="seconds a try waits for a connection to the store (botocore connect_timeout)")
+        StorageSettings.connect_timeout_s,
+        gt=0,
+        le=600,
+        why="a connection not made in 10 minutes will not be made",
+        description="seconds a try waits for a connection to the store (botocore connect_timeout)",
+    )
     read_timeout_s: float = _bounded(
-        StorageSettings.read_timeout_s, gt=0, le=3600, why="a store silent for an hour is down",
+        StorageSettings.read_timeout_s,
+        gt=0,
+        le=3600,
+        why="a store silent for an hour is down",
         description="seconds a try waits for each read of the store's answer (botocore read_timeout); a slow "
-        "but moving transfer never hits it")
+        "but moving transfer never hits it",
+    )
     attempts: int = _bounded(
-        StorageSettings.attempts, ge=1, le=20, why=WHY_RETRIES,
-        description="tries of one request to the store, the first included (botocore total_max_attempts)")
+        StorageSettings.attempts,
+        ge=1,
+        le=20,
+        why=WHY_RETRIES,
+        description="tries of one request to the store, the first included (botocore total_max_attempts)",
+    )
     progress_every_s: float = _bounded(
-        StorageSettings.progress_every_s, gt=0, le=3600, why="a line an hour apart tells nobody the run still waits",
+        StorageSettings.progress_every_s,
+        gt=0,
+        le=3600,
+        why="a line an hour apart tells nobody the run still waits",
         description="a store call waiting longer than this logs a line naming the object, then again each "
-        "time this passes")
+        "time this passes",
+    )
 
 
 class Profile(_Strict):
@@ -674,8 +880,11 @@ class Profile(_Strict):
     data: DataConfig = Field(DataConfig(), description="tokenize, merge and vocabulary settings")
     gpu_host: GpuHostConfig = Field(GpuHostConfig(), description="where GPU work runs")
     hidden: HiddenConfig = Field(description="hidden-state extraction and storage")
-    storage: StorageConfig = Field(StorageConfig(), description="timeouts, tries and progress lines of object-store "
-                                   "calls (hidden.root, train.export_location as URLs)")
+    storage: StorageConfig = Field(
+        StorageConfig(),
+        description="timeouts, tries and progress lines of object-store "
+        "calls (hidden.root, train.export_location as URLs)",
+    )
     drafter: DrafterOverrides = Field(DrafterOverrides(), description="the drafter's shape")
     train: TrainConfig = Field(TrainConfig(), description="drafter training")
     bench: BenchConfig = Field(BenchConfig(), description="benchmark_report")
@@ -687,8 +896,9 @@ class Profile(_Strict):
         try:  # append-only logs, byte-offset reads, torchrun checkpoints: a file system
             location(value).local_path()
         except ValueError:
-            raise ValueError("must be a local folder; hidden.root and train.export_location may be object-store "
-                             "URLs") from None
+            raise ValueError(
+                "must be a local folder; hidden.root and train.export_location may be object-store URLs"
+            ) from None
         return value
 
     @model_validator(mode="before")
@@ -710,27 +920,34 @@ class Profile(_Strict):
     def _cross_checks(self) -> "Profile":
         for path, text in _profile_strings(self, ""):  # every URL field, and any URL in a list or mapping
             if why := url_credentials(text):
-                raise ValueError(f"{path}: the URL carries a credential, {why}; the value is not shown. A profile "
-                                 "is published (run metadata, logs): credentials come from the environment "
-                                 "(generation.api_key_env names the chat API key's variable; a store's are "
-                                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)")
+                raise ValueError(
+                    f"{path}: the URL carries a credential, {why}; the value is not shown. A profile "
+                    "is published (run metadata, logs): credentials come from the environment "
+                    "(generation.api_key_env names the chat API key's variable; a store's are "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)"
+                )
         names = [d.name for d in self.datasets]
         seen: dict[str, int] = {}
         for i, name in enumerate(names):  # case-insensitively: A1 and a1 are one file on macOS and Windows
             if name.lower() in seen:
-                raise ValueError(f"datasets[{i}].name: {name!r} is already the name of datasets[{seen[name.lower()]}] "
-                                 f"({names[seen[name.lower()]]!r}); dataset names must be unique, ignoring case")
+                raise ValueError(
+                    f"datasets[{i}].name: {name!r} is already the name of datasets[{seen[name.lower()]}] "
+                    f"({names[seen[name.lower()]]!r}); dataset names must be unique, ignoring case"
+                )
             seen[name.lower()] = i
         unknown = sorted(set(self.data.drop_datasets) - set(names))
         if unknown:
             raise ValueError(f"data.drop_datasets names datasets that are not configured: {unknown}")
         lk_options = sorted({"lk_kl_scale", "lk_kl_decay"} & self.train.model_fields_set)
         if lk_options and self.train.loss != "lk_lambda":  # accepted and ignored would be a silent no-op
-            raise ValueError(f"train.{', train.'.join(lk_options)}: set, but only train.loss: lk_lambda uses it and "
-                             f"train.loss is {self.train.loss!r}; remove it, or set train.loss: lk_lambda")
+            raise ValueError(
+                f"train.{', train.'.join(lk_options)}: set, but only train.loss: lk_lambda uses it and "
+                f"train.loss is {self.train.loss!r}; remove it, or set train.loss: lk_lambda"
+            )
         options = [o for o in EAGLE31_OPTIONS if getattr(self.drafter, o)]
-        if why := served_drafter_problem(self.hidden.aux_layers, self.drafter.attention, options,
-                                         self.gpu_host.sglang_version):
+        if why := served_drafter_problem(
+            self.hidden.aux_layers, self.drafter.attention, options, self.gpu_host.sglang_version
+        ):
             raise ValueError(why)
         return self
 
@@ -812,9 +1029,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 if key == "<<" or not isinstance(key, (str, int, float, bool)):  # merge keys may repeat
                     continue
                 if key in seen:
-                    raise _DuplicateKey(f"key {key!r} appears twice in one mapping (lines {seen[key]} and "
-                                        f"{key_node.start_mark.line + 1}); the second would silently replace the "
-                                        f"first: merge them into one")
+                    raise _DuplicateKey(
+                        f"key {key!r} appears twice in one mapping (lines {seen[key]} and "
+                        f"{key_node.start_mark.line + 1}); the second would silently replace the "
+                        f"first: merge them into one"
+                    )
                 seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

@@ -100,5 +100,8 @@ class ArtifactLayout:
         from eagle3_dagster.storage import location
 
         staging = profile.hidden.staging_dir
-        return cls(run_root=profile.path(), hidden_root=location(profile.hidden.root, PROJECT_ROOT),
-                   hidden_staging=None if staging is None else location(staging, PROJECT_ROOT).local_path())
+        return cls(
+            run_root=profile.path(),
+            hidden_root=location(profile.hidden.root, PROJECT_ROOT),
+            hidden_staging=None if staging is None else location(staging, PROJECT_ROOT).local_path(),
+        )

@@ -69,27 +69,33 @@ NONCE_VAR = "EAGLE3_LAUNCH_NONCE"
 # the background of a non-interactive shell. Bash cannot undo it (a signal ignored on entry stays ignored),
 # and subprocess restores only SIGPIPE and SIGXFSZ, hence this exec trampoline. (An ssh host's shell starts
 # from sshd's defaults.)
-_DEFAULT_SIGNALS = ("import os, signal, sys\n"
-                    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):\n"
-                    "    signal.signal(s, signal.SIG_DFL)\n"
-                    "os.execvp(sys.argv[1], sys.argv[1:])")
+_DEFAULT_SIGNALS = (
+    "import os, signal, sys\n"
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 # Written by the group leader before it execs the command: "pgid starttime nonce" (the nonce is in its
 # environment already, so in every process of the group). The start time is read with builtins after the
 # comm field, which may hold spaces: field 22 of /proc/pid/stat is the 20th after it.
-_WRITE_PIDFILE = ('read -r _s < /proc/$$/stat; set -- ${{_s##*) }}; '
-                  'echo "$$ ${{20}} {nonce}" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; ')
+_WRITE_PIDFILE = (
+    "read -r _s < /proc/$$/stat; set -- ${{_s##*) }}; "
+    'echo "$$ ${{20}} {nonce}" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; '
+)
 
 # Exit 0 (and OWNED_PG set) when the pid file names a live process group this project started: a live member
 # of the group carries the recorded nonce in its environment (the leader first), and the leader, if alive,
 # has the recorded start time (pid + start time name one process, whatever reused the pid since). A start
 # time alone is no proof: a pid file can name a live stranger with its real one.
-_OWNED = ("( read -r pg st nonce _ < {pidfile} 2>/dev/null && [ -n \"$nonce\" ] || exit 1; "
-          "if read -r s < /proc/$pg/stat 2>/dev/null; then set -- ${{s##*) }}; "
-          "[ \"$3\" = \"$pg\" ] && [ \"${{20}}\" = \"$st\" ] || exit 1; fi; "
-          "for p in /proc/$pg /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
-          "[ \"$3\" = \"$pg\" ] || continue; "
-          "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF \"{var}=$nonce\" && exit 0; done; exit 1 )")
+_OWNED = (
+    '( read -r pg st nonce _ < {pidfile} 2>/dev/null && [ -n "$nonce" ] || exit 1; '
+    "if read -r s < /proc/$pg/stat 2>/dev/null; then set -- ${{s##*) }}; "
+    '[ "$3" = "$pg" ] && [ "${{20}}" = "$st" ] || exit 1; fi; '
+    "for p in /proc/$pg /proc/[0-9]*; do read -r s < $p/stat 2>/dev/null || continue; set -- ${{s##*) }}; "
+    '[ "$3" = "$pg" ] || continue; '
+    "tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qxF \"{var}=$nonce\" && exit 0; done; exit 1 )"
+)
 
 
 def _owned(pidfile: str) -> str:
@@ -137,18 +143,23 @@ class GpuHost:
     def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
         return self.wrap(shell_script(argv, env, self.spec.workdir))
 
-    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120.0,
-            check: bool = True) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 120.0, check: bool = True
+    ) -> subprocess.CompletedProcess:
         proc = subprocess.run(self.command(argv, env), capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{self.where()}: {shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"{self.where()}: {shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+            )
         return proc
 
     def write_file(self, path: str, data: bytes, timeout: float = 300.0) -> None:
         """Write `data` to `path` (relative paths: under the workdir) on the host, atomically, through stdin."""
         target = shlex.quote(path)
-        script = (f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && "
-                  f"mkdir -p \"$(dirname {target})\" && cat > {target}.tmp && mv {target}.tmp {target}")
+        script = (
+            f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && "
+            f'mkdir -p "$(dirname {target})" && cat > {target}.tmp && mv {target}.tmp {target}'
+        )
         proc = subprocess.run(self.wrap(script), input=data, capture_output=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{self.where()}: writing {path} failed: {proc.stderr.decode(errors='replace')[-2000:]}")
@@ -164,35 +175,50 @@ class GpuHost:
         """True when a command for this host would run here with `python` (the same interpreter, no ssh)."""
         return self.spec.transport == "local" and self.spec.python == python
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None, name: str, *, cwd: str | None = None,
-              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) -> "HostProcess":
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None,
+        name: str,
+        *,
+        cwd: str | None = None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    ) -> "HostProcess":
         """Start a long-running command in its own process group, recorded in `{workdir}/{name}.pid`."""
         pidfile = f"{name}.pid"
         self.stop_stale(name)
         nonce = uuid.uuid4().hex
         inner = _WRITE_PIDFILE.format(nonce=nonce, pidfile=shlex.quote(pidfile)) + shell_script(argv, env, cwd)
-        script = f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && " \
-                 + WATCHDOG.format(inner=shlex.quote(inner), owned=_owned(pidfile), nonce_env=f"{NONCE_VAR}={nonce}")
+        script = (
+            f"mkdir -p {shlex.quote(self.spec.workdir)} && cd {shlex.quote(self.spec.workdir)} && "
+            + WATCHDOG.format(inner=shlex.quote(inner), owned=_owned(pidfile), nonce_env=f"{NONCE_VAR}={nonce}")
+        )
         # The worker keeps the write end of stdin and never writes: when it dies (even by SIGKILL) the
         # watchdog on the host reads EOF and stops the process group, so no GPU job outlives its run.
         argv = self.wrap(script)
         if self.spec.transport == "local":
             argv = [sys.executable, "-c", _DEFAULT_SIGNALS, *argv]
-        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.PIPE,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=stdout, stderr=stderr, stdin=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+        )
         return HostProcess(self, proc, pidfile)
 
     def signal_group(self, pidfile: str, sig: str, *, remove: bool = False) -> None:
         """Signal the group the pid file names, only when this project started it (`_owned`)."""
-        script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"{_owned(pidfile)} && kill -{sig} -- -$OWNED_PG 2>/dev/null"
-                  + (f"; rm -f {shlex.quote(pidfile)}" if remove else "") + "; true")
+        script = (
+            f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
+            f"{_owned(pidfile)} && kill -{sig} -- -$OWNED_PG 2>/dev/null"
+            + (f"; rm -f {shlex.quote(pidfile)}" if remove else "")
+            + "; true"
+        )
         subprocess.run(self.wrap(script), capture_output=True, timeout=60)
 
     def group_alive(self, pidfile: str) -> bool:
         """True while the group the pid file names is alive and is one this project started."""
-        script = (f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && "
-                  f"{_owned(pidfile)}")
+        script = (
+            f"cd {shlex.quote(self.spec.workdir)} 2>/dev/null && [ -f {shlex.quote(pidfile)} ] && {_owned(pidfile)}"
+        )
         return subprocess.run(self.wrap(script), capture_output=True, timeout=60).returncode == 0
 
     def stop_stale(self, name: str) -> None:
@@ -210,16 +236,26 @@ class GpuHost:
             time.sleep(0.1)
         self.signal_group(pidfile, "KILL")
 
-    def preflight(self, output_dir: str, *, min_free_bytes: int = 0, min_gpus: int = 0,
-                  require_sglang: bool = True, require_patch: bool = False, sglang_version: str | None = None,
-                  timeout: float = 180.0) -> dict:
+    def preflight(
+        self,
+        output_dir: str,
+        *,
+        min_free_bytes: int = 0,
+        min_gpus: int = 0,
+        require_sglang: bool = True,
+        require_patch: bool = False,
+        sglang_version: str | None = None,
+        timeout: float = 180.0,
+    ) -> dict:
         """Check the host in seconds; returns the report or raises PreflightError naming the problem.
 
         `sglang_version` (the profile's `gpu_host.sglang_version`): another installed release is refused."""
         try:
             proc = self.run(program_argv(self.spec.python, host_probe, output_dir), timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            raise PreflightError(f"{self.where()}: interpreter {self.spec.python} did not answer in {timeout:.0f}s") from None
+            raise PreflightError(
+                f"{self.where()}: interpreter {self.spec.python} did not answer in {timeout:.0f}s"
+            ) from None
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
             err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
@@ -239,17 +275,25 @@ class GpuHost:
                 report["patch_state"] = f"unsupported: {e}"
         if require_patch:
             if report.get("patch_state") != "patched":
-                raise PreflightError(f"{py}: sglang {report.get('sglang_version')} is not patched for hidden-state "
-                                     f"dumps ({report.get('patch_state')}); run `eagle3 patch apply --python {self.spec.python}`")
+                raise PreflightError(
+                    f"{py}: sglang {report.get('sglang_version')} is not patched for hidden-state "
+                    f"dumps ({report.get('patch_state')}); run `eagle3 patch apply --python {self.spec.python}`"
+                )
             if not report["eagle3_dagster"]:
-                raise PreflightError(f"{py} cannot import eagle3_dagster, which the patched SGLang calls; "
-                                     "install this project there (pip install -e '.[gpu]')")
+                raise PreflightError(
+                    f"{py} cannot import eagle3_dagster, which the patched SGLang calls; "
+                    "install this project there (pip install -e '.[gpu]')"
+                )
         if report["gpu_count"] < min_gpus:
-            raise PreflightError(f"{self.where()}: {report['gpu_count']} GPUs visible, {min_gpus} needed "
-                                 f"({report['gpu_error'] or 'torch.cuda.device_count()'})")
+            raise PreflightError(
+                f"{self.where()}: {report['gpu_count']} GPUs visible, {min_gpus} needed "
+                f"({report['gpu_error'] or 'torch.cuda.device_count()'})"
+            )
         if report["free_bytes"] < min_free_bytes:
-            raise PreflightError(f"{self.where()}: {report['free_bytes'] / 2**30:.1f} GiB free at {output_dir}, "
-                                 f"{min_free_bytes / 2**30:.1f} GiB needed")
+            raise PreflightError(
+                f"{self.where()}: {report['free_bytes'] / 2**30:.1f} GiB free at {output_dir}, "
+                f"{min_free_bytes / 2**30:.1f} GiB needed"
+            )
         return report
 
 

@@ -21,16 +21,32 @@ class HostConfig(BaseModel):
     transport: Literal["local", "ssh"] = Field("local", description="run GPU commands here or over ssh")
     ssh_target: str | None = Field(None, description="user@host for transport=ssh")
     ssh_options: list[str] = Field(default_factory=list, description="extra ssh arguments, e.g. -p 2222")
-    python: str = Field("python", description="the interpreter on the host (SGLang's environment); on a local "
-                        "host the default, python, is the interpreter running the pipeline")
+    python: str = Field(
+        "python",
+        description="the interpreter on the host (SGLang's environment); on a local "
+        "host the default, python, is the interpreter running the pipeline",
+    )
     workdir: str = Field(".eagle3/gpu_host", description="working folder on the host (pid files, logs)")
-    num_gpus: int = Field(0, ge=0, le=1024, json_schema_extra={"bounds": "more GPUs than one host has"},
-                          description="GPUs the preflight expects on the host")  # bounds: as config._bounded
-    name: str | None = Field(None, description="the host's name in leases, run tags and logs; default: 'local' or "
-                             "the ssh target (required when two hosts would get the same name)")
-    sglang_port: int | None = Field(None, ge=1, le=65535, json_schema_extra={"bounds": "TCP ports are 1-65535"},
-                                    description="this host's SGLang port when it is not hidden.sglang_port: two "
-                                    "hosts on one machine (a 16-GPU box as two TP=8 hosts) need two ports")
+    num_gpus: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        json_schema_extra={"bounds": "more GPUs than one host has"},
+        description="GPUs the preflight expects on the host",
+    )  # bounds: as config._bounded
+    name: str | None = Field(
+        None,
+        description="the host's name in leases, run tags and logs; default: 'local' or "
+        "the ssh target (required when two hosts would get the same name)",
+    )
+    sglang_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        json_schema_extra={"bounds": "TCP ports are 1-65535"},
+        description="this host's SGLang port when it is not hidden.sglang_port: two "
+        "hosts on one machine (a 16-GPU box as two TP=8 hosts) need two ports",
+    )
 
     def server_port(self, default: int) -> int:
         """The port this host's SGLang server listens on: its own, or the profile's `hidden.sglang_port`."""

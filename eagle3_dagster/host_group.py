@@ -80,9 +80,16 @@ class _Output:
             thread.join(timeout_s)
 
 
-def run_on_hosts(commands: Sequence[HostCommand], env: Mapping[str, str] | None, *, name: str,
-                 on_line: Callable[[str, str], bool | None], cwd: str | None = None,
-                 log: Callable[[str], None] = print, grace_s: float = 20.0) -> None:
+def run_on_hosts(
+    commands: Sequence[HostCommand],
+    env: Mapping[str, str] | None,
+    *,
+    name: str,
+    on_line: Callable[[str, str], bool | None],
+    cwd: str | None = None,
+    log: Callable[[str], None] = print,
+    grace_s: float = 20.0,
+) -> None:
     """Run each command on its host and wait for all; the first failure stops the rest and raises HostFailed.
 
     `on_line(host_name, line)` gets every line of every host's stdout and stderr (from reader threads: it
@@ -93,8 +100,9 @@ def run_on_hosts(commands: Sequence[HostCommand], env: Mapping[str, str] | None,
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     try:
         for i, command in enumerate(commands):
-            proc = command.host.spawn(command.argv, env, pid_name(name, command.host), cwd=cwd,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            proc = command.host.spawn(
+                command.argv, env, pid_name(name, command.host), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
             procs.append(proc)
             outputs[i].follow(proc.proc.stdout)
             outputs[i].follow(proc.proc.stderr)

@@ -59,8 +59,10 @@ def _open_no_follow(path: Path, flags: int) -> int:
         return os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)  # CLOEXEC: children never hold the lease
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise LeaseFileError(f"{path} is a symbolic link (to {os.readlink(path)!r}); a lease file must be a "
-                                 f"plain file: remove the link") from None
+            raise LeaseFileError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}); a lease file must be a "
+                f"plain file: remove the link"
+            ) from None
         raise LeaseFileError(f"{path}: cannot open the lease file: {e.strerror} (errno {e.errno})") from None
 
 
@@ -159,8 +161,9 @@ def lease_host(
     with the reason). When every host that is left is leased by someone else, wait up to `wait_s` for
     one; when none is left, raise NoHostError naming every host and why.
     """
-    with lease_hosts(hosts, 1, lease_dir, holder=holder, preflight=preflight, log=log, wait_s=wait_s,
-                     poll_s=poll_s) as leases:
+    with lease_hosts(
+        hosts, 1, lease_dir, holder=holder, preflight=preflight, log=log, wait_s=wait_s, poll_s=poll_s
+    ) as leases:
         yield leases[0]
 
 
@@ -211,8 +214,10 @@ def lease_hosts(
                 taken.append((name, host, path, fd))
             if len(taken) == count:
                 with contextlib.ExitStack() as stack:
-                    yield [stack.enter_context(_recorded(lease_dir, name, host, path, fd, holder, skipped, log))
-                           for name, host, path, fd in taken]
+                    yield [
+                        stack.enter_context(_recorded(lease_dir, name, host, path, fd, holder, skipped, log))
+                        for name, host, path, fd in taken
+                    ]
                 return
         finally:
             for *_, fd in taken:
@@ -222,14 +227,19 @@ def lease_hosts(
             reasons = "; ".join(f"{n}: {r}" for n, r in skipped.items())
             if count == 1:
                 raise NoHostError(f"no usable GPU host among {len(hosts)}: {reasons}")
-            raise NoHostError(f"{usable} usable GPU host{'s' * (usable != 1)} among {len(hosts)}, {count} needed"
-                              + (f": {reasons}" if reasons else ""))
-        holders = ", ".join(f"{n} (run {(h or {}).get('run_id', '?')}, pid {(h or {}).get('pid', '?')})"
-                            for n, h in busy.items())
+            raise NoHostError(
+                f"{usable} usable GPU host{'s' * (usable != 1)} among {len(hosts)}, {count} needed"
+                + (f": {reasons}" if reasons else "")
+            )
+        holders = ", ".join(
+            f"{n} (run {(h or {}).get('run_id', '?')}, pid {(h or {}).get('pid', '?')})" for n, h in busy.items()
+        )
         if time.monotonic() >= deadline:
-            raise NoHostError(f"every usable GPU host stayed leased for {wait_s:.0f} s: {holders}"
-                              + (f"; skipped: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}" if skipped else "")
-                              + f". Is the {GPU_POOL} pool limit larger than the number of hosts?")
+            raise NoHostError(
+                f"every usable GPU host stayed leased for {wait_s:.0f} s: {holders}"
+                + (f"; skipped: {'; '.join(f'{n}: {r}' for n, r in skipped.items())}" if skipped else "")
+                + f". Is the {GPU_POOL} pool limit larger than the number of hosts?"
+            )
         if not said_waiting:
             log(f"waiting for {'a GPU host' if count == 1 else f'{count} GPU hosts'}: leased {holders}")
             said_waiting = True
@@ -237,16 +247,25 @@ def lease_hosts(
 
 
 @contextlib.contextmanager
-def _recorded(lease_dir: Path | str, name: str, host: H, path: Path, fd: int, holder: Mapping,
-              skipped: Mapping[str, str], log: Callable[[str], None]) -> Iterator[Lease[H]]:
+def _recorded(
+    lease_dir: Path | str,
+    name: str,
+    host: H,
+    path: Path,
+    fd: int,
+    holder: Mapping,
+    skipped: Mapping[str, str],
+    log: Callable[[str], None],
+) -> Iterator[Lease[H]]:
     """The holder record and history lines of a lock taken: `leased` before the block, `released` after it."""
     record = {**holder, "host": name, "pid": os.getpid(), "since": time.time()}
     try:
         _write_holder(fd, record)
         _append_history(lease_dir, {**record, "event": "leased", "time": record["since"]})
     except (OSError, LeaseFileError) as e:  # before the step runs: nothing of it is lost
-        raise LeaseFileError(f"{lease_dir}: cannot record the lease of host {name}: {e}; free space "
-                             f"there or set gpu_host.lease_dir") from None
+        raise LeaseFileError(
+            f"{lease_dir}: cannot record the lease of host {name}: {e}; free space there or set gpu_host.lease_dir"
+        ) from None
     log(f"gpu host {name} leased ({path})")
     _HELD[name] = (Path(lease_dir), record)
     try:
@@ -256,5 +275,7 @@ def _recorded(lease_dir: Path | str, name: str, host: H, path: Path, fd: int, ho
         try:
             _append_history(lease_dir, {**record, "event": "released", "time": time.time()})
         except (OSError, LeaseFileError) as e:  # never in place of the step's own outcome
-            log(f"gpu host {name}: its release could not be recorded in {Path(lease_dir) / HISTORY} "
-                f"({e}); the lease is given back all the same")
+            log(
+                f"gpu host {name}: its release could not be recorded in {Path(lease_dir) / HISTORY} "
+                f"({e}); the lease is given back all the same"
+            )

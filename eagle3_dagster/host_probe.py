@@ -26,9 +26,16 @@ GPU_DEVICE_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/d
 
 
 def probe(output_dir: str) -> dict:
-    out = {"python": sys.executable, "python_version": sys.version.split()[0], "sglang_version": None,
-           "sglang_error": None, "deepseek_v2_sha256": None, "gpu_count": 0, "gpu_error": None,
-           "eagle3_dagster": importlib.util.find_spec("eagle3_dagster") is not None}
+    out = {
+        "python": sys.executable,
+        "python_version": sys.version.split()[0],
+        "sglang_version": None,
+        "sglang_error": None,
+        "deepseek_v2_sha256": None,
+        "gpu_count": 0,
+        "gpu_error": None,
+        "eagle3_dagster": importlib.util.find_spec("eagle3_dagster") is not None,
+    }
     try:  # the release that is imported: sglang.__version__ (sglang/version.py), else the installed metadata
         import sglang
         from importlib.metadata import version

@@ -67,7 +67,7 @@ def remove_stale_temps(path: Path) -> int:
     prefix = f".{path.name}.{socket.gethostname()}-"
     removed = 0
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
-        pid = tmp.name[len(prefix):].split(".", 1)[0]
+        pid = tmp.name[len(prefix) :].split(".", 1)[0]
         if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
@@ -103,8 +103,11 @@ def _free_bytes(path: str | os.PathLike) -> tuple[Path, int]:
 def disk_full_error(path: str | os.PathLike, e: BaseException) -> DiskFullError:
     where, free = _free_bytes(path)
     cause = "" if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else f"; {type(e).__name__}: {e}"
-    return DiskFullError(errno.ENOSPC, f"no space left on the device while writing {path} ({free / 2**20:.1f} MiB "
-                         f"free in {where}{cause}): free space there, or move run_root to a larger disk")
+    return DiskFullError(
+        errno.ENOSPC,
+        f"no space left on the device while writing {path} ({free / 2**20:.1f} MiB "
+        f"free in {where}{cause}): free space there, or move run_root to a larger disk",
+    )
 
 
 # A writer that reports a full disk without its errno (torch.save: "basic_ios::clear: iostream error") is
@@ -113,8 +116,9 @@ NEARLY_FULL_BYTES = 16 << 20
 
 
 @contextlib.contextmanager
-def naming_full_disk(path: str | os.PathLike, *, unnamed_errors: tuple[type[BaseException], ...] = ()) \
-        -> Iterator[None]:
+def naming_full_disk(
+    path: str | os.PathLike, *, unnamed_errors: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
     """Turn ENOSPC/EDQUOT (which name no file) into a `DiskFullError` naming `path` and the free space; an
     error of `unnamed_errors` too, when the disk there is (nearly) full."""
     try:
@@ -122,8 +126,9 @@ def naming_full_disk(path: str | os.PathLike, *, unnamed_errors: tuple[type[Base
     except DiskFullError:
         raise
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT) or (isinstance(e, unnamed_errors)
-                                                       and _free_bytes(path)[1] < NEARLY_FULL_BYTES):
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) or (
+            isinstance(e, unnamed_errors) and _free_bytes(path)[1] < NEARLY_FULL_BYTES
+        ):
             raise disk_full_error(path, e) from e
         raise
     except unnamed_errors as e:
@@ -211,15 +216,15 @@ def confined_path(root: str | os.PathLike, name: object, *, where: str, flat: bo
     if pure is None or not pure.parts:
         raise ForeignInputError(f"{where}: {name!r} is not a file name; refused")
     if pure.is_absolute() or ".." in pure.parts:
-        raise ForeignInputError(f"{where}: file name {name!r} is absolute or has a '..' component, which can "
-                                f"lead out of {root}; refused")
+        raise ForeignInputError(
+            f"{where}: file name {name!r} is absolute or has a '..' component, which can lead out of {root}; refused"
+        )
     if flat and len(pure.parts) != 1:
         raise ForeignInputError(f"{where}: {name!r} is not a bare file name in {root}; refused")
     root_real = Path(root).resolve()
     path = Path(root) / pure
     if not path.resolve().is_relative_to(root_real):
-        raise ForeignInputError(f"{where}: {path} leads out of {root} (to {path.resolve()}) through a symlink; "
-                                "refused")
+        raise ForeignInputError(f"{where}: {path} leads out of {root} (to {path.resolve()}) through a symlink; refused")
     return path
 
 
@@ -233,8 +238,18 @@ def regular_file(path: str | os.PathLike, *, where: str) -> Path:
     except FileNotFoundError:
         raise FileNotFoundError(f"{where}: {path} does not exist") from None
     if not stat.S_ISREG(mode):
-        kind = "a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
-            else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise ForeignInputError(f"{where}: {path} is {kind}" + (f" ({path.resolve()})" if path.is_symlink() else "")
-                                + ", not a regular file; refused")
+        kind = (
+            "a folder"
+            if stat.S_ISDIR(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "not a regular file"
+        )
+        raise ForeignInputError(
+            f"{where}: {path} is {kind}"
+            + (f" ({path.resolve()})" if path.is_symlink() else "")
+            + ", not a regular file; refused"
+        )
     return path

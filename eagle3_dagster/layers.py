@@ -39,4 +39,3 @@ def sglang_to_canonical(layers: list[int]) -> list[int]:
 
 def canonical_to_vllm(layers: list[int]) -> list[int]:
     return list(layers)
-

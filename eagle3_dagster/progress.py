@@ -27,8 +27,17 @@ class ProgressMeter:
     an export's sample count) take it where they take a counter callback. `done` is cumulative.
     """
 
-    def __init__(self, sink: Progress, label: str, unit: str, total: int | None = None, *, initial: int = 0,
-                 every_s: float = PROGRESS_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        sink: Progress,
+        label: str,
+        unit: str,
+        total: int | None = None,
+        *,
+        initial: int = 0,
+        every_s: float = PROGRESS_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sink, self.label, self.unit, self.total = sink, label, unit, total
         self.every_s, self.clock = every_s, clock
         self.started = clock()

@@ -101,9 +101,14 @@ def supported() -> dict[str, Release]:
     rows = json.loads(TABLE.read_text())["releases"]
     return {
         r["version"]: Release(
-            version=r["version"], pristine_sha256=r["pristine_sha256"], patched_sha256=r["patched_sha256"],
-            style=r["style"], serves_kimi_k25_eagle3=r["serves_kimi_k25_eagle3"], aux_id_rules=r["aux_id_rules"],
-            extraction_args=tuple(r["extraction_args"]), serving_args=tuple(r["serving_args"]),
+            version=r["version"],
+            pristine_sha256=r["pristine_sha256"],
+            patched_sha256=r["patched_sha256"],
+            style=r["style"],
+            serves_kimi_k25_eagle3=r["serves_kimi_k25_eagle3"],
+            aux_id_rules=r["aux_id_rules"],
+            extraction_args=tuple(r["extraction_args"]),
+            serving_args=tuple(r["serving_args"]),
             capture_only_mode=r["capture_only_mode"],
             eagle31_options=tuple(r["eagle31_options"]),
             mla_drafter=None if r.get("mla_drafter") is None else tuple(r["mla_drafter"]),
@@ -127,8 +132,11 @@ def mla_drafter_refusal(version: str) -> str | None:
     r = release(version)
     if r.serves_mla_drafter:
         return None
-    missing = "Eagle3DeepseekV2ForCausalLM (sglang/srt/models/kimi_k25_eagle3.py, from 0.5.12)" \
-        if r.mla_drafter is None else "EAGLE-3 for Kimi-K2.5"
+    missing = (
+        "Eagle3DeepseekV2ForCausalLM (sglang/srt/models/kimi_k25_eagle3.py, from 0.5.12)"
+        if r.mla_drafter is None
+        else "EAGLE-3 for Kimi-K2.5"
+    )
     return f"SGLang {version} cannot load an MLA drafter: it has no {missing}"
 
 
@@ -192,9 +200,11 @@ def other_sglang_release(report: dict, expected: str | None) -> str | None:
     installed = report.get("sglang_version")
     if expected is None or installed is None or installed == expected:
         return None
-    return (f"has SGLang {installed} installed, but gpu_host.sglang_version is {expected}: the drafter's aux ids "
-            f"are written for {expected}, and another release may read them as other layers; install SGLang "
-            f"{expected} there or set gpu_host.sglang_version to {installed}")
+    return (
+        f"has SGLang {installed} installed, but gpu_host.sglang_version is {expected}: the drafter's aux ids "
+        f"are written for {expected}, and another release may read them as other layers; install SGLang "
+        f"{expected} there or set gpu_host.sglang_version to {installed}"
+    )
 
 
 def refused_extraction_option(args: Sequence[str]) -> str | None:
@@ -202,13 +212,16 @@ def refused_extraction_option(args: Sequence[str]) -> str | None:
     for arg in args:
         option = arg.split("=")[0]
         if option in EXTRACTION_REFUSED_OPTIONS:
-            return (f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
-                    "remove it from the server options")
+            return (
+                f"hidden-state extraction cannot run with {option}: {EXTRACTION_REFUSED_OPTIONS[option]}; "
+                "remove it from the server options"
+            )
     return None
 
 
-def served_drafter_problem(aux_layers: Sequence[int] | None, attention: str, options: Sequence[str],
-                           sglang_version: str | None) -> str | None:
+def served_drafter_problem(
+    aux_layers: Sequence[int] | None, attention: str, options: Sequence[str], sglang_version: str | None
+) -> str | None:
     """Why the drafter a profile describes cannot be served as exported, naming the profile's fields, or None.
 
     `aux_layers` (hidden.aux_layers, canonical; None: the target's default), `attention` (drafter.attention),
@@ -217,30 +230,49 @@ def served_drafter_problem(aux_layers: Sequence[int] | None, attention: str, opt
     training, with the rules the export applies after it (drafter.export.export_config)."""
     mla = attention == "mla"
     if mla and sglang_version and (why := mla_drafter_refusal(sglang_version)):
-        return (f"drafter.attention: mla, but gpu_host.sglang_version: {why}; serve with SGLang >= 0.5.12 or set "
-                "drafter.attention: gqa")
+        return (
+            f"drafter.attention: mla, but gpu_host.sglang_version: {why}; serve with SGLang >= 0.5.12 or set "
+            "drafter.attention: gqa"
+        )
     if aux_layers:
         # The targets are DeepSeek-V3 / Kimi-K2.5; a Llama target is checked again at export, from its config.
         # With EAGLE 3.1 options and no release named, the export writes ids for every release that reads the
         # options: the same rule here.
-        versions = [sglang_version] if sglang_version else mla_drafter_releases(options) if mla else \
-            [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)] if options else None
+        versions = (
+            [sglang_version]
+            if sglang_version
+            else mla_drafter_releases(options)
+            if mla
+            else [v for v, r in supported().items() if set(options) <= set(r.eagle31_options)]
+            if options
+            else None
+        )
         try:
             draft_aux_ids(list(aux_layers), "deepseek", versions)
         except ValueError as e:
             span = f"{versions[0]} to {versions[-1]}" if versions else "none"
-            why = " (gpu_host.sglang_version)" if sglang_version else \
-                (f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
-                 f"right on every SGLang release that reads it, {span}; or name the "
-                 "release served in gpu_host.sglang_version)" if options else
-                 " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
-                 f"release that serves an MLA drafter, {span}; or name the release "
-                 "served in gpu_host.sglang_version)" if mla else "")
+            why = (
+                " (gpu_host.sglang_version)"
+                if sglang_version
+                else (
+                    f" (drafter.{', drafter.'.join(options)} is EAGLE 3.1: the export writes aux ids that must be "
+                    f"right on every SGLang release that reads it, {span}; or name the "
+                    "release served in gpu_host.sglang_version)"
+                    if options
+                    else " (drafter.attention: mla: the export writes aux ids that must be right on every SGLang "
+                    f"release that serves an MLA drafter, {span}; or name the release "
+                    "served in gpu_host.sglang_version)"
+                    if mla
+                    else ""
+                )
+            )
             return f"hidden.aux_layers: {e}{why}"
     if options and sglang_version:  # refused before training, not at export after it
         served = release(sglang_version)
         if unread := [o for o in options if o not in served.drafter_options(attention)]:
-            return (f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does not read "
-                    "it from the draft config and would serve the drafter without it (SGLang "
-                    f">= {'0.5.13' if mla else '0.5.12'} does)")
+            return (
+                f"drafter.{', drafter.'.join(unread)}: gpu_host.sglang_version {served.version} does not read "
+                "it from the draft config and would serve the drafter without it (SGLang "
+                f">= {'0.5.13' if mla else '0.5.12'} does)"
+            )
     return None

@@ -120,8 +120,10 @@ def wait_bound_s(s=None) -> float:
 
 
 def _tries(s: StorageSettings) -> str:
-    return (f"tried up to {s.attempts} times (storage.attempts), each waiting up to {s.connect_timeout_s:g} s "
-            f"to connect and {s.read_timeout_s:g} s per read (storage.connect_timeout_s, storage.read_timeout_s)")
+    return (
+        f"tried up to {s.attempts} times (storage.attempts), each waiting up to {s.connect_timeout_s:g} s "
+        f"to connect and {s.read_timeout_s:g} s per read (storage.connect_timeout_s, storage.read_timeout_s)"
+    )
 
 
 class _Waits:
@@ -166,9 +168,13 @@ class _Waits:
                         call[2] = now + call[3]
                 wake = min((call[2] for call in self._calls.values()), default=now + 1.0)
             for what, waited, bound in due:
-                log.warning("%s: still in progress after %.1f s (a store request that gets no answer fails "
-                            "within %.0f s: storage.attempts x (connect_timeout_s + read_timeout_s) plus backoff)",
-                            what, waited, bound)
+                log.warning(
+                    "%s: still in progress after %.1f s (a store request that gets no answer fails "
+                    "within %.0f s: storage.attempts x (connect_timeout_s + read_timeout_s) plus backoff)",
+                    what,
+                    waited,
+                    bound,
+                )
             time.sleep(min(max(wake - time.monotonic(), 0.01), 1.0))
 
 
@@ -181,9 +187,14 @@ def filesystem(url: str):
     if str(url).partition("://")[0] not in ("s3", "s3a"):
         return fsspec.core.url_to_fs(str(url))
     s = settings()
-    fs, path = fsspec.core.url_to_fs(str(url), config_kwargs={
-        "connect_timeout": s.connect_timeout_s, "read_timeout": s.read_timeout_s,
-        "retries": {"total_max_attempts": s.attempts, "mode": "standard"}})
+    fs, path = fsspec.core.url_to_fs(
+        str(url),
+        config_kwargs={
+            "connect_timeout": s.connect_timeout_s,
+            "read_timeout": s.read_timeout_s,
+            "retries": {"total_max_attempts": s.attempts, "mode": "standard"},
+        },
+    )
     fs.retries = 1  # botocore's tries are the only ones: s3fs's loops (5, nested in reads) would multiply them
     return fs, path
 
@@ -206,12 +217,14 @@ def location(loc: "str | os.PathLike | Location", base: Path | None = None) -> "
         return loc
     text = os.fspath(loc) if isinstance(loc, os.PathLike) else str(loc)
     if isinstance(loc, os.PathLike) or _is_local(text):
-        p = Path(text[len("file://"):] if text.startswith("file://") else text)
+        p = Path(text[len("file://") :] if text.startswith("file://") else text)
         return Location(str(p if p.is_absolute() or base is None else base / p))
     url = text.rstrip("/")
     if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        raise ValueError(f"{_redact(url)}: credentials do not belong in a storage URL; set them in the "
-                         "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)")
+        raise ValueError(
+            f"{_redact(url)}: credentials do not belong in a storage URL; set them in the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)"
+        )
     return Location(url)
 
 
@@ -247,8 +260,10 @@ class Location:
         if self._local:
             return Path(self.url)
         if staging is None:
-            raise ValueError(f"{self} is on an object store: hidden.staging_dir (a local folder) is needed to "
-                             "write shards before they are uploaded")
+            raise ValueError(
+                f"{self} is on an object store: hidden.staging_dir (a local folder) is needed to "
+                "write shards before they are uploaded"
+            )
         return Path(staging)
 
     def join(self, *parts: str) -> "Location":
@@ -308,8 +323,9 @@ class Location:
 
     def file_sizes(self) -> dict[str, int]:
         """name -> bytes of the files directly in this folder (empty when it does not exist); one listing call."""
-        return {posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in self._listing()
-                if e["type"] == "file"}
+        return {
+            posixpath.basename(e["name"].rstrip("/")): int(e["size"]) for e in self._listing() if e["type"] == "file"
+        }
 
     def subfolders(self) -> list[str]:
         """Names of the folders directly in this folder (locally real folders: fsspec types a link "other")."""
@@ -359,13 +375,19 @@ class Location:
         Each GET is tried as `storage` settings say (botocore); a range that still failed is a
         `StoreReadError` naming the object, the bytes and the cause (fsspec hands it back as an exception
         object in the list)."""
-        got = self._call(f"reading {len(ranges)} byte range(s)", lambda fs, path: fs.cat_ranges(
-            [path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="return"))
+        got = self._call(
+            f"reading {len(ranges)} byte range(s)",
+            lambda fs, path: fs.cat_ranges(
+                [path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="return"
+            ),
+        )
         failed = [(r, blob) for r, blob in zip(ranges, got, strict=True) if isinstance(blob, BaseException)]
         if failed:
             (start, end), err = failed[0]
-            raise StoreReadError(f"{self}: bytes [{start}, {end}) could not be read ({len(failed)} of {len(ranges)} "
-                                 f"ranges failed; {_tries(settings())}): {type(err).__name__}: {err}") from err
+            raise StoreReadError(
+                f"{self}: bytes [{start}, {end}) could not be read ({len(failed)} of {len(ranges)} "
+                f"ranges failed; {_tries(settings())}): {type(err).__name__}: {err}"
+            ) from err
         return got
 
     def download_to(self, out) -> tuple[int, str]:
@@ -399,8 +421,10 @@ class Location:
             self._call(f"uploading {local}", lambda fs, path: fs.put_file(str(local), path))
         digest = self.sha256()
         if digest != expected_sha256:
-            raise UploadMismatch(f"{self}: sha256 read back from the store is {digest}, the uploaded file's is "
-                                 f"{expected_sha256}; the object is not trusted (no manifest written)")
+            raise UploadMismatch(
+                f"{self}: sha256 read back from the store is {digest}, the uploaded file's is "
+                f"{expected_sha256}; the object is not trusted (no manifest written)"
+            )
 
 
 def read_json(loc: "Location | os.PathLike | str"):

@@ -86,8 +86,16 @@ def target_identity(model_dir: Path) -> str:
 
 
 # The files a tokenizer is made of (HF fast and slow, sentencepiece, tiktoken, remote code, chat templates).
-_TOKENIZER_FILES = ("tokeniz*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-                    "*.tiktoken", "tiktoken.model", "chat_template*")
+_TOKENIZER_FILES = (
+    "tokeniz*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "tiktoken.model",
+    "chat_template*",
+)
 
 
 def tokenizer_identity(model_dir: Path) -> str:
@@ -146,7 +154,9 @@ def target_summary(model_dir: Path) -> dict:
         "vocab_size": int(cfg["vocab_size"]),
         "architecture": (raw.get("architectures") or cfg.get("architectures") or ["unknown"])[0],
         "text_architecture": (cfg.get("architectures") or ["unknown"])[0],
-        "dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "unknown"),
+        "dtype": str(
+            cfg.get("torch_dtype") or cfg.get("dtype") or raw.get("torch_dtype") or raw.get("dtype") or "unknown"
+        ),
         "quantization": (cfg.get("quantization_config") or {}).get("quant_method"),
     }
 
@@ -163,8 +173,7 @@ def load_tokenizer(model_dir: str | Path, *, trust_remote_code: bool, reviewed_c
     if trust_remote_code:
         check_reviewed(model_dir, reviewed_code)
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
-                                             local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
     except ImportError as e:  # shipped code importing a package this interpreter lacks (Kimi-K2.5: tiktoken)
         missing = getattr(e, "name", None) or str(e).split("environment: ", 1)[-1].split(". Run", 1)[0]
         raise ValueError(

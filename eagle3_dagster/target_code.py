@@ -107,7 +107,9 @@ def check_reviewed(model_dir: str | Path, reviewed: Mapping[str, str] | None) ->
     if reviewed is not None and (problems := unreviewed(files, reviewed)):
         raise UnreviewedCodeError(
             f"{model_dir}: the target's code is not the reviewed code, and target.trust_remote_code would run it: "
-            + "; ".join(problems) + ". Read the files, then list them with their sha256 in target.reviewed_code")
+            + "; ".join(problems)
+            + ". Read the files, then list them with their sha256 in target.reviewed_code"
+        )
     return files
 
 

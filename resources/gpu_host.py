@@ -63,14 +63,17 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
     The profile's `gpu_host` less what only the stages read (`sglang_version`): the hosts, of which each GPU
     step leases one (`lease`), the lease folder and how long a step waits."""
 
-    hosts: list[HostEntry] = Field(default_factory=lambda: [HostEntry()], min_length=1,
-                                   description=HostsConfig.model_fields["hosts"].description)
+    hosts: list[HostEntry] = Field(
+        default_factory=lambda: [HostEntry()], min_length=1, description=HostsConfig.model_fields["hosts"].description
+    )
 
     @classmethod
     def from_profile(cls, profile) -> "GpuHostResource":
         g = profile.gpu_host
-        return cls(hosts=[HostEntry(**h.model_dump()) for h in g.hosts],
-                   **g.model_dump(include=set(HostsConfig.model_fields) - {"hosts"}))
+        return cls(
+            hosts=[HostEntry(**h.model_dump()) for h in g.hosts],
+            **g.model_dump(include=set(HostsConfig.model_fields) - {"hosts"}),
+        )
 
     def all_hosts(self) -> list[GpuHost]:
         return [GpuHost(h) for h in self.hosts]
@@ -83,8 +86,13 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
         return int(self.host().preflight(path, require_sglang=False)["free_bytes"])
 
     @contextmanager
-    def lease(self, context: dg.AssetExecutionContext | dg.OpExecutionContext, *,
-              preflight: Callable[[GpuHost], object] | None = None, shards: Sequence[str] = ()) -> Iterator[GpuHost]:
+    def lease(
+        self,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        *,
+        preflight: Callable[[GpuHost], object] | None = None,
+        shards: Sequence[str] = (),
+    ) -> Iterator[GpuHost]:
         """Hold one free host that passes `preflight` for the block; the run is tagged with its name.
 
         A host whose preflight raises is skipped (a warning names it and the reason); no usable host is a
@@ -93,9 +101,14 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
             yield hosts[0]
 
     @contextmanager
-    def lease_hosts(self, context: dg.AssetExecutionContext | dg.OpExecutionContext, count: int, *,
-                    preflight: Callable[[GpuHost], object] | None = None,
-                    shards: Sequence[str] = ()) -> Iterator[list[GpuHost]]:
+    def lease_hosts(
+        self,
+        context: dg.AssetExecutionContext | dg.OpExecutionContext,
+        count: int,
+        *,
+        preflight: Callable[[GpuHost], object] | None = None,
+        shards: Sequence[str] = (),
+    ) -> Iterator[list[GpuHost]]:
         """Hold `count` free hosts (all or none; host_lease.lease_hosts) for the block, as `lease` holds one; the
         run tag names them all, comma-separated."""
         from eagle3_dagster.host_lease import GPU_POOL, NoHostError, lease_hosts
@@ -105,10 +118,15 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
         _warn_on_pool_size(context, len(hosts))
         holder = {"run_id": context.run_id, "shards": list(shards)}
         try:
-            with lease_hosts([(h.name, h) for h in hosts], count, lease_dir, holder=holder,
-                             preflight=None if preflight is None else (lambda _name, h: preflight(h)),
-                             log=lambda line: (context.log.warning if " skipped: " in line else context.log.info)(line),
-                             wait_s=self.lease_wait_s) as leases:
+            with lease_hosts(
+                [(h.name, h) for h in hosts],
+                count,
+                lease_dir,
+                holder=holder,
+                preflight=None if preflight is None else (lambda _name, h: preflight(h)),
+                log=lambda line: (context.log.warning if " skipped: " in line else context.log.info)(line),
+                wait_s=self.lease_wait_s,
+            ) as leases:
                 _tag(context, {HOST_TAG: ",".join(lease.name for lease in leases)})
                 yield [lease.host for lease in leases]
         except NoHostError as e:
@@ -127,14 +145,17 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
     ) -> dg.PipesClientCompletedInvocation:
         """Run `command` on `host` (default: a host leased for the call) inside a Pipes session; non-zero exit
         raises `dg.Failure` naming the command, the host and the exit code."""
-        with (nullcontext(host) if host is not None else self.lease(context)) as leased:
-            return self._run_pipes(leased, context=context, command=command, env=env, cwd=cwd, extras=extras,
-                                   name=name)
+        with nullcontext(host) if host is not None else self.lease(context) as leased:
+            return self._run_pipes(leased, context=context, command=command, env=env, cwd=cwd, extras=extras, name=name)
 
-    def _run_pipes(self, host: GpuHost, *, context, command, env, cwd, extras, name) -> dg.PipesClientCompletedInvocation:
+    def _run_pipes(
+        self, host: GpuHost, *, context, command, env, cwd, extras, name
+    ) -> dg.PipesClientCompletedInvocation:
         with dg.open_pipes_session(
-            context=context, context_injector=dg.PipesEnvContextInjector(),
-            message_reader=_StderrMessageReader(), extras=dict(extras or {}),
+            context=context,
+            context_injector=dg.PipesEnvContextInjector(),
+            message_reader=_StderrMessageReader(),
+            extras=dict(extras or {}),
         ) as session:
             full_env = {**(env or {}), **session.get_bootstrap_env_vars()}
             proc = host.spawn(list(command), full_env, name, cwd=cwd, stdout=None, stderr=subprocess.PIPE)
@@ -169,8 +190,10 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
         line goes to the run's log prefixed with its host's name. The first host to fail stops the others and
         raises `dg.Failure` naming it (eagle3_dagster/host_group.py)."""
         with dg.open_pipes_session(
-            context=context, context_injector=dg.PipesEnvContextInjector(),
-            message_reader=_StderrMessageReader(), extras=dict(extras or {}),
+            context=context,
+            context_injector=dg.PipesEnvContextInjector(),
+            message_reader=_StderrMessageReader(),
+            extras=dict(extras or {}),
         ) as session:
             lock = threading.Lock()
 
@@ -179,8 +202,14 @@ class GpuHostResource(dg.ConfigurableResource, HostsConfig):
                     return _handle_line(session, line, prefix=f"[{host}] ")
 
             try:
-                run_on_hosts(commands, {**(env or {}), **session.get_bootstrap_env_vars()}, name=name, cwd=cwd,
-                             on_line=on_line, log=lambda line: context.log.info(f"[{name}] {line}"))
+                run_on_hosts(
+                    commands,
+                    {**(env or {}), **session.get_bootstrap_env_vars()},
+                    name=name,
+                    cwd=cwd,
+                    on_line=on_line,
+                    log=lambda line: context.log.info(f"[{name}] {line}"),
+                )
             except HostFailed as e:
                 raise dg.Failure(description=str(e), metadata={"failed_host": e.host}) from None
         return dg.PipesClientCompletedInvocation(session)
@@ -231,5 +260,7 @@ def _warn_on_pool_size(context, num_hosts: int) -> None:
     except Exception:  # an instance without concurrency storage: nothing to compare
         return
     if limit != num_hosts:
-        context.log.warning(f"pool {GPU_POOL} has {limit} slots for {num_hosts} GPU hosts: set it with "
-                            "`eagle3 pool-limits` (scripts/ui.sh does) so each host runs one step at a time")
+        context.log.warning(
+            f"pool {GPU_POOL} has {limit} slots for {num_hosts} GPU hosts: set it with "
+            "`eagle3 pool-limits` (scripts/ui.sh does) so each host runs one step at a time"
+        )

@@ -32,8 +32,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 UI_URL_FILE = "ui_url"
 
 
-def start(host: str, port: int, workspace: Path = ROOT / "workspace.yaml", env: dict[str, str] | None = None,
-          log: IO[bytes] | None = None) -> subprocess.Popen:
+def start(
+    host: str,
+    port: int,
+    workspace: Path = ROOT / "workspace.yaml",
+    env: dict[str, str] | None = None,
+    log: IO[bytes] | None = None,
+) -> subprocess.Popen:
     """`dagster dev` on `host:port` in a new session (its own process group), SIGINT at its default.
 
     Dagster's calls to the code server time out after 60 s by default; on a 2-core machine busy with a
@@ -43,8 +48,15 @@ def start(host: str, port: int, workspace: Path = ROOT / "workspace.yaml", env: 
     env = {"DAGSTER_GRPC_TIMEOUT_SECONDS": str(GRPC_TIMEOUT_S), **(os.environ if env is None else env)}
     dagster = Path(sys.executable).with_name("dagster")
     cmd = [str(dagster), "dev", "-w", str(workspace), "-h", host, "-p", str(port)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
-                            start_new_session=True, preexec_fn=_default_sigint)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT if log else None,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
 
 
 def _default_sigint() -> None:

@@ -43,8 +43,12 @@ def _outside(value: Any, bounds: list[float] | None) -> bool:
     return bool(bounds) and isinstance(value, int | float) and not bounds[0] <= value <= bounds[1]
 
 
-def summary(profile: str, seconds: Mapping[str, float], metadata: Mapping[str, Mapping[str, Any]],
-            expected: Mapping[str, Any] | None = None) -> str:
+def summary(
+    profile: str,
+    seconds: Mapping[str, float],
+    metadata: Mapping[str, Mapping[str, Any]],
+    expected: Mapping[str, Any] | None = None,
+) -> str:
     """The summary's text. `seconds`: stage → wall seconds, in the order run; `metadata`: asset → its latest
     materialization's metadata values (the assets of the stages run). Ranges apply to their own profile only."""
     expected = load() if expected is None else expected
@@ -60,8 +64,9 @@ def summary(profile: str, seconds: Mapping[str, float], metadata: Mapping[str, M
         if meta is None or figure["key"] not in meta:
             continue
         value, bounds = meta[figure["key"]], figure.get("range")
-        lines.append(f"  {figure['what']:<40}{_number(value):>10}   {_span(bounds)}"
-                     f"{OUTSIDE if _outside(value, bounds) else ''}")
+        lines.append(
+            f"  {figure['what']:<40}{_number(value):>10}   {_span(bounds)}{OUTSIDE if _outside(value, bounds) else ''}"
+        )
     return "\n".join(lines)
 
 

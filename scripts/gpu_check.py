@@ -100,8 +100,9 @@ def check_dump_hook(device: str, work: Path) -> dict:
     takes_ids = "input_ids" in inspect.signature(dumper.capture_final).parameters
     g = torch.Generator(device="cpu").manual_seed(0)
     gd = torch.Generator(device=device).manual_seed(0)  # states are made on the device: no H2D copy waits on the queue
-    weights = [(torch.randn(hidden, hidden, generator=g) / hidden**0.5).to(device, torch.bfloat16)
-               for _ in range(num_layers)]
+    weights = [
+        (torch.randn(hidden, hidden, generator=g) / hidden**0.5).to(device, torch.bfloat16) for _ in range(num_layers)
+    ]
     busy = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if cuda else None
     expected: dict[str, dict[str, torch.Tensor]] = {}
     lagging = 0
@@ -113,9 +114,16 @@ def check_dump_hook(device: str, work: Path) -> dict:
             for _ in range(40):
                 busy = torch.tanh(busy @ busy * 1e-4)
         input_ids = torch.randint(0, 32000, (sum(lengths),), generator=gd, device=device)
-        batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=input_ids, rids=rids, positions=None,
-                                extend_seq_lens_cpu=lengths, extend_prefix_lens_cpu=[0] * len(lengths),
-                                extend_seq_lens=torch.tensor(lengths), extend_prefix_lens=torch.zeros(len(lengths)))
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=input_ids,
+            rids=rids,
+            positions=None,
+            extend_seq_lens_cpu=lengths,
+            extend_prefix_lens_cpu=[0] * len(lengths),
+            extend_seq_lens=torch.tensor(lengths),
+            extend_prefix_lens=torch.zeros(len(lengths)),
+        )
         style = "loop" if b % 2 == 0 else "collector"
         h = torch.randn(sum(lengths), hidden, generator=gd, device=device).to(torch.bfloat16)
         if cuda:
@@ -148,7 +156,7 @@ def check_dump_hook(device: str, work: Path) -> dict:
             source.zero_()
         offset = 0
         for rid, n in zip(rids, lengths):
-            expected[rid] = {k: v[offset:offset + n].cpu() for k, v in refs.items()}
+            expected[rid] = {k: v[offset : offset + n].cpu() for k, v in refs.items()}
             offset += n
     dumper.flush()
     mismatched, compared = [], 0
@@ -161,8 +169,10 @@ def check_dump_hook(device: str, work: Path) -> dict:
                 if got.dtype != want.dtype or not torch.equal(got, want):
                     mismatched.append(f"{rid}/{name}")
     ok = not mismatched and (not cuda or lagging > 0)  # a first pinned allocation may synchronise once
-    detail = (f"{len(expected)} requests, {num_batches} batches, {compared} tensors, "
-              f"{len(mismatched)} differ{': ' + ', '.join(mismatched[:4]) if mismatched else ''}")
+    detail = (
+        f"{len(expected)} requests, {num_batches} batches, {compared} tensors, "
+        f"{len(mismatched)} differ{': ' + ', '.join(mismatched[:4]) if mismatched else ''}"
+    )
     if cuda:
         detail += f"; GPU behind the CPU at {lagging}/{num_batches} captures"
     return {"check": "dump hook: stored == source", "ok": ok, "detail": detail}
@@ -182,8 +192,9 @@ def build_target(work: Path, num_samples: int) -> tuple[Path, Path, int, int]:
     tiny = demo_profile().target.tiny
     cfg = tiny.model_copy(update={"num_experts_per_tok": tiny.n_routed_experts})
     target = work / "target"
-    model = create_tiny_model(tiny_model_config(cfg, vocab_size=cfg.vocab_size, bos_token_id=0, eos_token_id=1,
-                                                pad_token_id=2), seed=cfg.seed)
+    model = create_tiny_model(
+        tiny_model_config(cfg, vocab_size=cfg.vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2), seed=cfg.seed
+    )
     model.save_pretrained(str(target))
     g = torch.Generator().manual_seed(1)
     merged = work / "merged_train.jsonl"
@@ -210,8 +221,17 @@ def check_extraction(device: str, work: Path, target: Path, merged: Path, num_la
     def run(dev: str, dtype: str, tag: str = "") -> tuple[HiddenStatesDataset, float]:
         out = work / f"hidden-{tag}{dev}-{dtype}"
         start = time.perf_counter()
-        extract_all_hf(target, merged, out, samples_per_shard=32, aux_layers=aux, dtype=dtype, batch_tokens=4096,
-                       target_identity="gpu-check-tiny", device=dev)
+        extract_all_hf(
+            target,
+            merged,
+            out,
+            samples_per_shard=32,
+            aux_layers=aux,
+            dtype=dtype,
+            batch_tokens=4096,
+            target_identity="gpu-check-tiny",
+            device=dev,
+        )
         return HiddenStatesDataset(out), time.perf_counter() - start
 
     reference, _ = run("cpu", "float32", tag="reference-")
@@ -230,10 +250,15 @@ def check_extraction(device: str, work: Path, target: Path, merged: Path, num_la
                 if err > worst:
                     worst, worst_at = err, f"{r['sample_id']}/{name}"
         ok = same_ids and worst <= sample_limit and worst_token <= token_limit
-        rows.append({"check": f"hf extraction {device} {dtype} vs cpu float32", "ok": ok,
-                     "detail": f"{len(got)} samples; relative error: worst sample {worst:.1e} ({worst_at}, limit "
-                               f"{sample_limit:g}), worst token {worst_token:.1e} (limit {token_limit:g}); ids "
-                               f"{'equal' if same_ids else 'DIFFER'}; {seconds:.1f}s"})
+        rows.append(
+            {
+                "check": f"hf extraction {device} {dtype} vs cpu float32",
+                "ok": ok,
+                "detail": f"{len(got)} samples; relative error: worst sample {worst:.1e} ({worst_at}, limit "
+                f"{sample_limit:g}), worst token {worst_token:.1e} (limit {token_limit:g}); ids "
+                f"{'equal' if same_ids else 'DIFFER'}; {seconds:.1f}s",
+            }
+        )
     return rows, work / f"hidden-{device}-bfloat16"
 
 
@@ -254,8 +279,18 @@ def run_group(argv: list[str], timeout_s: float) -> tuple[int | None, str]:
         return None, out + f"\n(timed out after {timeout_s:.0f}s)"
 
 
-def check_training(device: str, work: Path, target: Path, merged: Path, vocab_size: int, hidden_dir: Path,
-                   steps: int, timeout_s: float, attention: str = "gqa", probe_allreduce: bool = True) -> list[dict]:
+def check_training(
+    device: str,
+    work: Path,
+    target: Path,
+    merged: Path,
+    vocab_size: int,
+    hidden_dir: Path,
+    steps: int,
+    timeout_s: float,
+    attention: str = "gqa",
+    probe_allreduce: bool = True,
+) -> list[dict]:
     """torchrun of the demo drafter (with `attention`) for `steps` steps; a row per check. The export lands in
     `work/train-<attention>/export`."""
     import torch
@@ -274,12 +309,20 @@ def check_training(device: str, work: Path, target: Path, merged: Path, vocab_si
     if not mapping.exists():
         build_vocab_mapping([merged], mapping, target_vocab_size=vocab_size, draft_vocab_size=vocab_size // 4)
     out = work / f"train-{attention}"
-    job = TrainJobConfig(hidden_version_dir=str(hidden_dir), target_dir=str(target), vocab_mapping=str(mapping),
-                         out_dir=str(out), serving_context=profile.target.serving_context,
-                         drafter=type(profile.drafter).model_validate(profile.drafter.model_dump() | {
-                             "attention": attention, **({"num_key_value_heads": None} if attention == "mla" else {})}),
-                         train=profile.train.model_copy(update={"max_steps": steps, "backend": backend,
-                                                                "nproc_per_node": nproc, "checkpoint_every": 25}))
+    job = TrainJobConfig(
+        hidden_version_dir=str(hidden_dir),
+        target_dir=str(target),
+        vocab_mapping=str(mapping),
+        out_dir=str(out),
+        serving_context=profile.target.serving_context,
+        drafter=type(profile.drafter).model_validate(
+            profile.drafter.model_dump()
+            | {"attention": attention, **({"num_key_value_heads": None} if attention == "mla" else {})}
+        ),
+        train=profile.train.model_copy(
+            update={"max_steps": steps, "backend": backend, "nproc_per_node": nproc, "checkpoint_every": 25}
+        ),
+    )
     config = job.write(work / f"train_job-{attention}.json")
     start = time.perf_counter()
     code, said = run_group(build_torchrun_command(config, nproc), timeout_s)
@@ -297,11 +340,15 @@ def check_training(device: str, work: Path, target: Path, merged: Path, vocab_si
     finite = all(math.isfinite(x) for x in losses)
     exported = (out / "export" / "config.json").exists()
     ok = metrics["steps"] == steps and finite and losses[-1] < losses[0] and exported
-    rows.append({"check": f"{what} ({backend}{', bf16 autocast' if cuda else ''}, {nproc} rank"
-                          f"{'s' if nproc > 1 else ''})", "ok": ok,
-                 "detail": f"{metrics['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                           f"acc_0 {metrics['final']['acc_0']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
-                           f"export {'written' if exported else 'MISSING'}, {seconds:.0f}s wall"})
+    rows.append(
+        {
+            "check": f"{what} ({backend}{', bf16 autocast' if cuda else ''}, {nproc} rank{'s' if nproc > 1 else ''})",
+            "ok": ok,
+            "detail": f"{metrics['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+            f"acc_0 {metrics['final']['acc_0']:.3f}, {metrics['tokens_per_s']:.0f} tok/s, "
+            f"export {'written' if exported else 'MISSING'}, {seconds:.0f}s wall",
+        }
+    )
     return rows
 
 
@@ -317,19 +364,33 @@ def check_allreduce(cuda: bool, nproc: int, work: Path, timeout_s: float) -> dic
         "w = dist.get_world_size()\n"
         "assert float(x[0]) == w * (w + 1) / 2 and bool((x == x[0]).all()), float(x[0])\n"
         "if dist.get_rank() == 0: print(f'ALLREDUCE_OK world={w}', flush=True)\n"
-        "dist.destroy_process_group()\n")
-    code, said = run_group([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-                            str(probe)], timeout_s)
-    return {"check": f"torchrun {backend} all-reduce (bf16)", "ok": code == 0 and "ALLREDUCE_OK" in said,
-            "detail": next((line for line in said.splitlines() if "ALLREDUCE_OK" in line), said.strip()[-300:])}
+        "dist.destroy_process_group()\n"
+    )
+    code, said = run_group(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", str(probe)],
+        timeout_s,
+    )
+    return {
+        "check": f"torchrun {backend} all-reduce (bf16)",
+        "ok": code == 0 and "ALLREDUCE_OK" in said,
+        "detail": next((line for line in said.splitlines() if "ALLREDUCE_OK" in line), said.strip()[-300:]),
+    }
 
 
 # -- 4. the MLA drafter's export, drafted on the device and served by SGLang ----------------------------------------
 
 
-def check_mla_export(device: str, work: Path, target: Path, merged: Path, sglang_python: str | None,
-                     sglang_args: list[str], sglang_env: dict[str, str], num_prompts: int = 6,
-                     max_new_tokens: int = 32) -> list[dict]:
+def check_mla_export(
+    device: str,
+    work: Path,
+    target: Path,
+    merged: Path,
+    sglang_python: str | None,
+    sglang_args: list[str],
+    sglang_env: dict[str, str],
+    num_prompts: int = 6,
+    max_new_tokens: int = 32,
+) -> list[dict]:
     """The MLA drafter torchrun trained (`work/train-mla/export`): `check_export` accepts it as SGLang's
     `Eagle3DeepseekV2ForCausalLM`; the simulator drafts with its MLA cache on `device` and its output is the
     target's greedy output; and, where an SGLang interpreter is given (or this one imports sglang), that release's
@@ -347,10 +408,15 @@ def check_mla_export(device: str, work: Path, target: Path, merged: Path, sglang
     export = work / "train-mla" / "export"
     config = json.loads((export / "config.json").read_text())
     check = check_export(export)
-    rows = [{"check": "MLA export: check_export", "ok": check.ok and is_mla(config),
-             "detail": f"architectures {config.get('architectures')}, kv_lora_rank {config.get('kv_lora_rank')}, "
-                       f"releases {(config.get('eagle3_dagster_sglang') or {}).get('releases')}; "
-                       + ("; ".join(check.problems) if not check.ok else "ok")}]
+    rows = [
+        {
+            "check": "MLA export: check_export",
+            "ok": check.ok and is_mla(config),
+            "detail": f"architectures {config.get('architectures')}, kv_lora_rank {config.get('kv_lora_rank')}, "
+            f"releases {(config.get('eagle3_dagster_sglang') or {}).get('releases')}; "
+            + ("; ".join(check.problems) if not check.ok else "ok"),
+        }
+    ]
     spec = SpecConfig.parse((3, 1, 4))
     prompts = []
     with open(merged) as f:
@@ -365,20 +431,44 @@ def check_mla_export(device: str, work: Path, target: Path, merged: Path, sglang
     with torch.inference_mode():
         for ids in prompts:
             greedy.append(generate_greedy(TargetRunner(model), ids, max_new_tokens).output_ids)
-            simulated.append(generate_speculative(TargetRunner(model, proposer.aux_layers), proposer, ids, spec,
-                                                  max_new_tokens))
+            simulated.append(
+                generate_speculative(TargetRunner(model, proposer.aux_layers), proposer, ids, spec, max_new_tokens)
+            )
     same = sum(g == s.output_ids for g, s in zip(greedy, simulated))
     accepted = sum(len(s.output_ids) - s.verify_ct for s in simulated)
     # a drafter that accepts nothing makes every verify-step comparison below trivially equal
-    rows.append({"check": f"MLA drafter simulated on {device} = greedy", "ok": same == len(prompts) and accepted > 0,
-                 "detail": f"{same}/{len(prompts)} prompts equal; {accepted} drafts accepted (must be > 0); verify "
-                           f"steps {[s.verify_ct for s in simulated]}"})
+    rows.append(
+        {
+            "check": f"MLA drafter simulated on {device} = greedy",
+            "ok": same == len(prompts) and accepted > 0,
+            "detail": f"{same}/{len(prompts)} prompts equal; {accepted} drafts accepted (must be > 0); verify "
+            f"steps {[s.verify_ct for s in simulated]}",
+        }
+    )
     try:
-        rows.append(_served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_tokens, sglang_python,
-                                sglang_args, sglang_env))
+        rows.append(
+            _served_mla(
+                work,
+                target,
+                export,
+                prompts,
+                greedy,
+                simulated,
+                spec,
+                max_new_tokens,
+                sglang_python,
+                sglang_args,
+                sglang_env,
+            )
+        )
     except Exception as e:  # the rows above stand whatever the server does
-        rows.append({"check": "MLA export served by SGLang = simulated", "ok": False,
-                     "detail": f"{type(e).__name__}: {e}"[:600] + f"; log {work / 'sglang.log'}"})
+        rows.append(
+            {
+                "check": "MLA export served by SGLang = simulated",
+                "ok": False,
+                "detail": f"{type(e).__name__}: {e}"[:600] + f"; log {work / 'sglang.log'}",
+            }
+        )
     return rows
 
 
@@ -397,17 +487,23 @@ def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_
     python = python or sys.executable
     found = subprocess.run([python, "-c", "import sglang; print(sglang.__version__)"], capture_output=True, text=True)
     if found.returncode != 0:
-        return {"check": what, "ok": None, "detail": f"not run: {python} cannot import sglang (carry its wheels, "
-                                                      "or pass --sglang-python)"}
+        return {
+            "check": what,
+            "ok": None,
+            "detail": f"not run: {python} cannot import sglang (carry its wheels, or pass --sglang-python)",
+        }
     installed = found.stdout.strip().splitlines()[-1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = serving_spec(BenchSettings.from_profile(demo_profile()), target, export, installed, spec, port=port)
     # the tiny target has no tokenizer: the check sends token ids and reads token ids
-    server = dataclasses.replace(server, extra_args=(*server.extra_args, "--skip-tokenizer-init", *args),
-                                 env={**server.env, **env},
-                                 health_timeout_s=1200)
+    server = dataclasses.replace(
+        server,
+        extra_args=(*server.extra_args, "--skip-tokenizer-init", *args),
+        env={**server.env, **env},
+        health_timeout_s=1200,
+    )
     host = GpuHost(HostConfig(transport="local", python=python, workdir=str(work / "sglang-host")))
     log = open(work / "sglang.log", "w")
     served = []
@@ -423,28 +519,48 @@ def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_
     same_out = sum(s["output_ids"] == g for s, g in zip(served, greedy))
     verify = [s["meta_info"].get("spec_verify_ct") for s in served]
     same_steps = sum(v == sim.verify_ct for v, sim in zip(verify, simulated))
-    return {"check": what, "ok": same_out == len(prompts) and same_steps == len(prompts),
-            "detail": f"SGLang {installed}: output = greedy on {same_out}/{len(prompts)}, verify steps = simulator's "
-                      f"on {same_steps}/{len(prompts)} ({verify}); log {work / 'sglang.log'}"}
+    return {
+        "check": what,
+        "ok": same_out == len(prompts) and same_steps == len(prompts),
+        "detail": f"SGLang {installed}: output = greedy on {same_out}/{len(prompts)}, verify steps = simulator's "
+        f"on {same_steps}/{len(prompts)} ({verify}); log {work / 'sglang.log'}",
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the dry run")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--mla-steps", type=int, default=300,
-                        help="training steps of check 4's MLA drafter (it must accept drafts for the served comparison "
-                        "to mean anything)")
+    parser.add_argument(
+        "--mla-steps",
+        type=int,
+        default=300,
+        help="training steps of check 4's MLA drafter (it must accept drafts for the served comparison "
+        "to mean anything)",
+    )
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--work", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--timeout-s", type=float, default=300, help="per torchrun launch")
     parser.add_argument("--wheels", type=Path, default=WHEELS, help="wheels for what the interpreter lacks")
-    parser.add_argument("--sglang-python", default=None,
-                        help="an interpreter with SGLang for check 4's server (default: this one, where it imports sglang)")
-    parser.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
-                        help="one more argument for that server (repeat; e.g. a CPU host's --device cpu)")
-    parser.add_argument("--sglang-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="one more environment variable for that server (repeat)")
+    parser.add_argument(
+        "--sglang-python",
+        default=None,
+        help="an interpreter with SGLang for check 4's server (default: this one, where it imports sglang)",
+    )
+    parser.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for that server (repeat; e.g. a CPU host's --device cpu)",
+    )
+    parser.add_argument(
+        "--sglang-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more environment variable for that server (repeat)",
+    )
     args = parser.parse_args()
     unpacked = bring_wheels(args.wheels)
     import torch
@@ -455,8 +571,11 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (dry run)"
-    print(f"gpu_check on {where}; torch {torch.__version__}; python {sys.version.split()[0]}; work {work}; "
-          f"unpacked from .whl: {', '.join(unpacked) or 'nothing'}", flush=True)
+    print(
+        f"gpu_check on {where}; torch {torch.__version__}; python {sys.version.split()[0]}; work {work}; "
+        f"unpacked from .whl: {', '.join(unpacked) or 'nothing'}",
+        flush=True,
+    )
     rows: list[dict] = []
     started = time.perf_counter()
 
@@ -486,15 +605,33 @@ def main() -> int:
 
     step("hf extraction", extraction)
     if hidden_dir:
-        step("torchrun", lambda: check_training(args.device, work, target, merged, vocab_size, hidden_dir[0], args.steps,
-                                                args.timeout_s))
-        trained = step("torchrun MLA", lambda: check_training(args.device, work, target, merged, vocab_size,
-                                                              hidden_dir[0], args.mla_steps, args.timeout_s,
-                                                              attention="mla", probe_allreduce=False))
+        step(
+            "torchrun",
+            lambda: check_training(
+                args.device, work, target, merged, vocab_size, hidden_dir[0], args.steps, args.timeout_s
+            ),
+        )
+        trained = step(
+            "torchrun MLA",
+            lambda: check_training(
+                args.device,
+                work,
+                target,
+                merged,
+                vocab_size,
+                hidden_dir[0],
+                args.mla_steps,
+                args.timeout_s,
+                attention="mla",
+                probe_allreduce=False,
+            ),
+        )
         if all(r["ok"] for r in trained):
             env = dict(kv.split("=", 1) for kv in args.sglang_env)
-            step("MLA export", lambda: check_mla_export(args.device, work, target, merged, args.sglang_python,
-                                                         args.sglang_arg, env))
+            step(
+                "MLA export",
+                lambda: check_mla_export(args.device, work, target, merged, args.sglang_python, args.sglang_arg, env),
+            )
     width = max(len(r["check"]) for r in rows)
     print(f"\n{'check'.ljust(width)}  result  detail")
     for r in rows:
@@ -502,8 +639,10 @@ def main() -> int:
         print(f"{r['check'].ljust(width)}  {result:6}  {r['detail']}")
     failed = sum(r["ok"] is False for r in rows)
     not_run = sum(r["ok"] is None for r in rows)
-    print(f"\n{len(rows) - failed - not_run}/{len(rows)} passed, {failed} failed, {not_run} not run, in "
-          f"{time.perf_counter() - started:.0f}s")
+    print(
+        f"\n{len(rows) - failed - not_run}/{len(rows)} passed, {failed} failed, {not_run} not run, in "
+        f"{time.perf_counter() - started:.0f}s"
+    )
     return 1 if failed else 0
 
 

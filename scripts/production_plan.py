@@ -30,10 +30,19 @@ def equal_shards(num_tokens: int, num_samples: int, per_shard: int) -> list[Shar
     lengths[-1] += num_tokens - sum(lengths)
     specs = []
     for index, first in enumerate(range(0, num_samples, per_shard)):
-        chunk = lengths[first:first + per_shard]
-        specs.append(ShardSpec(key=shard_key(index), index=index, first_record=first, num_records=len(chunk),
-                               num_tokens=sum(chunk), byte_offset=0, lengths=tuple(chunk),
-                               sample_ids=tuple(f"sample/{first + j}" for j in range(len(chunk)))))
+        chunk = lengths[first : first + per_shard]
+        specs.append(
+            ShardSpec(
+                key=shard_key(index),
+                index=index,
+                first_record=first,
+                num_records=len(chunk),
+                num_tokens=sum(chunk),
+                byte_offset=0,
+                lengths=tuple(chunk),
+                sample_ids=tuple(f"sample/{first + j}" for j in range(len(chunk))),
+            )
+        )
     return specs
 
 
@@ -48,15 +57,24 @@ def main() -> int:
     h = profile.hidden
     specs = equal_shards(args.tokens, args.samples, h.samples_per_shard)
     aux = tuple(h.aux_layers or (2, 30, 58))
-    print(f"{args.profile}: {args.tokens:,} tokens in {args.samples:,} samples, {len(specs)} shards of "
-          f"{h.samples_per_shard}, {h.throughput_tokens_per_s:g} tokens/s per host, "
-          f"{len(profile.gpu_host.hosts)} host(s) in the profile")
+    print(
+        f"{args.profile}: {args.tokens:,} tokens in {args.samples:,} samples, {len(specs)} shards of "
+        f"{h.samples_per_shard}, {h.throughput_tokens_per_s:g} tokens/s per host, "
+        f"{len(profile.gpu_host.hosts)} host(s) in the profile"
+    )
     for dtype in ("bfloat16", "float8_e4m3fn"):
-        fmt = ShardFormat(hidden_size=args.hidden_size, dtype=dtype, aux_layers=aux, target_identity="planned",
-                          code_version="planned")
-        estimate = estimate_extraction(specs, fmt, "/nonexistent", "hs-000000000000", free_bytes=0,
-                               throughput_tokens_per_s=h.throughput_tokens_per_s,
-                               num_hosts=len(profile.gpu_host.hosts))
+        fmt = ShardFormat(
+            hidden_size=args.hidden_size, dtype=dtype, aux_layers=aux, target_identity="planned", code_version="planned"
+        )
+        estimate = estimate_extraction(
+            specs,
+            fmt,
+            "/nonexistent",
+            "hs-000000000000",
+            free_bytes=0,
+            throughput_tokens_per_s=h.throughput_tokens_per_s,
+            num_hosts=len(profile.gpu_host.hosts),
+        )
         hours = "  ".join(f"{n} host{'s' * (n > 1)}: {x:.1f} h" for n, x in estimate.hours_by_hosts.items())
         print(f"{dtype:<14} {estimate.total_bytes:,} bytes = {estimate.total_bytes / TIB:.2f} TiB   {hours}")
     world = profile.train.nproc_per_node * profile.train.nnodes

@@ -86,8 +86,9 @@ class Launchpad:
 
         parsed = urlparse(url)
         self.url = url.rstrip("/")
-        self.client = DagsterGraphQLClient(parsed.hostname or "127.0.0.1", port_number=parsed.port,
-                                           use_https=parsed.scheme == "https", timeout=60)
+        self.client = DagsterGraphQLClient(
+            parsed.hostname or "127.0.0.1", port_number=parsed.port, use_https=parsed.scheme == "https", timeout=60
+        )
         self._cursors: dict[str, str | None] = {}
         self.interrupted: list[int] = []  # stop signals received (dagster_dev.stop_signals)
         self.startup_s: float | None = None  # seconds the dagster dev started for it took to load the code location
@@ -95,8 +96,7 @@ class Launchpad:
     def query(self, text: str, variables: dict | None = None) -> dict:
         import requests
 
-        response = requests.post(f"{self.url}/graphql", json={"query": text, "variables": variables or {}},
-                                 timeout=60)
+        response = requests.post(f"{self.url}/graphql", json={"query": text, "variables": variables or {}}, timeout=60)
         response.raise_for_status()
         body = response.json()
         if body.get("errors"):
@@ -116,8 +116,9 @@ class Launchpad:
         return {t["value"] for n in nodes for job in n["pipelines"] for t in job["tags"] if t["key"] == PROFILE_TAG}
 
     def submit(self, job_name: str, partition_key: str | None) -> str:
-        return self.client.submit_job_execution(job_name, tags={PARTITION_TAG: partition_key} if partition_key
-                                                else None)
+        return self.client.submit_job_execution(
+            job_name, tags={PARTITION_TAG: partition_key} if partition_key else None
+        )
 
     def status(self, run_id: str) -> str:
         return self.client.get_run_status(run_id).value
@@ -169,8 +170,10 @@ def launchpad_for(home: Path, profile_arg: str, profile_name: str) -> Iterator[L
         if url is not None:
             served = Launchpad(url).served_profiles()
             if served != {profile_name}:
-                raise SystemExit(f"the UI at {url} serves this instance with profile {', '.join(sorted(served))}, "
-                                 f"not {profile_name}: stop scripts/ui.sh or start it with EAGLE3_PROFILE={profile_arg}")
+                raise SystemExit(
+                    f"the UI at {url} serves this instance with profile {', '.join(sorted(served))}, "
+                    f"not {profile_name}: stop scripts/ui.sh or start it with EAGLE3_PROFILE={profile_arg}"
+                )
             print(f"submitting through the UI at {url} (scripts/ui.sh)", flush=True)
             pad = Launchpad(url)
             pad.interrupted = received
@@ -190,8 +193,9 @@ def launchpad_for(home: Path, profile_arg: str, profile_name: str) -> Iterator[L
                         raise SystemExit(f"dagster dev did not load the code location (see {log.name})")
                     time.sleep(0.5)
                 pad.startup_s = time.monotonic() - t
-                print(f"dagster dev on http://127.0.0.1:{port}, code location loaded in {pad.startup_s:.1f}s",
-                      flush=True)
+                print(
+                    f"dagster dev on http://127.0.0.1:{port}, code location loaded in {pad.startup_s:.1f}s", flush=True
+                )
                 yield pad
             finally:
                 dagster_dev.stop(proc, interrupted=received)
@@ -201,10 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", default=os.environ.get("EAGLE3_PROFILE", "demo"))
     parser.add_argument("--until", help="stop after this stage: a job name without `_job` (default: the last)")
-    parser.add_argument("--from", dest="start",
-                        help="start at this stage (the earlier ones must have been materialized; default: the first)")
-    parser.add_argument("--setup-s", type=float, help="seconds the set-up before took (scripts/demo.sh), for the "
-                        "summary")
+    parser.add_argument(
+        "--from",
+        dest="start",
+        help="start at this stage (the earlier ones must have been materialized; default: the first)",
+    )
+    parser.add_argument(
+        "--setup-s", type=float, help="seconds the set-up before took (scripts/demo.sh), for the summary"
+    )
     args = parser.parse_args(argv)
 
     from definitions import build_definitions
@@ -227,19 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     with launchpad_for(home, args.profile, profile.profile) as pad:
         if pad.startup_s is not None:
             seconds["dagster dev"] = pad.startup_s
-        for job_name, specs in order[first:last + 1]:
+        for job_name, specs in order[first : last + 1]:
             partitions = next((s.partitions_def for s in specs if s.partitions_def is not None), None)
             keys: list[str | None] = [None]
             if partitions is not None:
-                keys = list(instance.get_dynamic_partitions(partitions.name) if isinstance(
-                    partitions, dg.DynamicPartitionsDefinition) else partitions.get_partition_keys())
+                keys = list(
+                    instance.get_dynamic_partitions(partitions.name)
+                    if isinstance(partitions, dg.DynamicPartitionsDefinition)
+                    else partitions.get_partition_keys()
+                )
             t = time.monotonic()
             if not run_stage(pad, job_name, keys):
                 return 130 if pad.interrupted else 1
             seconds[job_name.removesuffix("_job")] = time.monotonic() - t
             register_shards(defs, instance)  # what the sensor would do once merged_train is materialized
     print(f"pipeline finished in {time.monotonic() - t0:.0f}s; open the UI with scripts/ui.sh", flush=True)
-    assets = [spec.key.to_user_string() for _, specs in order[first:last + 1] for spec in specs]
+    assets = [spec.key.to_user_string() for _, specs in order[first : last + 1] for spec in specs]
     print(demo_summary.summary(profile.profile, seconds, demo_summary.latest_metadata(instance, assets)), flush=True)
     return 0
 

@@ -95,8 +95,9 @@ def micro_run(tmp_path_factory, postgres):
     shards, manifests or the instance takes `tests.micro_run.private_copy` of it."""
     from tests.micro_run import ROOT, materialize_micro_graph
 
-    run = materialize_micro_graph(tmp_path_factory.mktemp("micro_run"), ROOT / "deploy" / "postgres" / "dagster.yaml",
-                                  postgres.env)
+    run = materialize_micro_graph(
+        tmp_path_factory.mktemp("micro_run"), ROOT / "deploy" / "postgres" / "dagster.yaml", postgres.env
+    )
     if run.proc.returncode != 0:
         pytest.fail(f"the shared micro pipeline failed:\n{run.output()}")
     return run

@@ -47,8 +47,9 @@ def micro_profile_in(tmp: Path) -> Path:
 def run_pipeline(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     """`scripts/run_pipeline.py` on DAGSTER_HOME; its output (a line per job with its seconds) also goes to
     pipeline.log beside DAGSTER_HOME."""
-    proc = subprocess.run([sys.executable, str(PIPELINE), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, str(PIPELINE), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500
+    )
     (Path(env["DAGSTER_HOME"]).parent / "pipeline.log").write_text(proc.stdout + proc.stderr)
     return proc
 
@@ -82,8 +83,16 @@ def materialize_micro_graph(tmp: Path, instance_yaml: Path, extra_env: dict[str,
     home.mkdir()
     shutil.copy(instance_yaml, home / "dagster.yaml")
     profile = micro_profile_in(tmp)
-    env = os.environ | extra_env | {"DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile),
-                                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = (
+        os.environ
+        | extra_env
+        | {
+            "DAGSTER_HOME": str(home),
+            "EAGLE3_PROFILE": str(profile),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     return MicroRun(home, profile, env, run_pipeline(env))
 
 

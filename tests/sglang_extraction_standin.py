@@ -20,10 +20,22 @@ from types import SimpleNamespace
 
 import torch
 
-KNOWN = {"--model-path", "--tp-size", "--host", "--port", "--served-model-name", "--trust-remote-code",
-         "--context-length", "--disable-radix-cache", "--chunked-prefill-size", "--disable-cuda-graph",
-         "--skip-server-warmup", "--disable-piecewise-cuda-graph", "--disable-prefill-cuda-graph",
-         "--enforce-disable-flashinfer-allreduce-fusion"}
+KNOWN = {
+    "--model-path",
+    "--tp-size",
+    "--host",
+    "--port",
+    "--served-model-name",
+    "--trust-remote-code",
+    "--context-length",
+    "--disable-radix-cache",
+    "--chunked-prefill-size",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--disable-piecewise-cuda-graph",
+    "--disable-prefill-cuda-graph",
+    "--enforce-disable-flashinfer-allreduce-fusion",
+}
 REQUIRED = {"--disable-radix-cache", "--chunked-prefill-size", "--disable-cuda-graph"}
 
 
@@ -69,15 +81,30 @@ def main(argv: list[str]) -> None:
             ids = req["input_ids"]
             with lock:  # one forward at a time, as SGLang's scheduler runs them
                 prefill(ids, req.get("rid"))
-            self._send(200, {"text": "", "output_ids": [], "meta_info": {
-                "id": req.get("rid"), "prompt_tokens": len(ids), "completion_tokens": 0, "cached_tokens": 0}})
+            self._send(
+                200,
+                {
+                    "text": "",
+                    "output_ids": [],
+                    "meta_info": {
+                        "id": req.get("rid"),
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": 0,
+                        "cached_tokens": 0,
+                    },
+                },
+            )
 
     def prefill(ids: list[int], rid: str | None) -> None:
         input_ids = torch.tensor(ids, dtype=torch.int64)
         batch = SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND, rids=[rid], input_ids=input_ids,
-            extend_seq_lens=torch.tensor([len(ids)], dtype=torch.int32), extend_seq_lens_cpu=[len(ids)],
-            extend_prefix_lens=torch.tensor([0], dtype=torch.int32), extend_prefix_lens_cpu=[0],
+            forward_mode=ForwardMode.EXTEND,
+            rids=[rid],
+            input_ids=input_ids,
+            extend_seq_lens=torch.tensor([len(ids)], dtype=torch.int32),
+            extend_seq_lens_cpu=[len(ids)],
+            extend_prefix_lens=torch.tensor([0], dtype=torch.int32),
+            extend_prefix_lens_cpu=[0],
         )
         with torch.inference_mode():
             out = model(input_ids=input_ids[None], output_hidden_states=True, use_cache=False)

@@ -62,12 +62,22 @@ class Handler(BaseHTTPRequestHandler):
                 info["served_model_name"] = name
             return self._json(info)
         if self.path == "/v1/models":
-            return self._json({"object": "list", "data": [{"id": name, "root": name, "object": "model",
-                                                            "max_model_len": args.context_length}]})
+            return self._json(
+                {
+                    "object": "list",
+                    "data": [{"id": name, "root": name, "object": "model", "max_model_len": args.context_length}],
+                }
+            )
         if self.path == "/server_info":
             avg = state["tokens"] / state["verify"] if state["verify"] else None
-            return self._json({"served_model_name": name, "port": args.port, "version": ".".join(map(str, release)),
-                               "internal_states": [{"avg_spec_accept_length": avg}]})
+            return self._json(
+                {
+                    "served_model_name": name,
+                    "port": args.port,
+                    "version": ".".join(map(str, release)),
+                    "internal_states": [{"avg_spec_accept_length": avg}],
+                }
+            )
         self._json({"detail": "Not Found"}, 404)
 
     def do_POST(self):
@@ -85,17 +95,34 @@ class Handler(BaseHTTPRequestHandler):
             return
         ids, max_new = body["input_ids"], body["sampling_params"]["max_new_tokens"]
         if len(ids) + max_new > args.context_length:
-            return self._json({"error": {"message": f"Requested token count exceeds the model's maximum context "
-                                         f"length of {args.context_length} tokens. You requested a total of "
-                                         f"{len(ids) + max_new} tokens", "code": 400}}, 400)
+            return self._json(
+                {
+                    "error": {
+                        "message": f"Requested token count exceeds the model's maximum context "
+                        f"length of {args.context_length} tokens. You requested a total of "
+                        f"{len(ids) + max_new} tokens",
+                        "code": 400,
+                    }
+                },
+                400,
+            )
         n = min(max_new, 4 + sum(ids) % 9)
-        meta = {"id": f"req-{state['requests']}", "finish_reason": {"type": "length", "length": n},
-                "prompt_tokens": len(ids), "completion_tokens": n, "cached_tokens": 0, "e2e_latency": 0.01}
+        meta = {
+            "id": f"req-{state['requests']}",
+            "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "e2e_latency": 0.01,
+        }
         if args.speculative_algorithm:
             verify = math.ceil(n / accept)
-            meta |= {"spec_verify_ct": verify, "spec_accept_length": n / verify,
-                     "spec_num_correct_drafts": n - verify,
-                     "spec_num_proposed_drafts": verify * (args.speculative_num_draft_tokens - 1)}
+            meta |= {
+                "spec_verify_ct": verify,
+                "spec_accept_length": n / verify,
+                "spec_num_correct_drafts": n - verify,
+                "spec_num_proposed_drafts": verify * (args.speculative_num_draft_tokens - 1),
+            }
             with lock:
                 state["tokens"] += n
                 state["verify"] += verify

@@ -31,16 +31,23 @@ def main() -> None:
         store = Path(tmp) / "cap.jsonl"
         with BillingProvider(delay_s=TIMEOUT_S * 3) as provider:
             _run(provider, store, 12)
-            print(f"cap $0.10, 12 prompts, every request slower than the timeout, max_retries 3: "
-                  f"billed ${provider.billed_usd:.2f} ({provider.num_billed} sends), recorded ${_recorded(store):.2f}")
+            print(
+                f"cap $0.10, 12 prompts, every request slower than the timeout, max_retries 3: "
+                f"billed ${provider.billed_usd:.2f} ({provider.num_billed} sends), recorded ${_recorded(store):.2f}"
+            )
             _run(provider, store, 12)
-            print(f"  after one rerun: billed ${provider.billed_usd:.2f} ({provider.num_billed} sends), "
-                  f"recorded ${_recorded(store):.2f}")
+            print(
+                f"  after one rerun: billed ${provider.billed_usd:.2f} ({provider.num_billed} sends), "
+                f"recorded ${_recorded(store):.2f}"
+            )
         store = Path(tmp) / "retry.jsonl"
         with BillingProvider(delay_s=TIMEOUT_S * 3, slow_first=4) as provider:
             _run(provider, store, 4, budget_usd=1.0)
-            print(f"4 prompts, each times out once then succeeds: billed ${provider.billed_usd:.2f} "
-                  f"({provider.num_billed} sends), recorded ${_recorded(store):.2f}")
+            print(
+                f"4 prompts, each times out once then succeeds: billed ${provider.billed_usd:.2f} "
+                f"({provider.num_billed} sends), recorded ${_recorded(store):.2f}"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -24,12 +24,21 @@ def draft_config(drafter, *, eagle_aux_ids: list[int] | None = None, **extra) ->
     """A SpecForge draft config for the drafter's shape, as a user writes one (like its llama3-8B config)."""
     c = drafter.cfg
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-        "num_hidden_layers": 1, "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
     }
     if c.target_hidden_size != c.hidden_size:
         cfg["target_hidden_size"] = c.target_hidden_size
@@ -38,8 +47,15 @@ def draft_config(drafter, *, eagle_aux_ids: list[int] | None = None, **extra) ->
     return cfg | extra
 
 
-def write_specforge_export(drafter, out: Path, config: dict, *, to: str = "sglang",
-                           embed: torch.Tensor | None = None, extra_weights: dict | None = None) -> Path:
+def write_specforge_export(
+    drafter,
+    out: Path,
+    config: dict,
+    *,
+    to: str = "sglang",
+    embed: torch.Tensor | None = None,
+    extra_weights: dict | None = None,
+) -> Path:
     """`specforge export --to sglang|hf` of `drafter` (weights rounded to bfloat16, as SpecForge materializes)."""
     from transformers import LlamaConfig
 
@@ -58,8 +74,10 @@ def write_specforge_export(drafter, out: Path, config: dict, *, to: str = "sglan
     if theta is not None and written.get("rope_theta") != theta:  # apply_legacy_rope_scaling
         written["rope_theta"] = theta
         path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
-             for k, v in drafter.state_dict().items()}
+    state = {
+        k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
+        for k, v in drafter.state_dict().items()
+    }
     if to == "sglang":
         state = {k: v for k, v in state.items() if "embed" not in k.lower()}
     elif to == "hf":

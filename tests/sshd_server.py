@@ -72,11 +72,24 @@ def start_sshd(d: Path, env: dict[str, str] | None = None) -> Sshd:
     with contextlib.suppress(OSError):
         os.makedirs("/run/sshd", exist_ok=True)
     proc = subprocess.Popen([sshd_bin, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
-    options = ("-i", str(d / "user_key"), "-p", str(port), "-o", "StrictHostKeyChecking=no",
-               "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR")
+    options = (
+        "-i",
+        str(d / "user_key"),
+        "-p",
+        str(port),
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "LogLevel=ERROR",
+    )
     target = f"{getpass.getuser()}@127.0.0.1"
     for _ in range(100):
-        if subprocess.run(["ssh", "-o", "BatchMode=yes", *options, target, "true"], capture_output=True).returncode == 0:
+        if (
+            subprocess.run(["ssh", "-o", "BatchMode=yes", *options, target, "true"], capture_output=True).returncode
+            == 0
+        ):
             return Sshd(proc, target, options)
         time.sleep(0.1)
     proc.kill()
@@ -89,6 +102,13 @@ def local_and_ssh_hosts(tmp_path: Path, sshd: tuple[str, tuple[str, ...]]) -> di
     target, options = sshd
     return {
         "local": GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work"))),
-        "ssh": GpuHost(HostConfig(transport="ssh", python=sys.executable, workdir=str(tmp_path / "work"),
-                                  ssh_target=target, ssh_options=list(options))),
+        "ssh": GpuHost(
+            HostConfig(
+                transport="ssh",
+                python=sys.executable,
+                workdir=str(tmp_path / "work"),
+                ssh_target=target,
+                ssh_options=list(options),
+            )
+        ),
     }

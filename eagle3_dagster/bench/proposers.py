@@ -75,7 +75,9 @@ class Eagle3Proposer:
             if j + 1 == k:
                 break
             out_hidden, logits = self.drafter.step(
-                target_id.view(1, 1), out_hidden[:, -1:], torch.full((1, 1), n - 1 + j, device=self._device),
+                target_id.view(1, 1),
+                out_hidden[:, -1:],
+                torch.full((1, 1), n - 1 + j, device=self._device),
                 self.cache,
             )
         return drafts

@@ -93,8 +93,16 @@ class LengthBands:
         return self.training_length is not None and i < len(self.edges) and self.edges[i] == self.training_length
 
 
-def band_entry(bands: LengthBands, i: int, *, num_prompts: int, verify_ct: int, verify_tokens: int,
-               accepted_by_position: Sequence[int] = (), has_spec: bool = True) -> dict:
+def band_entry(
+    bands: LengthBands,
+    i: int,
+    *,
+    num_prompts: int,
+    verify_ct: int,
+    verify_tokens: int,
+    accepted_by_position: Sequence[int] = (),
+    has_spec: bool = True,
+) -> dict:
     """Acceptance of one prompt-length band, counted like a row."""
     return {
         "band": bands.labels[i],
@@ -151,8 +159,14 @@ def draft_target_cost_ratio(rows: list[dict], method: str = "eagle3") -> float |
     """Seconds per drafted token over seconds per target decode step (no_spec), on the same sets."""
     ratios = []
     for r in rows:
-        base = next((b for b in rows if b["set"] == r["set"] and b["method"] == BASELINE
-                     and temperature_of(b) == temperature_of(r)), None)
+        base = next(
+            (
+                b
+                for b in rows
+                if b["set"] == r["set"] and b["method"] == BASELINE and temperature_of(b) == temperature_of(r)
+            ),
+            None,
+        )
         if r["method"] == method and r.get("draft_s_per_token") and base and base.get("tokens_per_s"):
             ratios.append(r["draft_s_per_token"] * base["tokens_per_s"])
     return statistics.median(ratios) if ratios else None
@@ -170,9 +184,12 @@ def headline(rows: list[dict]) -> dict:
         return {}
     row = trained[0]
     band = next((b for b in row.get("bands", []) if b["training_band"] and b["acceptance_length"] is not None), None)
-    out = {"headline_config": f"eagle3 at {row['spec']} on {row['set']}, "
-                              + (f"prompts of {band['band']} tokens (the training length)" if band else "all prompts"),
-           "spec": row["spec"], "set": row["set"]}
+    out = {
+        "headline_config": f"eagle3 at {row['spec']} on {row['set']}, "
+        + (f"prompts of {band['band']} tokens (the training length)" if band else "all prompts"),
+        "spec": row["spec"],
+        "set": row["set"],
+    }
     out["acceptance_length"] = round(float((band or row)["acceptance_length"]), 4)
     if band:
         out["acceptance_length_all_prompts"] = round(float(row["acceptance_length"]), 4)
@@ -190,10 +207,23 @@ def headline(rows: list[dict]) -> dict:
             if value is not None:
                 out[f"acceptance_length_t{temperature_of(r):g}"] = round(float(value), 4)
     for method, key in [("eagle3_untrained", "untrained_acceptance_length"), ("ngram", "ngram_acceptance_length")]:
-        rival = next((r for r in rows if r["method"] == method and not temperature_of(r)
-                      and (r["set"], r.get("spec")) == (row["set"], row["spec"])), None)
-        value = None if rival is None else rival.get("acceptance_length") if not band else next(
-            (b["acceptance_length"] for b in rival.get("bands", []) if b["band"] == band["band"]), None)
+        rival = next(
+            (
+                r
+                for r in rows
+                if r["method"] == method
+                and not temperature_of(r)
+                and (r["set"], r.get("spec")) == (row["set"], row["spec"])
+            ),
+            None,
+        )
+        value = (
+            None
+            if rival is None
+            else rival.get("acceptance_length")
+            if not band
+            else next((b["acceptance_length"] for b in rival.get("bands", []) if b["band"] == band["band"]), None)
+        )
         if value is not None:
             out[key] = round(float(value), 4)
     return out
@@ -212,8 +242,9 @@ def _key(r: dict) -> tuple[str, str, str, float]:
 
 
 def _sorted(rows: list[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (temperature_of(r), _METHOD_ORDER.get(r["method"], 9), r["method"],
-                                       r["spec"] or ""))
+    return sorted(
+        rows, key=lambda r: (temperature_of(r), _METHOD_ORDER.get(r["method"], 9), r["method"], r["spec"] or "")
+    )
 
 
 def _config(r: dict) -> str:
@@ -238,9 +269,18 @@ def compare_results(current: dict, previous: dict) -> list[dict]:
             now, before = r.get(metric), (p or {}).get(metric)
             if now is None and before is None:
                 continue
-            entry = {"set": r["set"], "method": r["method"], "spec": r["spec"], "temperature": temperature_of(r),
-                     "metric": metric,
-                     "previous": before, "current": now, "change": None, "relative": None, "verdict": "new"}
+            entry = {
+                "set": r["set"],
+                "method": r["method"],
+                "spec": r["spec"],
+                "temperature": temperature_of(r),
+                "metric": metric,
+                "previous": before,
+                "current": now,
+                "change": None,
+                "relative": None,
+                "verdict": "new",
+            }
             if before is not None and now is not None:
                 entry["change"] = now - before
                 entry["relative"] = (now - before) / before if before else None
@@ -286,12 +326,18 @@ def _band_table(rows: list[dict]) -> list[str]:
     if not spec_rows:
         return []
     labels = [b["band"] + (" (training length)" if b["training_band"] else "") for b in spec_rows[0]["bands"]]
-    lines = ["", "Acceptance length by prompt length (tokens); prompts per band: "
-             + ", ".join(f"{b['band']}: {b['num_prompts']}" for b in spec_rows[0]["bands"]), "",
-             "| method | config | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    lines = [
+        "",
+        "Acceptance length by prompt length (tokens); prompts per band: "
+        + ", ".join(f"{b['band']}: {b['num_prompts']}" for b in spec_rows[0]["bands"]),
+        "",
+        "| method | config | " + " | ".join(labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
     for r in spec_rows:
-        lines.append(f"| {r['method']} | {r['spec']} | " + " | ".join(_fmt(b["acceptance_length"]) for b in r["bands"])
-                     + " |")
+        lines.append(
+            f"| {r['method']} | {r['spec']} | " + " | ".join(_fmt(b["acceptance_length"]) for b in r["bands"]) + " |"
+        )
     return lines
 
 
@@ -300,31 +346,41 @@ def _caveats(results: dict) -> list[str]:
     md = []
     rounds = max((len(r.get("wall_s_rounds", [])) for r in rows), default=0)
     if rounds:
-        md.append(f"Timing: every method warmed up once, then {rounds} interleaved rounds over the whole set; "
-                  "tokens/s and speed-up are the median round, (min–max) the spread across rounds. Speed-up is "
-                  "the median of per-round ratios (each over no_spec's same round), not the ratio of the two "
-                  "median tokens/s; that ratio is `speedup_of_medians` in results.json.")
+        md.append(
+            f"Timing: every method warmed up once, then {rounds} interleaved rounds over the whole set; "
+            "tokens/s and speed-up are the median round, (min–max) the spread across rounds. Speed-up is "
+            "the median of per-round ratios (each over no_spec's same round), not the ratio of the two "
+            "median tokens/s; that ratio is `speedup_of_medians` in results.json."
+        )
         once = sorted({r["method"] for r in rows if r.get("timed_rounds") == 1})
         if once:
-            md.append(f"Controls run once, for their acceptance, not timed over the rounds: {', '.join(once)}; "
-                      "their tokens/s and speed-up are that one round's.")
+            md.append(
+                f"Controls run once, for their acceptance, not timed over the rounds: {', '.join(once)}; "
+                "their tokens/s and speed-up are that one round's."
+            )
     if results.get("mode") == "inprocess":
         ratio = draft_target_cost_ratio(rows)
         cost = f" Here one drafter step costs {ratio:.2f} of a target decode step." if ratio is not None else ""
-        md.append("**CPU speed-ups do not predict GPU serving.** Speed-up depends on the draft/target cost ratio "
-                  f"and on how verification batches on the hardware.{cost} A served MoE target on GPUs has a "
-                  "different ratio and batch economics; acceptance length is the figure that carries over.")
+        md.append(
+            "**CPU speed-ups do not predict GPU serving.** Speed-up depends on the draft/target cost ratio "
+            f"and on how verification batches on the hardware.{cost} A served MoE target on GPUs has a "
+            "different ratio and batch economics; acceptance length is the figure that carries over."
+        )
     return md
 
 
 def _comparison_table(comparison: list[dict]) -> list[str]:
-    lines = ["| set | method | config | metric | previous | current | change | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| set | method | config | metric | previous | current | change | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in comparison:
         rel = f" ({c['relative']:+.1%})" if c["relative"] is not None else ""
         change = f"{c['change']:+.3f}{rel}" if c["change"] is not None else "–"
-        lines.append(f"| {c['set']} | {c['method']} | {_config(c)} | {c['metric']} | "
-                     f"{_fmt(c['previous'])} | {_fmt(c['current'])} | {change} | {c['verdict']} |")
+        lines.append(
+            f"| {c['set']} | {c['method']} | {_config(c)} | {c['metric']} | "
+            f"{_fmt(c['previous'])} | {_fmt(c['current'])} | {change} | {c['verdict']} |"
+        )
     return lines
 
 
@@ -341,8 +397,12 @@ def plot_acceptance_by_position(rows: list[dict]) -> bytes:
         rates = r["accept_rate_by_position"]
         if rates:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{r['set']} · {r['method']} {_config(r)}")
-    ax.set(xlabel="draft position", ylabel="fraction of verify steps accepting it", ylim=(0, 1.05),
-           title="Acceptance by draft position")
+    ax.set(
+        xlabel="draft position",
+        ylabel="fraction of verify steps accepting it",
+        ylim=(0, 1.05),
+        title="Acceptance by draft position",
+    )
     if ax.lines:
         ax.legend(fontsize=7)
     return _png(fig)
@@ -376,24 +436,42 @@ def render_report(
     }
     md = [f"# Speculative decoding benchmark ({results.get('mode', '?')})", ""]
     if results.get("sets"):
-        md += ["| prompt set | prompts | left out (prompt + max_new_tokens over the serving context) | source |",
-               "|---|---|---|---|"]
-        md += [f"| {name} | {s.get('num_prompts', '?')} | {s.get('num_left_out_over_context', '–')} | "
-               f"{s.get('source', '?')} |" for name, s in results["sets"].items()]
+        md += [
+            "| prompt set | prompts | left out (prompt + max_new_tokens over the serving context) | source |",
+            "|---|---|---|---|",
+        ]
+        md += [
+            f"| {name} | {s.get('num_prompts', '?')} | {s.get('num_left_out_over_context', '–')} | "
+            f"{s.get('source', '?')} |"
+            for name, s in results["sets"].items()
+        ]
         md.append("")
     head = headline(rows)
     if head:
-        md += [f"**Headline:** {head['headline_config']}: acceptance length {head['acceptance_length']:.3f}"
-               + (f" (all prompts {head['acceptance_length_all_prompts']:.3f})"
-                  if "acceptance_length_all_prompts" in head else ""), ""]
-    md.append("Acceptance length = tokens committed per verify step (bonus token included); speed-up is tokens/s "
-              "over no speculation on the same set.")
+        md += [
+            f"**Headline:** {head['headline_config']}: acceptance length {head['acceptance_length']:.3f}"
+            + (
+                f" (all prompts {head['acceptance_length_all_prompts']:.3f})"
+                if "acceptance_length_all_prompts" in head
+                else ""
+            ),
+            "",
+        ]
+    md.append(
+        "Acceptance length = tokens committed per verify step (bonus token included); speed-up is tokens/s "
+        "over no speculation on the same set."
+    )
     md += [line for c in _caveats(results) for line in ("", c)]
     for set_name, temperature in dict.fromkeys((r["set"], temperature_of(r)) for r in rows):
         set_rows = [r for r in rows if r["set"] == set_name and temperature_of(r) == temperature]
-        title = set_name if not temperature else (
-            f"{set_name}, sampled at temperature {temperature:g} (SGLang's lossless rejection rule; "
-            "speed-up over plain sampling at the same temperature)")
+        title = (
+            set_name
+            if not temperature
+            else (
+                f"{set_name}, sampled at temperature {temperature:g} (SGLang's lossless rejection rule; "
+                "speed-up over plain sampling at the same temperature)"
+            )
+        )
         md += ["", f"## {title}", ""] + _set_table(set_rows) + _band_table(set_rows)
     for name, png in pngs.items():
         target = png_data_uri(png) if embed_images else name
@@ -405,8 +483,9 @@ def render_report(
         comparison = compare_results(results, previous)
         counts = {v: sum(c["verdict"] == v for c in comparison) for v in ("better", "worse", "same")}
         noise = sum(c["verdict"] == "same (within spread)" for c in comparison)
-        md.append(f"{counts['better']} better, {counts['worse']} worse, {counts['same']} unchanged "
-                  f"(within {SAME_WITHIN:.0%})" + (f", {noise} timing changes inside the rounds' spread." if noise
-                                                   else "."))
+        md.append(
+            f"{counts['better']} better, {counts['worse']} worse, {counts['same']} unchanged "
+            f"(within {SAME_WITHIN:.0%})" + (f", {noise} timing changes inside the rounds' spread." if noise else ".")
+        )
         md += [""] + _comparison_table(comparison)
     return "\n".join(md) + "\n", results, pngs

@@ -52,8 +52,10 @@ class ServedBenchmarkError(RuntimeError):
 def prompt_token_limit(serving_context: int, max_new_tokens: int, max_prompt_tokens: int | None = None) -> int:
     """The longest prompt that leaves room for `max_new_tokens` in the serving context."""
     if max_new_tokens >= serving_context:
-        raise ValueError(f"bench.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in "
-                         f"target.serving_context ({serving_context})")
+        raise ValueError(
+            f"bench.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in "
+            f"target.serving_context ({serving_context})"
+        )
     limit = serving_context - max_new_tokens
     return limit if max_prompt_tokens is None else min(limit, max_prompt_tokens)
 
@@ -81,8 +83,14 @@ async def _health_line(client: httpx.AsyncClient, base_url: str) -> str:
         return "the server no longer answers /health (its process has probably died)"
 
 
-async def _one(client: httpx.AsyncClient, sem: asyncio.Semaphore, base_url: str, where: str,
-               input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+async def _one(
+    client: httpx.AsyncClient,
+    sem: asyncio.Semaphore,
+    base_url: str,
+    where: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+) -> dict[str, Any]:
     body = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
     async with sem:
         start = time.perf_counter()
@@ -91,40 +99,66 @@ async def _one(client: httpx.AsyncClient, sem: asyncio.Semaphore, base_url: str,
         except httpx.TransportError as e:
             health = await _health_line(client, base_url)
             raise ServedBenchmarkError(
-                f"SGLang server {base_url} failed on prompt {where}: {type(e).__name__}: {e}; {health}") from None
+                f"SGLang server {base_url} failed on prompt {where}: {type(e).__name__}: {e}; {health}"
+            ) from None
         latency = time.perf_counter() - start
     if r.status_code != 200:
         health = await _health_line(client, base_url)
         raise ServedBenchmarkError(
-            f"SGLang server {base_url} answered HTTP {r.status_code} for prompt {where}: {r.text[:300]}; {health}")
+            f"SGLang server {base_url} answered HTTP {r.status_code} for prompt {where}: {r.text[:300]}; {health}"
+        )
     try:
         meta = r.json()["meta_info"]
         completion = int(meta["completion_tokens"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ServedBenchmarkError(f"SGLang server {base_url}: unusable /generate answer for prompt {where}: {e!r}") from e
-    return {"latency_s": latency, "completion_tokens": completion, "verify_ct": int(meta.get("spec_verify_ct") or 0),
-            "spec_accept_length": meta.get("spec_accept_length"), "e2e_latency_s": meta.get("e2e_latency")}
+        raise ServedBenchmarkError(
+            f"SGLang server {base_url}: unusable /generate answer for prompt {where}: {e!r}"
+        ) from e
+    return {
+        "latency_s": latency,
+        "completion_tokens": completion,
+        "verify_ct": int(meta.get("spec_verify_ct") or 0),
+        "spec_accept_length": meta.get("spec_accept_length"),
+        "e2e_latency_s": meta.get("e2e_latency"),
+    }
 
 
-async def _run_set(base_url: str, set_name: str, prompts: Sequence[tuple[str, Sequence[int]]], max_new_tokens: int,
-                   concurrency: int, request_timeout_s: float) -> tuple[list[dict], float]:
+async def _run_set(
+    base_url: str,
+    set_name: str,
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    max_new_tokens: int,
+    concurrency: int,
+    request_timeout_s: float,
+) -> tuple[list[dict], float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=request_timeout_s, limits=limits) as client:
         start = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(_one(client, sem, base_url, f"{set_name}/{pid}", ids, max_new_tokens))
-                         for pid, ids in prompts]
+                tasks = [
+                    tg.create_task(_one(client, sem, base_url, f"{set_name}/{pid}", ids, max_new_tokens))
+                    for pid, ids in prompts
+                ]
         except* ServedBenchmarkError as group:  # the first failure stops the set; the others are cancelled
             raise group.exceptions[0] from None
         wall = time.perf_counter() - start
     return [t.result() for t in tasks], wall
 
 
-def run_served_sets(base_url: str, prompt_sets: PromptSets, *, method: str, spec: str | None, max_new_tokens: int,
-                    served_model_name: str | None = None, concurrency: int = 8, request_timeout_s: float = 600.0,
-                    log: Callable[[str], None] = lambda _msg: None) -> list[dict]:
+def run_served_sets(
+    base_url: str,
+    prompt_sets: PromptSets,
+    *,
+    method: str,
+    spec: str | None,
+    max_new_tokens: int,
+    served_model_name: str | None = None,
+    concurrency: int = 8,
+    request_timeout_s: float = 600.0,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> list[dict]:
     """Every set against the running server; one result row per set (`report.make_row`)."""
     from eagle3_dagster.bench.report import make_row
 
@@ -135,43 +169,66 @@ def run_served_sets(base_url: str, prompt_sets: PromptSets, *, method: str, spec
         except urllib.error.HTTPError as e:
             raise ServedBenchmarkError(f"SGLang server {base_url}: /v1/models answered HTTP {e.code}") from None
         if served_model_name not in names:
-            raise ServedBenchmarkError(f"SGLang server {base_url} serves {names}, not {served_model_name!r}: "
-                                       "another server answers on this port")
+            raise ServedBenchmarkError(
+                f"SGLang server {base_url} serves {names}, not {served_model_name!r}: "
+                "another server answers on this port"
+            )
     rows = []
     for set_name, prompts in prompt_sets.items():
-        results, wall = asyncio.run(_run_set(base_url, set_name, prompts, max_new_tokens, concurrency,
-                                             request_timeout_s))
+        results, wall = asyncio.run(
+            _run_set(base_url, set_name, prompts, max_new_tokens, concurrency, request_timeout_s)
+        )
         verify_ct = sum(r["verify_ct"] for r in results)
         if spec and not verify_ct:
             raise ServedBenchmarkError(
                 f"SGLang server {base_url} reports no spec_verify_ct for set {set_name} although {method} "
-                f"{spec} was requested: was it launched with --speculative-algorithm?")
+                f"{spec} was requested: was it launched with --speculative-algorithm?"
+            )
         latencies = np.array([r["latency_s"] for r in results])
         e2e = [r["e2e_latency_s"] for r in results if r["e2e_latency_s"] is not None]
         per_request = [r["spec_accept_length"] for r in results if r["spec_accept_length"] is not None]
         completion = sum(r["completion_tokens"] for r in results)
-        rows.append(make_row(
-            set_name, method, spec,
-            num_prompts=len(prompts), prompt_tokens=sum(len(ids) for _, ids in prompts),
-            completion_tokens=completion, wall_s=wall, verify_ct=verify_ct, verify_tokens=completion,
-            concurrency=concurrency,
-            latency_mean_s=float(latencies.mean()) if len(latencies) else None,
-            latency_p50_s=float(np.percentile(latencies, 50)) if len(latencies) else None,
-            latency_p90_s=float(np.percentile(latencies, 90)) if len(latencies) else None,
-            server_e2e_latency_mean_s=float(np.mean(e2e)) if e2e else None,
-            # SGLang's own figures next to the client's Σcompletion/Σverify_ct (`acceptance_length`)
-            sglang_request_accept_length_mean=float(np.mean(per_request)) if per_request else None,
-            num_requests_with_accept_length=len(per_request),
-            server_avg_accept_length=server_accept_length(base_url) if spec else None,
-        ))
-        log(f"{set_name}: {method} {spec or ''} {rows[-1]['tokens_per_s']:.1f} tok/s, "
-            f"acceptance length {rows[-1]['acceptance_length']}")
+        rows.append(
+            make_row(
+                set_name,
+                method,
+                spec,
+                num_prompts=len(prompts),
+                prompt_tokens=sum(len(ids) for _, ids in prompts),
+                completion_tokens=completion,
+                wall_s=wall,
+                verify_ct=verify_ct,
+                verify_tokens=completion,
+                concurrency=concurrency,
+                latency_mean_s=float(latencies.mean()) if len(latencies) else None,
+                latency_p50_s=float(np.percentile(latencies, 50)) if len(latencies) else None,
+                latency_p90_s=float(np.percentile(latencies, 90)) if len(latencies) else None,
+                server_e2e_latency_mean_s=float(np.mean(e2e)) if e2e else None,
+                # SGLang's own figures next to the client's Σcompletion/Σverify_ct (`acceptance_length`)
+                sglang_request_accept_length_mean=float(np.mean(per_request)) if per_request else None,
+                num_requests_with_accept_length=len(per_request),
+                server_avg_accept_length=server_accept_length(base_url) if spec else None,
+            )
+        )
+        log(
+            f"{set_name}: {method} {spec or ''} {rows[-1]['tokens_per_s']:.1f} tok/s, "
+            f"acceptance length {rows[-1]['acceptance_length']}"
+        )
     return rows
 
 
-def run_on_host(host: "GpuHost", server: "ServerSpec", prompt_sets: PromptSets, *, method: str, spec: str | None,
-                max_new_tokens: int, concurrency: int = 8, request_timeout_s: float = 600.0,
-                log: Callable[[str], None] = lambda _msg: None) -> list[dict]:
+def run_on_host(
+    host: "GpuHost",
+    server: "ServerSpec",
+    prompt_sets: PromptSets,
+    *,
+    method: str,
+    spec: str | None,
+    max_new_tokens: int,
+    concurrency: int = 8,
+    request_timeout_s: float = 600.0,
+    log: Callable[[str], None] = lambda _msg: None,
+) -> list[dict]:
     """Start `server` on the host, run the client beside it, return its rows; the server is always stopped."""
     from eagle3_dagster.sglang.server import sglang_server
 
@@ -179,32 +236,54 @@ def run_on_host(host: "GpuHost", server: "ServerSpec", prompt_sets: PromptSets, 
         for set_name, prompts in prompt_sets.items():
             for pid, ids in prompts:
                 if len(ids) + max_new_tokens > server.context_length:
-                    raise ValueError(f"prompt {set_name}/{pid}: {len(ids)} tokens + max_new_tokens {max_new_tokens} "
-                                     f"exceed the serving context {server.context_length}")
-    lines = b"".join(json.dumps({"set": s, "id": pid, "input_ids": list(ids)}).encode() + b"\n"
-                     for s, prompts in prompt_sets.items() for pid, ids in prompts)
+                    raise ValueError(
+                        f"prompt {set_name}/{pid}: {len(ids)} tokens + max_new_tokens {max_new_tokens} "
+                        f"exceed the serving context {server.context_length}"
+                    )
+    lines = b"".join(
+        json.dumps({"set": s, "id": pid, "input_ids": list(ids)}).encode() + b"\n"
+        for s, prompts in prompt_sets.items()
+        for pid, ids in prompts
+    )
     with sglang_server(host, server, on_log=lambda line: log(f"[sglang] {line}")) as running:
         prompts_file = f"bench/prompts-{running.served_model_name}.jsonl"
         host.write_file(prompts_file, lines)
-        argv = [host.spec.python, "-m", "eagle3_dagster.bench.served", "--base-url", running.base_url,
-                "--served-model-name", running.served_model_name, "--prompts", prompts_file, "--method", method,
-                "--max-new-tokens", str(max_new_tokens), "--concurrency", str(concurrency),
-                "--request-timeout-s", str(request_timeout_s), *(["--spec", spec] if spec else [])]
+        argv = [
+            host.spec.python,
+            "-m",
+            "eagle3_dagster.bench.served",
+            "--base-url",
+            running.base_url,
+            "--served-model-name",
+            running.served_model_name,
+            "--prompts",
+            prompts_file,
+            "--method",
+            method,
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--concurrency",
+            str(concurrency),
+            "--request-timeout-s",
+            str(request_timeout_s),
+            *(["--spec", spec] if spec else []),
+        ]
         client = host.spawn(argv, {}, f"bench-client-{server.port}")
         rows, said = [], []
         assert client.proc.stdout is not None  # spawned with stdout=PIPE
         for line in client.proc.stdout:
             line = line.rstrip("\n")
             if line.startswith(ROW_PREFIX):
-                rows.append(json.loads(line[len(ROW_PREFIX):]))
+                rows.append(json.loads(line[len(ROW_PREFIX) :]))
             else:
                 said.append(line)
                 log(line)
         returncode = client.proc.wait()
         client.release()
     if returncode != 0:
-        raise ServedBenchmarkError(f"the benchmark client on {host.where()} exited {returncode}:\n"
-                                   + "\n".join(said[-30:]))
+        raise ServedBenchmarkError(
+            f"the benchmark client on {host.where()} exited {returncode}:\n" + "\n".join(said[-30:])
+        )
     return rows
 
 
@@ -214,7 +293,9 @@ def read_prompt_file(path: str) -> dict[str, list[tuple[str, list[int]]]]:
         for n, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
-                sets.setdefault(str(record["set"]), []).append((str(record["id"]), [int(t) for t in record["input_ids"]]))
+                sets.setdefault(str(record["set"]), []).append(
+                    (str(record["id"]), [int(t) for t in record["input_ids"]])
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise ServedBenchmarkError(f"{path}: line {n}: not a prompt record ({e!r})") from None
     return sets
@@ -232,10 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     try:
-        rows = run_served_sets(args.base_url, read_prompt_file(args.prompts), method=args.method, spec=args.spec,
-                               max_new_tokens=args.max_new_tokens, served_model_name=args.served_model_name,
-                               concurrency=args.concurrency, request_timeout_s=args.request_timeout_s,
-                               log=lambda line: print(line, flush=True))
+        rows = run_served_sets(
+            args.base_url,
+            read_prompt_file(args.prompts),
+            method=args.method,
+            spec=args.spec,
+            max_new_tokens=args.max_new_tokens,
+            served_model_name=args.served_model_name,
+            concurrency=args.concurrency,
+            request_timeout_s=args.request_timeout_s,
+            log=lambda line: print(line, flush=True),
+        )
     except ServedBenchmarkError as e:
         print(f"ServedBenchmarkError: {e}", flush=True)
         return 1

@@ -170,8 +170,15 @@ def sample_from(weights_V: torch.Tensor, coin: float) -> int:
 VerifyRule = Callable[[torch.Tensor, Sequence[int], torch.Tensor, float], tuple[int, int]]
 
 
-def verify_target_only(probs_KV: torch.Tensor, drafts: Sequence[int], coins_K: torch.Tensor, final_coin: float, *,
-                       threshold_single: float = 1.0, threshold_acc: float = 1.0) -> tuple[int, int]:
+def verify_target_only(
+    probs_KV: torch.Tensor,
+    drafts: Sequence[int],
+    coins_K: torch.Tensor,
+    final_coin: float,
+    *,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> tuple[int, int]:
     """SGLang's chain verification at T > 0: (drafts accepted, the token committed after them).
 
     `probs_KV[j]` is the target's distribution after the last committed token (j = 0) and after
@@ -210,8 +217,13 @@ def generate_greedy(
 
 
 def generate_sampled(
-    target: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Collection[int] = (), *,
-    temperature: float, generator: torch.Generator,
+    target: TargetRunner,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Collection[int] = (),
+    *,
+    temperature: float,
+    generator: torch.Generator,
 ) -> Generation:
     """The reference at T > 0: plain sampling from softmax(logits / T), one cached forward per token."""
     start = time.perf_counter()
@@ -263,8 +275,11 @@ def generate_speculative(
         greedy, aux = target.forward(tokens)
         tokens.append(greedy[-1])
     gen = Generation(
-        prompt_tokens=len(prompt_ids), output_ids=[], wall_s=0.0,
-        accepted_by_position=[0] * k_max, proposed_by_position=[0] * k_max,
+        prompt_tokens=len(prompt_ids),
+        output_ids=[],
+        wall_s=0.0,
+        accepted_by_position=[0] * k_max,
+        proposed_by_position=[0] * k_max,
     )
     finished = tokens[-1] in eos_ids
     while not finished and len(tokens) - len(prompt_ids) < max_new_tokens:
@@ -298,7 +313,7 @@ def generate_speculative(
             gen.proposed_by_position[j] += 1
         for j in range(min(num_accepted, len(committed))):
             gen.accepted_by_position[j] += 1
-    gen.output_ids = tokens[len(prompt_ids):]
+    gen.output_ids = tokens[len(prompt_ids) :]
     gen.wall_s = time.perf_counter() - start
     return gen
 
@@ -313,7 +328,7 @@ def check_identical(method: str, prompt_id: str, reference: Sequence[int], got: 
     pos = next((i for i, (a, b) in enumerate(zip(reference, got)) if a != b), min(len(reference), len(got)))
     raise OutputMismatchError(
         f"{method} on prompt {prompt_id!r}: output differs from the target's greedy decoding at generated token "
-        f"{pos} (greedy {list(reference[pos:pos + 4])}, speculative {list(got[pos:pos + 4])}; lengths "
+        f"{pos} (greedy {list(reference[pos : pos + 4])}, speculative {list(got[pos : pos + 4])}; lengths "
         f"{len(reference)} vs {len(got)})"
     )
 
@@ -345,15 +360,20 @@ def summarize(
     if round_walls:
         extra["wall_s_rounds"] = list(round_walls)
     if bands is not None:
-        extra["bands"] = [band_entry(bands, i, **counts([g for g in gens if bands.index(g.prompt_tokens) == i]),
-                                     has_spec=spec is not None)
-                          for i in range(len(bands.labels))]
+        extra["bands"] = [
+            band_entry(
+                bands, i, **counts([g for g in gens if bands.index(g.prompt_tokens) == i]), has_spec=spec is not None
+            )
+            for i in range(len(bands.labels))
+        ]
     drafted = sum(g.num_drafted for g in gens)
     if drafted:
         extra["draft_s_per_token"] = sum(g.draft_s for g in gens) / drafted
     whole = counts(gens)
     return make_row(
-        set_name, method, spec.label if spec else None,
+        set_name,
+        method,
+        spec.label if spec else None,
         num_prompts=whole["num_prompts"],
         prompt_tokens=sum(g.prompt_tokens for g in gens),
         completion_tokens=sum(len(g.output_ids) for g in gens),
@@ -407,11 +427,27 @@ def run_inprocess_benchmark(
         raise ValueError(f"in-process benchmark: temperatures must be >= 0, got {list(temperatures)}")
     rows: list[dict] = []
     for temperature in dict.fromkeys(float(t) for t in temperatures):
-        chosen = proposers if not temperature or sampled_proposers is None else \
-            {k: v for k, v in proposers.items() if k in sampled_proposers}
+        chosen = (
+            proposers
+            if not temperature or sampled_proposers is None
+            else {k: v for k, v in proposers.items() if k in sampled_proposers}
+        )
         once = set() if timed_proposers is None else set(chosen) - set(timed_proposers)
-        rows += _run_at_temperature(model, prompt_sets, chosen, spec_configs, max_new_tokens, eos_ids, check,
-                                    log, rounds, bands, temperature, seed, once)
+        rows += _run_at_temperature(
+            model,
+            prompt_sets,
+            chosen,
+            spec_configs,
+            max_new_tokens,
+            eos_ids,
+            check,
+            log,
+            rounds,
+            bands,
+            temperature,
+            seed,
+            once,
+        )
     return attach_speedups(rows)
 
 
@@ -419,8 +455,21 @@ def _coins(seed: int, set_index: int, prompt_index: int, temperature: float) -> 
     return torch.Generator().manual_seed(hash((seed, set_index, prompt_index, round(temperature * 1e6))) % 2**63)
 
 
-def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tokens, eos_ids, check, log, rounds,
-                        bands, temperature: float, seed: int, once: Collection[str] = ()) -> list[dict]:
+def _run_at_temperature(
+    model,
+    prompt_sets,
+    proposers,
+    spec_configs,
+    max_new_tokens,
+    eos_ids,
+    check,
+    log,
+    rounds,
+    bands,
+    temperature: float,
+    seed: int,
+    once: Collection[str] = (),
+) -> list[dict]:
     runners: dict[tuple[int, ...], TargetRunner] = {}
     sampled = temperature > 0
 
@@ -431,16 +480,28 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
     methods += [(name, p, spec) for name, p in proposers.items() for spec in spec_configs]
     runs = [1 if name in once else rounds for name, _, _ in methods]  # rounds each method runs
 
-    def run(method: tuple[str, Proposer | None, SpecConfig | None], ids: Sequence[int], max_new: int,
-            coins: torch.Generator | None = None) -> Generation:
+    def run(
+        method: tuple[str, Proposer | None, SpecConfig | None],
+        ids: Sequence[int],
+        max_new: int,
+        coins: torch.Generator | None = None,
+    ) -> Generation:
         _, proposer, spec = method
         if sampled:
             coins = coins or torch.Generator().manual_seed(seed)
             if proposer is None:
                 return generate_sampled(runner(()), ids, max_new, eos_ids, temperature=temperature, generator=coins)
             assert spec is not None  # a method with a proposer has its configuration
-            return generate_speculative(runner(tuple(proposer.aux_layers)), proposer, ids, spec, max_new, eos_ids,
-                                        temperature=temperature, generator=coins)
+            return generate_speculative(
+                runner(tuple(proposer.aux_layers)),
+                proposer,
+                ids,
+                spec,
+                max_new,
+                eos_ids,
+                temperature=temperature,
+                generator=coins,
+            )
         if proposer is None:
             return generate_greedy(runner(()), ids, max_new, eos_ids)
         assert spec is not None
@@ -474,8 +535,10 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
                     if reference is not None and (check or i == 0):
                         check_identical(label, f"{set_name}/{prompt_id}", reference, gen.output_ids)
                     elif sampled and i in gens and gen.output_ids != gens[i][len(round_gens)].output_ids:
-                        raise OutputMismatchError(f"{set_name}/{prompt_id}: {label}{at} sampled differently in "
-                                                  f"round {r} than in round 0 with the same coins")
+                        raise OutputMismatchError(
+                            f"{set_name}/{prompt_id}: {label}{at} sampled differently in "
+                            f"round {r} than in round 0 with the same coins"
+                        )
                     round_gens.append(gen)
                     done += 1
                     meter(done)
@@ -485,8 +548,10 @@ def _run_at_temperature(model, prompt_sets, proposers, spec_configs, max_new_tok
                 elif i and [g.verify_tokens for g in round_gens] != [g.verify_tokens for g in gens[i]]:
                     raise OutputMismatchError(f"{set_name}: {label} accepted differently in round {r} than in round 0")
         for i, (name, _, spec) in enumerate(methods):
-            rows.append(summarize(set_name, name, spec, gens[i], walls[i], bands)
-                        | {"temperature": temperature, "timed_rounds": runs[i]})
+            rows.append(
+                summarize(set_name, name, spec, gens[i], walls[i], bands)
+                | {"temperature": temperature, "timed_rounds": runs[i]}
+            )
             r_ = rows[-1]
             acc = f", acceptance length {r_['acceptance_length']:.3f}" if r_["acceptance_length"] else ""
             timing = f"median of {runs[i]}" if runs[i] > 1 else "one round"

@@ -49,9 +49,22 @@ UNK = "[UNK]"
 
 # Every one of these is a single token id in the tiny tokenizer (and in Kimi's).
 SPECIAL_TOKENS: tuple[str, ...] = (
-    BOS, EOS, IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE,
-    TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_END,
-    THINK_OPEN, THINK_CLOSE, UNK, PAD,
+    BOS,
+    EOS,
+    IM_END,
+    IM_USER,
+    IM_ASSISTANT,
+    IM_SYSTEM,
+    IM_MIDDLE,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_ARGUMENT_BEGIN,
+    TOOL_CALL_END,
+    THINK_OPEN,
+    THINK_CLOSE,
+    UNK,
+    PAD,
 )
 
 # Only `{{ }}` expressions produce text besides the literal markers; every tag trims
@@ -121,7 +134,9 @@ def render_tool_calls(tool_calls: Sequence[dict]) -> str:
     for i, call in enumerate(tool_calls):
         fn = call.get("function")
         if not isinstance(fn, dict) or "name" not in fn:
-            raise ValueError(f"tool_calls[{i}]: expected OpenAI shape {{'function': {{'name', 'arguments'}}}}, got {call!r}")
+            raise ValueError(
+                f"tool_calls[{i}]: expected OpenAI shape {{'function': {{'name', 'arguments'}}}}, got {call!r}"
+            )
         args = fn.get("arguments", "")
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         parts += [TOOL_CALL_BEGIN, tool_call_id(call, i), TOOL_CALL_ARGUMENT_BEGIN, args, TOOL_CALL_END]
@@ -148,8 +163,11 @@ def render_completion(
 
 
 _CALL = re.compile(
-    re.escape(TOOL_CALL_BEGIN) + r"\s*(?P<id>[^<]+?)\s*" + re.escape(TOOL_CALL_ARGUMENT_BEGIN)
-    + r"(?P<args>.*?)" + re.escape(TOOL_CALL_END),
+    re.escape(TOOL_CALL_BEGIN)
+    + r"\s*(?P<id>[^<]+?)\s*"
+    + re.escape(TOOL_CALL_ARGUMENT_BEGIN)
+    + r"(?P<args>.*?)"
+    + re.escape(TOOL_CALL_END),
     re.DOTALL,
 )
 _CALL_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
@@ -168,10 +186,10 @@ def parse_completion(text: str, *, thinking: bool = True) -> tuple[str | None, s
     reasoning = None
     if thinking:
         if text.startswith(THINK_OPEN):
-            text = text[len(THINK_OPEN):]
+            text = text[len(THINK_OPEN) :]
         end = text.find(THINK_CLOSE)
         if end >= 0:
-            reasoning, text = text[:end], text[end + len(THINK_CLOSE):]
+            reasoning, text = text[:end], text[end + len(THINK_CLOSE) :]
         else:
             cut = text.find(TOOL_CALLS_BEGIN)
             cut = len(text) if cut < 0 else cut

@@ -81,13 +81,25 @@ class MergeStats:
 
     def as_dict(self) -> dict:
         """JSON-ready summary (the per-record lengths are left out; see `length_summary`)."""
-        out = {f: getattr(self, f) for f in ("num_records", "num_tokens", "num_loss_tokens", "num_truncated",
-                                             "num_dropped_by_truncation", "dropped_datasets")}
-        return {**out, "before": {d: asdict(c) for d, c in self.before.items()},
-                "after": {d: asdict(c) for d, c in self.after.items()},
-                "loss_token_share": round(self.loss_token_share, 4),
-                "token_share": {d: round(s, 4) for d, s in self.token_share().items()},
-                "length_summary": self.length_summary()}
+        out = {
+            f: getattr(self, f)
+            for f in (
+                "num_records",
+                "num_tokens",
+                "num_loss_tokens",
+                "num_truncated",
+                "num_dropped_by_truncation",
+                "dropped_datasets",
+            )
+        }
+        return {
+            **out,
+            "before": {d: asdict(c) for d, c in self.before.items()},
+            "after": {d: asdict(c) for d, c in self.after.items()},
+            "loss_token_share": round(self.loss_token_share, 4),
+            "token_share": {d: round(s, 4) for d, s in self.token_share().items()},
+            "length_summary": self.length_summary(),
+        }
 
     def length_summary(self) -> dict[str, int]:
         if not self.lengths.size:
@@ -100,7 +112,7 @@ def _mask_span(buf: bytes | bytearray, start: int, end: int, where: str) -> tupl
     """Byte span of the `loss_mask` list's contents inside buf[start:end]; searched from the end, where it is."""
     k = buf.rfind(_MASK_KEY, start, end)
     if k < 0:
-        raise ValueError(f"{where}: record has no \"loss_mask\" field")
+        raise ValueError(f'{where}: record has no "loss_mask" field')
     a = buf.find(b"[", k, end) + 1
     b = buf.find(b"]", a, end)
     if a <= 0 or b < 0:
@@ -132,7 +144,7 @@ def record_key(line: bytes | bytearray, where: str, start: int = 0, end: int | N
         close = line.find(b'"', close + 1, end)
     if close < 0:
         raise ValueError(f'{where}: no "id" string in the record')
-    return int.from_bytes(hashlib.blake2b(line[k + len(_ID_KEY): close], digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(line[k + len(_ID_KEY) : close], digest_size=8).digest(), "little")
 
 
 def _escaped(line: bytes | bytearray, at: int, start: int) -> bool:
@@ -210,7 +222,7 @@ def truncate_record(line: bytes, max_seq_len: int, where: str) -> bytes | None:
     compact = b - a == 2 * n - 1 and k >= 0 and len(commas) == n - 1 and _TRUNCATED_KEY not in line
     if not compact:
         return _truncate_parsed(line, max_seq_len, where)
-    mask = line[a: a + 2 * max_seq_len - 1]
+    mask = line[a : a + 2 * max_seq_len - 1]
     if b"1" not in mask:
         return None
     cut = ids_a + int(commas[max_seq_len - 1])
@@ -260,11 +272,17 @@ class _Copier:
     def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[os.write(self.out_fd, view):]
+            view = view[os.write(self.out_fd, view) :]
 
 
-def merge_and_shuffle(inputs: Mapping[str, str | os.PathLike], out_path: str | os.PathLike, *, max_seq_len: int,
-                      seed: int, drop_datasets: Sequence[str] = ()) -> MergeStats:
+def merge_and_shuffle(
+    inputs: Mapping[str, str | os.PathLike],
+    out_path: str | os.PathLike,
+    *,
+    max_seq_len: int,
+    seed: int,
+    drop_datasets: Sequence[str] = (),
+) -> MergeStats:
     """Write `merged_train.jsonl` from `{dataset: tokenized_data.jsonl}`; see the module docstring for how."""
     unknown = sorted(set(drop_datasets) - set(inputs))
     if unknown:
@@ -291,8 +309,13 @@ def merge_and_shuffle(inputs: Mapping[str, str | os.PathLike], out_path: str | o
         with atomic_open(out_path, "wb") as out:
             copier = _Copier(out.fileno())  # all output goes through the descriptor, never the buffer
             for i in order.tolist():
-                f, off, n, num_tokens, num_loss = (index.file[i], index.offset[i], index.length[i],
-                                                   index.tokens[i], index.loss[i])
+                f, off, n, num_tokens, num_loss = (
+                    index.file[i],
+                    index.offset[i],
+                    index.length[i],
+                    index.tokens[i],
+                    index.loss[i],
+                )
                 if num_tokens > max_seq_len:
                     where = f"{paths[f]}@{off}"
                     line = truncate_record(os.pread(fds[f], n, off), max_seq_len, where)
@@ -319,9 +342,14 @@ def merge_and_shuffle(inputs: Mapping[str, str | os.PathLike], out_path: str | o
     stats.num_tokens = sum(c.tokens for c in stats.after.values())
     stats.num_loss_tokens = sum(c.loss_tokens for c in stats.after.values())
     stats.lengths = np.frombuffer(lengths_out, dtype=np.int64).copy()
-    log.info("merged %d records, %d tokens (%.1f%% loss tokens), %d truncated, %d dropped by truncation",
-             stats.num_records, stats.num_tokens, 100 * stats.loss_token_share, stats.num_truncated,
-             stats.num_dropped_by_truncation)
+    log.info(
+        "merged %d records, %d tokens (%.1f%% loss tokens), %d truncated, %d dropped by truncation",
+        stats.num_records,
+        stats.num_tokens,
+        100 * stats.loss_token_share,
+        stats.num_truncated,
+        stats.num_dropped_by_truncation,
+    )
     return stats
 
 

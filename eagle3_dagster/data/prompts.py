@@ -69,8 +69,13 @@ def _iter_lines(path: Path, stats: LoadStats, reject: Callable[[str, int, bytes]
                 record = orjson.loads(line)
             except orjson.JSONDecodeError as e:
                 torn = not line.endswith(b"\n")
-                reject(f"truncated: the last line ends without a newline and does not parse ({e})" if torn
-                       else f"not_json: {e}", lineno, line)
+                reject(
+                    f"truncated: the last line ends without a newline and does not parse ({e})"
+                    if torn
+                    else f"not_json: {e}",
+                    lineno,
+                    line,
+                )
                 continue
             if not isinstance(record, dict):
                 reject("not_an_object", lineno, line)
@@ -115,9 +120,14 @@ def _with_answer_slots(messages: tuple[dict, ...]) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def load_conversations(path: str | Path, *, limit: int | None = None, stats: LoadStats | None = None,
-                       answer_slots: bool = True,
-                       on_reject: Callable[[Rejected], object] | None = None) -> Iterator[Conversation]:
+def load_conversations(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    stats: LoadStats | None = None,
+    answer_slots: bool = True,
+    on_reject: Callable[[Rejected], object] | None = None,
+) -> Iterator[Conversation]:
     """Conversations from a `prompts_jsonl` or `conversations_jsonl` file.
 
     A line is `{"id", "prompt"[, "system"]}`, `{"id", "messages": [{role, content}]}` or ShareGPT's

@@ -183,7 +183,7 @@ class ShareGPTReader:
         fill()
         pos = len(buf) - len(buf.lstrip())
         if not buf.startswith("[", pos):
-            raise ValueError(f"{path}: not a ShareGPT JSON array (first byte is {buf[pos:pos + 1]!r})")
+            raise ValueError(f"{path}: not a ShareGPT JSON array (first byte is {buf[pos : pos + 1]!r})")
         pos += 1
         while True:
             pos = _skip_separators(buf, pos)
@@ -208,5 +208,7 @@ class ShareGPTReader:
         log.warning(
             "%s ends without closing its JSON array: the record starting at byte %d is incomplete "
             "and was skipped (%d complete records read)",
-            path, stats.truncated_at_byte, stats.records_read,
+            path,
+            stats.truncated_at_byte,
+            stats.records_read,
         )

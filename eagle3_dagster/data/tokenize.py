@@ -74,8 +74,11 @@ class TokenizeStats:
         return self.num_quarantined / self.num_inputs if self.num_inputs else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "usage_mismatch_rate": round(self.usage_mismatch_rate, 4),
-                "bad_fraction": round(self.bad_fraction, 4)}
+        return {
+            **asdict(self),
+            "usage_mismatch_rate": round(self.usage_mismatch_rate, 4),
+            "bad_fraction": round(self.bad_fraction, 4),
+        }
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -83,15 +86,24 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def build_turn_sample(tokenizer, prompt_messages: list[dict], reasoning: str | None, content: str | None,
-                      tool_calls: list[dict] | None, *, thinking: bool = True, tools: list[dict] | None = None,
-                      completion_ids: list[int] | None = None) -> tuple[list[int], list[int], int]:
+def build_turn_sample(
+    tokenizer,
+    prompt_messages: list[dict],
+    reasoning: str | None,
+    content: str | None,
+    tool_calls: list[dict] | None,
+    *,
+    thinking: bool = True,
+    tools: list[dict] | None = None,
+    completion_ids: list[int] | None = None,
+) -> tuple[list[int], list[int], int]:
     """(input_ids, loss_mask, completion length) of one generated turn after its exact prompt.
 
     `completion_ids`, when the backend reported them, are used as they are: they are what the target
     generated, which re-tokenizing the rendered text need not reproduce."""
-    prompt = tokenizer.apply_chat_template(prompt_messages, tools=tools, add_generation_prompt=True,
-                                           tokenize=False, thinking=thinking)
+    prompt = tokenizer.apply_chat_template(
+        prompt_messages, tools=tools, add_generation_prompt=True, tokenize=False, thinking=thinking
+    )
     prompt_ids = encode(tokenizer, prompt)
     if completion_ids is None:
         completion_ids = encode(tokenizer, render_completion(reasoning, content, tool_calls, thinking=thinking))
@@ -139,10 +151,16 @@ class _Writer:
             raise BadDataError(
                 f"{self.stats.dataset}: {self.stats.num_quarantined}/{self.stats.num_inputs} inputs are bad "
                 f"({self.stats.bad_fraction:.1%} > bad_fraction_threshold {self.threshold:.1%}): "
-                f"{dict(self.reasons)}; see {self.quarantine_path}")
+                f"{dict(self.reasons)}; see {self.quarantine_path}"
+            )
         if self.stats.num_quarantined:
-            log.warning("%s: quarantined %d inputs %s -> %s", self.stats.dataset, self.stats.num_quarantined,
-                        dict(self.reasons), self.quarantine_path)
+            log.warning(
+                "%s: quarantined %d inputs %s -> %s",
+                self.stats.dataset,
+                self.stats.num_quarantined,
+                dict(self.reasons),
+                self.quarantine_path,
+            )
         return self.stats
 
 
@@ -163,10 +181,18 @@ def _rejects_file(path: Path | None, stats: TokenizeStats) -> Iterator[tuple[str
         yield "bad", (q["reason"], q["where"], q["input"])
 
 
-def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine_path: Path, *, dataset: str,
-                         bad_fraction_threshold: float = 0.05, usage_tolerance: int = 1,
-                         source_rejects_path: Path | Sequence[Path] | None = None,
-                         producer: dict | None = None) -> TokenizeStats:
+def tokenize_regenerated(
+    store_path: Path,
+    tokenizer,
+    out_path: Path,
+    quarantine_path: Path,
+    *,
+    dataset: str,
+    bad_fraction_threshold: float = 0.05,
+    usage_tolerance: int = 1,
+    source_rejects_path: Path | Sequence[Path] | None = None,
+    producer: dict | None = None,
+) -> TokenizeStats:
     """One record per regenerated turn of the `raw_responses` store; cut-off answers dropped and counted.
     Source lines raw_responses could not use (`source_rejects_path`) are quarantined here too and count.
     With a `producer`, turns recorded under another one (another target, served model or tokenizer: their
@@ -193,8 +219,14 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
             thinking = bool((turn.get("settings") or {}).get("reasoning", True))
             try:
                 ids, mask, n_completion = build_turn_sample(
-                    tokenizer, turn["messages"], response.get("reasoning"), response.get("content"),
-                    response.get("tool_calls"), thinking=thinking, completion_ids=response.get("completion_ids"))
+                    tokenizer,
+                    turn["messages"],
+                    response.get("reasoning"),
+                    response.get("content"),
+                    response.get("tool_calls"),
+                    thinking=thinking,
+                    completion_ids=response.get("completion_ids"),
+                )
             except (KeyError, TypeError, ValueError, TemplateError) as e:
                 yield "bad", (f"unrenderable: {type(e).__name__}: {e}"[:200], where, turn)
                 continue
@@ -205,26 +237,49 @@ def tokenize_regenerated(store_path: Path, tokenizer, out_path: Path, quarantine
                 # Providers differ on whether the closing <|im_end|> is counted: allow `usage_tolerance`.
                 if abs(n_completion - reported) > usage_tolerance:
                     stats.num_usage_mismatch += 1
-            yield "record", {
-                "id": f"{dataset}/{turn['conversation_id']}/{turn['turn']}", "dataset": dataset,
-                "input_ids": ids, "loss_mask": mask, "source": f"regenerated:{turn.get('provider') or 'unknown'}",
-                "request_id": turn["request_id"],
-            }
+            yield (
+                "record",
+                {
+                    "id": f"{dataset}/{turn['conversation_id']}/{turn['turn']}",
+                    "dataset": dataset,
+                    "input_ids": ids,
+                    "loss_mask": mask,
+                    "source": f"regenerated:{turn.get('provider') or 'unknown'}",
+                    "request_id": turn["request_id"],
+                },
+            )
 
     stats = _Writer(out_path, quarantine_path, stats, bad_fraction_threshold).run(items())
     if stats.num_set_aside:
-        log.warning("%s: %d turns of %s set aside, not tokenized: %s", dataset, stats.num_set_aside, store_path,
-                    stats.set_aside_by_reason)
+        log.warning(
+            "%s: %d turns of %s set aside, not tokenized: %s",
+            dataset,
+            stats.num_set_aside,
+            store_path,
+            stats.set_aside_by_reason,
+        )
     if stats.num_usage_checked:
-        log.info("%s: completion length matches usage.completion_tokens for %d/%d turns", dataset,
-                 stats.num_usage_checked - stats.num_usage_mismatch, stats.num_usage_checked)
+        log.info(
+            "%s: completion length matches usage.completion_tokens for %d/%d turns",
+            dataset,
+            stats.num_usage_checked - stats.num_usage_mismatch,
+            stats.num_usage_checked,
+        )
     return stats
 
 
-def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out_path: Path, quarantine_path: Path,
-                           *, dataset: str, source: str, max_turns: int | None = None,
-                           bad_fraction_threshold: float = 0.05,
-                           source_rejects: list | deque | None = None) -> TokenizeStats:
+def tokenize_conversations(
+    conversations: Iterable[Conversation],
+    tokenizer,
+    out_path: Path,
+    quarantine_path: Path,
+    *,
+    dataset: str,
+    source: str,
+    max_turns: int | None = None,
+    bad_fraction_threshold: float = 0.05,
+    source_rejects: list | deque | None = None,
+) -> TokenizeStats:
     """Finished conversations (no regeneration): each assistant turn supervised after its own prompt.
 
     `source_rejects` is filled by the loader (`load_conversations(on_reject=...)`) as it reads; each
@@ -241,18 +296,43 @@ def tokenize_conversations(conversations: Iterable[Conversation], tokenizer, out
                 stats.num_inputs += 1
                 history = list(conv.messages[:j])
                 if not history or history[-1]["role"] != "user" or not message.get("content"):
-                    yield "bad", ("assistant turn without a user turn before it, or empty",
-                                  f"{conv.id} message {j}", {"id": conv.id, "messages": list(conv.messages)})
+                    yield (
+                        "bad",
+                        (
+                            "assistant turn without a user turn before it, or empty",
+                            f"{conv.id} message {j}",
+                            {"id": conv.id, "messages": list(conv.messages)},
+                        ),
+                    )
                     continue
                 try:
-                    ids, mask, _ = build_turn_sample(tokenizer, history, message.get("reasoning_content"),
-                                                     message["content"], message.get("tool_calls"))
+                    ids, mask, _ = build_turn_sample(
+                        tokenizer,
+                        history,
+                        message.get("reasoning_content"),
+                        message["content"],
+                        message.get("tool_calls"),
+                    )
                 except (KeyError, TypeError, ValueError, TemplateError) as e:  # the template raised on it
-                    yield "bad", (f"chat_template: {type(e).__name__}: {e}"[:300], f"{conv.id} message {j}",
-                                  {"id": conv.id, "messages": list(conv.messages)})
+                    yield (
+                        "bad",
+                        (
+                            f"chat_template: {type(e).__name__}: {e}"[:300],
+                            f"{conv.id} message {j}",
+                            {"id": conv.id, "messages": list(conv.messages)},
+                        ),
+                    )
                     continue
-                yield "record", {"id": f"{dataset}/{conv.id}/{turn}", "dataset": dataset,
-                                 "input_ids": ids, "loss_mask": mask, "source": source}
+                yield (
+                    "record",
+                    {
+                        "id": f"{dataset}/{conv.id}/{turn}",
+                        "dataset": dataset,
+                        "input_ids": ids,
+                        "loss_mask": mask,
+                        "source": source,
+                    },
+                )
                 turn += 1
         yield from _source_rejects(source_rejects, stats)
 
@@ -279,8 +359,15 @@ def validate_pretokenized(record: dict | None, vocab_size: int) -> str | None:
     return None
 
 
-def normalize_pretokenized(in_path: Path, out_path: Path, quarantine_path: Path, *, dataset: str, vocab_size: int,
-                           bad_fraction_threshold: float = 0.05) -> TokenizeStats:
+def normalize_pretokenized(
+    in_path: Path,
+    out_path: Path,
+    quarantine_path: Path,
+    *,
+    dataset: str,
+    vocab_size: int,
+    bad_fraction_threshold: float = 0.05,
+) -> TokenizeStats:
     """Validate records that arrive tokenized; good ones are rewritten in the contract's shape."""
     stats = TokenizeStats(dataset=dataset)
     seen: set[str] = set()
@@ -297,7 +384,15 @@ def normalize_pretokenized(in_path: Path, out_path: Path, quarantine_path: Path,
                 continue
             assert record is not None  # validate_pretokenized names a reason for every missing record
             seen.add(rid)
-            yield "record", {"id": rid, "dataset": dataset, "input_ids": record["input_ids"],
-                             "loss_mask": [int(m) for m in record["loss_mask"]], "source": "pretokenized"}
+            yield (
+                "record",
+                {
+                    "id": rid,
+                    "dataset": dataset,
+                    "input_ids": record["input_ids"],
+                    "loss_mask": [int(m) for m in record["loss_mask"]],
+                    "source": "pretokenized",
+                },
+            )
 
     return _Writer(out_path, quarantine_path, stats, bad_fraction_threshold).run(items())

@@ -78,7 +78,7 @@ def coverage_curve(counts: np.ndarray) -> dict[str, float]:
     """{n: share of the counted tokens the n most frequent ids cover}, n doubling from 1,024 to the vocab."""
     total = int(counts.sum())
     cumulative = np.cumsum(np.sort(counts)[::-1])
-    sizes = [n for n in (2 ** k for k in range(10, 40)) if n < counts.size] + [counts.size]
+    sizes = [n for n in (2**k for k in range(10, 40)) if n < counts.size] + [counts.size]
     return {str(n): round(float(cumulative[n - 1] / total), 6) if total else 0.0 for n in sizes}
 
 
@@ -90,26 +90,38 @@ def build_mapping(draft_ids: np.ndarray, target_vocab_size: int) -> tuple[torch.
     return d2t, t2d
 
 
-def build_vocab_mapping(paths: Iterable[str | os.PathLike], out_path: str | os.PathLike, *,
-                        target_vocab_size: int, draft_vocab_size: int) -> VocabStats:
+def build_vocab_mapping(
+    paths: Iterable[str | os.PathLike], out_path: str | os.PathLike, *, target_vocab_size: int, draft_vocab_size: int
+) -> VocabStats:
     """Count, choose and save `{"d2t", "t2d"}` (safetensors) at `out_path`."""
     counts = count_loss_tokens(paths, target_vocab_size)
     covers = target_vocab_size <= draft_vocab_size
     if covers:
-        log.warning("target vocab (%d) is not larger than the requested draft vocab (%d): the draft vocab is "
-                    "the whole target vocab", target_vocab_size, draft_vocab_size)
+        log.warning(
+            "target vocab (%d) is not larger than the requested draft vocab (%d): the draft vocab is "
+            "the whole target vocab",
+            target_vocab_size,
+            draft_vocab_size,
+        )
     draft_ids = select_draft_vocab(counts, draft_vocab_size)
     d2t, t2d = build_mapping(draft_ids, target_vocab_size)
     total = int(counts.sum())
     stats = VocabStats(
-        target_vocab_size=target_vocab_size, draft_vocab_size=len(draft_ids),
-        requested_draft_vocab_size=draft_vocab_size, draft_vocab_covers_target=covers,
-        num_loss_tokens=total, num_distinct_loss_tokens=int((counts > 0).sum()),
+        target_vocab_size=target_vocab_size,
+        draft_vocab_size=len(draft_ids),
+        requested_draft_vocab_size=draft_vocab_size,
+        draft_vocab_covers_target=covers,
+        num_loss_tokens=total,
+        num_distinct_loss_tokens=int((counts > 0).sum()),
         loss_token_coverage=float(counts[draft_ids].sum() / total) if total else 0.0,
         coverage_by_size=coverage_curve(counts),
     )
     metadata = {k: str(v) for k, v in stats.as_dict().items()}
     atomic_write_bytes(Path(out_path), save({"d2t": d2t, "t2d": t2d}, metadata=metadata))
-    log.info("draft vocab %d of %d ids covers %.2f%% of loss tokens", stats.draft_vocab_size, target_vocab_size,
-             100 * stats.loss_token_coverage)
+    log.info(
+        "draft vocab %d of %d ids covers %.2f%% of loss tokens",
+        stats.draft_vocab_size,
+        target_vocab_size,
+        100 * stats.loss_token_coverage,
+    )
     return stats

@@ -66,8 +66,14 @@ FC_NORM_WEIGHTS: dict[str, tuple[str, ...]] = {f"fc_norm.{i}.weight": ("target_h
 
 def eagle31_options(cfg: dict) -> list[str]:
     """The EAGLE 3.1 options a draft config.json turns on, as SGLang's llama_eagle3.py reads them."""
-    return [o for o, on in (("fc_norm", cfg.get("fc_norm") or cfg.get("use_aux_norm")),
-                            ("norm_output", cfg.get("norm_output"))) if on]
+    return [
+        o
+        for o, on in (
+            ("fc_norm", cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+            ("norm_output", cfg.get("norm_output")),
+        )
+        if on
+    ]
 
 
 def _sglang_dims(cfg: dict) -> dict[str, int]:
@@ -105,14 +111,24 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(_eval_dim(e, dims) for e in exprs) for name, exprs in names.items()}
 
 
-def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, extra: dict | None = None, *,
-                  target_architecture: str = "DeepseekV3ForCausalLM",
-                  sglang_versions: list[str] | None = None) -> dict:
+def export_config(
+    cfg: DrafterConfig,
+    serving_context: int,
+    dtype: torch.dtype,
+    extra: dict | None = None,
+    *,
+    target_architecture: str = "DeepseekV3ForCausalLM",
+    sglang_versions: list[str] | None = None,
+) -> dict:
     canonical = list(cfg.aux_layers)
     family = sglang_releases.arch_family(target_architecture)
     options = [o for o in sglang_releases.EAGLE31_OPTIONS if getattr(cfg, o)]
     mla = cfg.attention == "mla"
-    if mla and sglang_versions and (why := [w for v in sglang_versions if (w := sglang_releases.mla_drafter_refusal(v))]):
+    if (
+        mla
+        and sglang_versions
+        and (why := [w for v in sglang_versions if (w := sglang_releases.mla_drafter_refusal(v))])
+    ):
         raise ValueError(f"drafter.attention: mla: {'; '.join(why)}; the export would not be served")
     if mla and not sglang_versions:  # the releases that serve an MLA drafter (with its EAGLE 3.1 options)
         sglang_versions = sglang_releases.mla_drafter_releases(options)
@@ -120,23 +136,29 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
         sglang_versions = [v for v, r in sglang_releases.supported().items() if set(options) <= set(r.eagle31_options)]
     sglang_ids, right_on = sglang_releases.draft_aux_ids(canonical, family, sglang_versions)
     if unread := _unread_options(options, right_on, cfg.attention):
-        raise ValueError(f"drafter {', '.join(options)} (EAGLE 3.1): {unread}; a drafter trained with them would "
-                         "be served without them")
-    shape = mla_export.config_fields(cfg) if mla else {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "target_hidden_size": cfg.target_hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-    }
+        raise ValueError(
+            f"drafter {', '.join(options)} (EAGLE 3.1): {unread}; a drafter trained with them would "
+            "be served without them"
+        )
+    shape = (
+        mla_export.config_fields(cfg)
+        if mla
+        else {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": cfg.hidden_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+        }
+    )
     return {
         **shape,
         # engines clamp RoPE at this length: it must cover the target's serving context (sglang #6783)
@@ -149,8 +171,11 @@ def export_config(cfg: DrafterConfig, serving_context: int, dtype: torch.dtype, 
             "eagle_aux_hidden_state_layer_ids": sglang_ids,
             "use_aux_hidden_state": True,
         },
-        "eagle3_dagster_sglang": {"target_architecture": target_architecture, "target_family": family,
-                                  "releases": right_on},
+        "eagle3_dagster_sglang": {
+            "target_architecture": target_architecture,
+            "target_family": family,
+            "releases": right_on,
+        },
         "eagle_aux_hidden_state_layer_ids": layers.canonical_to_vllm(canonical),
         "eagle3_dagster_aux_layers_canonical": canonical,
         "eagle3_dagster_aux_numbering": layers.CANONICAL_NUMBERING,
@@ -187,8 +212,14 @@ def export_drafter(
         v = v.detach().cpu()
         state[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
     atomic_write_bytes(out_dir / WEIGHTS_FILE, save_safetensors(state, metadata={"format": "pt"}))
-    cfg = export_config(model.cfg, serving_context, dtype, extra_config, target_architecture=target_architecture,
-                        sglang_versions=sglang_versions)
+    cfg = export_config(
+        model.cfg,
+        serving_context,
+        dtype,
+        extra_config,
+        target_architecture=target_architecture,
+        sglang_versions=sglang_versions,
+    )
     atomic_write_json(out_dir / "config.json", cfg)
     check_export(out_dir).raise_for_errors()
     return out_dir
@@ -208,8 +239,10 @@ class ExportCheck:
 
     def raise_for_errors(self) -> None:
         if not self.ok:
-            raise ValueError(f"drafter export does not match what SGLang loads (LlamaForCausalLMEagle3 or "
-                             f"{mla_export.ARCHITECTURE}): {self}")
+            raise ValueError(
+                f"drafter export does not match what SGLang loads (LlamaForCausalLMEagle3 or "
+                f"{mla_export.ARCHITECTURE}): {self}"
+            )
 
 
 def check_export(export_dir: Path) -> ExportCheck:
@@ -219,16 +252,22 @@ def check_export(export_dir: Path) -> ExportCheck:
     cfg = json.loads((export_dir / "config.json").read_text())
     result = ExportCheck()
     mla = mla_export.is_mla(cfg)
-    want_layout = (("architectures", [mla_export.ARCHITECTURE]), ("model_type", mla_export.MODEL_TYPE)) if mla \
+    want_layout = (
+        (("architectures", [mla_export.ARCHITECTURE]), ("model_type", mla_export.MODEL_TYPE))
+        if mla
         else (("architectures", ["LlamaForCausalLMEagle3"]),)
+    )
     for key, want in (*want_layout, ("num_hidden_layers", 1), ("tie_word_embeddings", False)):
         if cfg.get(key) != want:
             result.config_errors.append(f"config.json {key}={cfg.get(key)!r}, SGLang needs {want!r}")
     served_by = (cfg.get("eagle3_dagster_sglang") or {}).get("releases", [])
     if mla:
         result.config_errors += mla_export.config_errors(cfg)
-        result.config_errors += [f"config.json is an MLA drafter written for {w}" for v in served_by
-                                 if v in sglang_releases.supported() and (w := sglang_releases.mla_drafter_refusal(v))]
+        result.config_errors += [
+            f"config.json is an MLA drafter written for {w}"
+            for v in served_by
+            if v in sglang_releases.supported() and (w := sglang_releases.mla_drafter_refusal(v))
+        ]
         if result.config_errors:
             return result  # the sizes the weights are checked against are not there
     result.config_errors += _aux_id_errors(cfg)
@@ -294,9 +333,16 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         aux_layers=tuple(canonical),
         **{o: True for o in eagle31_options(cfg)},
-        **({"attention": "mla", "rope_scaling": cfg.get("rope_scaling"),
-            "rope_interleave": bool(cfg.get("rope_interleave", True)),
-            **{k: dims[k] for k in mla_export.MLA_DIMS}} if mla else {}),
+        **(
+            {
+                "attention": "mla",
+                "rope_scaling": cfg.get("rope_scaling"),
+                "rope_interleave": bool(cfg.get("rope_interleave", True)),
+                **{k: dims[k] for k in mla_export.MLA_DIMS},
+            }
+            if mla
+            else {}
+        ),
     )
     with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as h:
         state = {k: h.get_tensor(k) for k in h.keys()}
@@ -316,5 +362,7 @@ def load_own_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
-        raise ValueError(f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})"
+        )
     return model.eval()

@@ -75,18 +75,38 @@ class ImportedDrafter:
     notes: list[str] = field(default_factory=list)
 
     def metadata(self) -> dict:
-        return {"drafter_source": self.source, "drafter_aux_layers": list(self.aux_layers),
-                "drafter_aux_layers_from": self.aux_layers_from, "drafter_notes": list(self.notes)}
+        return {
+            "drafter_source": self.source,
+            "drafter_aux_layers": list(self.aux_layers),
+            "drafter_aux_layers_from": self.aux_layers_from,
+            "drafter_notes": list(self.notes),
+        }
 
 
 # Sizes read from config.json: positive integers (a bool is not one: `true == 1` in Python), each below what
 # any model's width, vocabulary or context reaches.
-_SIZE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "max_position_embeddings",
-                "num_hidden_layers", *mla_export.MLA_DIMS)
+_SIZE_FIELDS = (
+    "hidden_size",
+    "target_hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "draft_vocab_size",
+    "max_position_embeddings",
+    "num_hidden_layers",
+    *mla_export.MLA_DIMS,
+)
 MAX_SIZE = 2**31 - 1
-_FLAG_FIELDS = ("tie_word_embeddings", "fc_norm", "norm_output", "use_aux_norm", "rope_interleave",
-                *_UNSUPPORTED_CONFIG)
+_FLAG_FIELDS = (
+    "tie_word_embeddings",
+    "fc_norm",
+    "norm_output",
+    "use_aux_norm",
+    "rope_interleave",
+    *_UNSUPPORTED_CONFIG,
+)
 
 
 def _is_int(v: object) -> bool:
@@ -117,30 +137,38 @@ def config_value_errors(raw: dict) -> list[str]:
         if raw.get(key) is not None and not isinstance(raw[key], dict):
             errors.append(f"{key}={raw[key]!r}: must be an object")
     thetas = {"rope_theta": raw.get("rope_theta")} | {
-        f"{key}.rope_theta": raw[key].get("rope_theta") for key in ("rope_scaling", "rope_parameters")
-        if isinstance(raw.get(key), dict)}
+        f"{key}.rope_theta": raw[key].get("rope_theta")
+        for key in ("rope_scaling", "rope_parameters")
+        if isinstance(raw.get(key), dict)
+    }
     for key, theta in thetas.items():
         if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
             errors.append(f"{key}={theta!r}: the RoPE base must be a finite number above 0")
     eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    for key, ids in (("eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")),
-                     ("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")),
-                     (OWN_FIELD, raw.get(OWN_FIELD))):
+    for key, ids in (
+        ("eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")),
+        ("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")),
+        (OWN_FIELD, raw.get(OWN_FIELD)),
+    ):
         if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
             errors.append(f"{key}={ids!r}: must be a list of layer numbers")
     if errors or mla_export.is_mla(raw):  # an MLA drafter's sizes: mla_export.config_errors, once defaults are in
         return errors
     hidden, heads = raw.get("hidden_size") or 4096, raw.get("num_attention_heads") or 32  # LlamaConfig's defaults
     if raw.get("head_dim") is None and hidden % heads:
-        errors.append(f"num_attention_heads={heads} does not divide hidden_size={hidden} (config.json gives no "
-                      "head_dim)")
+        errors.append(
+            f"num_attention_heads={heads} does not divide hidden_size={hidden} (config.json gives no head_dim)"
+        )
     kv = raw.get("num_key_value_heads")
     if kv is not None and heads % kv:
         errors.append(f"num_key_value_heads={kv} does not divide num_attention_heads={heads}")
     head_dim = raw.get("head_dim") or hidden // heads
     if head_dim % 2:
-        errors.append(f"head_dim={head_dim}" + ("" if raw.get("head_dim") else " (hidden_size / num_attention_heads)")
-                      + ": RoPE needs an even head_dim")
+        errors.append(
+            f"head_dim={head_dim}"
+            + ("" if raw.get("head_dim") else " (hidden_size / num_attention_heads)")
+            + ": RoPE needs an even head_dim"
+        )
     draft, vocab = raw.get("draft_vocab_size"), raw.get("vocab_size")
     if draft is not None and vocab is not None and draft > vocab:
         errors.append(f"draft_vocab_size={draft} is larger than vocab_size={vocab}")
@@ -180,8 +208,9 @@ def _target_facts(target_dir: Path) -> tuple[str, dict]:
     return arch, load_target_config(target_dir)
 
 
-def resolve_aux_layers(cfg: dict, target_architecture: str, num_target_layers: int,
-                       sglang_version: str = REFERENCE_SGLANG) -> tuple[list[int], str, list[str]]:
+def resolve_aux_layers(
+    cfg: dict, target_architecture: str, num_target_layers: int, sglang_version: str = REFERENCE_SGLANG
+) -> tuple[list[int], str, list[str]]:
     """(canonical aux layers, where they came from, notes) for an external export, as `sglang_version` serves it."""
     family = sglang_releases.arch_family(target_architecture)
     rule = sglang_releases.release(sglang_version).aux_id_rules[family]
@@ -193,13 +222,17 @@ def resolve_aux_layers(cfg: dict, target_architecture: str, num_target_layers: i
     else:
         canonical = sglang_default_aux_layers(num_target_layers)
         origin = f"SGLang {sglang_version} default for a {num_target_layers}-layer target"
-        notes.append(f"config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: aux layers default to "
-                     f"{canonical} (canonical, [2, L//2, L-3]) as SGLang {sglang_version}'s "
-                     f"set_eagle3_layers_to_capture(None) captures them")
+        notes.append(
+            f"config.json has no eagle_config.eagle_aux_hidden_state_layer_ids: aux layers default to "
+            f"{canonical} (canonical, [2, L//2, L-3]) as SGLang {sglang_version}'s "
+            f"set_eagle3_layers_to_capture(None) captures them"
+        )
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     if top is not None and list(top) != list(canonical):
-        notes.append(f"top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's, canonical numbering) differ "
-                     f"from the {canonical} SGLang captures; measured with SGLang's")
+        notes.append(
+            f"top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM's, canonical numbering) differ "
+            f"from the {canonical} SGLang captures; measured with SGLang's"
+        )
     _check_aux_layers(canonical, origin, num_target_layers)
     return canonical, origin, notes
 
@@ -212,7 +245,8 @@ def _check_aux_layers(canonical: list[int], origin: str, num_target_layers: int)
         raise ForeignInputError(
             f"aux layers {list(canonical)} ({origin}) are not 3 distinct increasing layers of a {num_target_layers}-"
             f"layer target as the profile's hidden.aux_layers must be: {str(e).removeprefix('hidden.aux_layers: ')}; "
-            "write eagle_config.eagle_aux_hidden_state_layer_ids into the drafter's config.json") from None
+            "write eagle_config.eagle_aux_hidden_state_layer_ids into the drafter's config.json"
+        ) from None
 
 
 def _full_config(raw: dict, path: Path | str = "config.json") -> dict:
@@ -228,8 +262,9 @@ def _full_config(raw: dict, path: Path | str = "config.json") -> dict:
     try:
         full = kind.from_dict(dict(raw)).to_dict()
     except Exception as e:  # transformers' own validation (huggingface_hub's StrictDataclassError, not a ValueError)
-        raise ForeignInputError(f"{path}: transformers' {kind.__name__} refuses it: " + " ".join(str(e).split())) \
-            from None
+        raise ForeignInputError(
+            f"{path}: transformers' {kind.__name__} refuses it: " + " ".join(str(e).split())
+        ) from None
     full.update({k: v for k, v in raw.items() if k not in full})
     return full
 
@@ -238,8 +273,10 @@ def _config_errors(cfg: dict, target: dict) -> list[str]:
     errors = []
     mla = mla_export.is_mla(cfg)
     if cfg.get("architectures") not in (["LlamaForCausalLMEagle3"], [mla_export.ARCHITECTURE]):
-        errors.append(f"config.json architectures={cfg.get('architectures')!r}, an EAGLE-3 drafter has "
-                      f"['LlamaForCausalLMEagle3'] or [{mla_export.ARCHITECTURE!r}] (MLA)")
+        errors.append(
+            f"config.json architectures={cfg.get('architectures')!r}, an EAGLE-3 drafter has "
+            f"['LlamaForCausalLMEagle3'] or [{mla_export.ARCHITECTURE!r}] (MLA)"
+        )
     for key, want in (("num_hidden_layers", 1), ("tie_word_embeddings", False)):
         if cfg.get(key) != want:
             errors.append(f"config.json {key}={cfg.get(key)!r}, an EAGLE-3 drafter has {want!r}")
@@ -257,8 +294,11 @@ def _config_errors(cfg: dict, target: dict) -> list[str]:
         if cfg.get(key) or eagle.get(key):
             errors.append(f"config.json sets {key}: a variant this benchmark's drafter does not implement")
     dims = _sglang_dims(cfg)
-    for ours, theirs in (("target_hidden_size", "hidden_size"), ("hidden_size", "hidden_size"),
-                         ("vocab_size", "vocab_size")):
+    for ours, theirs in (
+        ("target_hidden_size", "hidden_size"),
+        ("hidden_size", "hidden_size"),
+        ("vocab_size", "vocab_size"),
+    ):
         if dims[ours] != int(target[theirs]):
             errors.append(f"config.json {ours}={dims[ours]}, the target's {theirs} is {target[theirs]}")
     return errors
@@ -272,8 +312,10 @@ def weight_files(export_dir: Path) -> dict[str, Path]:
     export_dir = Path(export_dir)
     if not list(export_dir.glob("*.safetensors")) and not list(export_dir.glob("*.safetensors.index.json")):
         found = sorted(p.name for p in export_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        raise FileNotFoundError(f"{export_dir}: no *.safetensors weights" + (f" (found {found}; re-export with "
-                                                                             "safetensors)" if found else ""))
+        raise FileNotFoundError(
+            f"{export_dir}: no *.safetensors weights"
+            + (f" (found {found}; re-export with safetensors)" if found else "")
+        )
     indexes = sorted(export_dir.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise ForeignInputError(f"{export_dir}: several safetensors index files {[p.name for p in indexes]}")
@@ -313,6 +355,7 @@ def _read_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     for name, file in weight_files(export_dir).items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
+
         def read(h, names=names, file=file):
             if missing := sorted(set(names) - set(h.keys())):
                 raise ForeignInputError(f"{file}: has no tensor {missing[:3]} that the index puts there")
@@ -322,8 +365,7 @@ def _read_weights(export_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_external_drafter(export_dir: Path, target_dir: Path, *,
-                          sglang_version: str | None = None) -> ImportedDrafter:
+def load_external_drafter(export_dir: Path, target_dir: Path, *, sglang_version: str | None = None) -> ImportedDrafter:
     """Read a standard EAGLE-3 export (e.g. SpecForge's `export --to sglang` or `--to hf`) for the target."""
     from eagle3_dagster.drafter.target_head import load_target_tensors
 
@@ -346,40 +388,60 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
         if why := sglang_releases.mla_drafter_refusal(version):
             raise ValueError(f"{export_dir}: an MLA drafter ({mla_export.ARCHITECTURE}): {why}")
         state = mla_export.to_checkpoint(state)  # SGLang takes midlayer.* and layers.0.* alike
-    if unread := [o for o in options if o not in sglang_releases.release(version).drafter_options("mla" if mla else "gqa")]:
-        raise ValueError(f"{export_dir}: config.json turns on {', '.join(unread)}, which SGLang {version} does not "
-                         "read: it would serve this drafter without them")
+    if unread := [
+        o for o in options if o not in sglang_releases.release(version).drafter_options("mla" if mla else "gqa")
+    ]:
+        raise ValueError(
+            f"{export_dir}: config.json turns on {', '.join(unread)}, which SGLang {version} does not "
+            "read: it would serve this drafter without them"
+        )
     unsupported = sorted(k for k in state if k.startswith(_UNSUPPORTED_WEIGHT_PREFIXES))
     if unsupported:
-        raise ValueError(f"{export_dir}: weights {unsupported} belong to a variant this benchmark's drafter does "
-                         "not implement")
+        raise ValueError(
+            f"{export_dir}: weights {unsupported} belong to a variant this benchmark's drafter does not implement"
+        )
     embed = load_target_tensors(target_dir, want=("embed",)).embed.float()
     theirs = state.pop("embed_tokens.weight", None)
     if theirs is not None:
         if tuple(theirs.shape) != tuple(embed.shape):
-            raise ValueError(f"{export_dir}: embed_tokens.weight has shape {tuple(theirs.shape)}, the target's "
-                             f"embedding {tuple(embed.shape)}")
+            raise ValueError(
+                f"{export_dir}: embed_tokens.weight has shape {tuple(theirs.shape)}, the target's "
+                f"embedding {tuple(embed.shape)}"
+            )
         diff = float((theirs.float() - embed).abs().max())
         same = "equals the target's" if diff == 0 else f"differs from the target's by up to {diff:.3g}"
-        notes.append(f"embed_tokens.weight in the export {same}; SGLang serves the draft with the target's "
-                     "embedding (set_embed) and so does this benchmark")
+        notes.append(
+            f"embed_tokens.weight in the export {same}; SGLang serves the draft with the target's "
+            "embedding (set_embed) and so does this benchmark"
+        )
     want = expected_shapes(cfg)
     got = {k: tuple(v.shape) for k, v in state.items()}
     check.missing = sorted(set(want) - set(got))
     check.unexpected = sorted(set(got) - set(want))
     check.misshaped = {k: (got[k], want[k]) for k in sorted(set(got) & set(want)) if got[k] != want[k]}
-    check.non_finite = {k: int((~torch.isfinite(v)).sum()) for k, v in state.items()
-                        if v.is_floating_point() and not bool(torch.isfinite(v).all())}
+    check.non_finite = {
+        k: int((~torch.isfinite(v)).sum())
+        for k, v in state.items()
+        if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    }
     check.raise_for_errors()
     dims = _sglang_dims(cfg)
     rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0  # checked > 0
     dcfg = DrafterConfig(
-        target_hidden_size=dims["target_hidden_size"], hidden_size=dims["hidden_size"],
-        intermediate_size=dims["intermediate_size"], num_attention_heads=dims["num_attention_heads"],
-        num_key_value_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"], vocab_size=dims["vocab_size"],
-        draft_vocab_size=dims["draft_vocab_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        aux_layers=tuple(aux), **{o: True for o in options}, **(_mla_fields(cfg, dims) if mla else {}),
+        target_hidden_size=dims["target_hidden_size"],
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        vocab_size=dims["vocab_size"],
+        draft_vocab_size=dims["draft_vocab_size"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        aux_layers=tuple(aux),
+        **{o: True for o in options},
+        **(_mla_fields(cfg, dims) if mla else {}),
     )
     d2t = state["d2t"].to(torch.int64)
     hot = torch.arange(dcfg.draft_vocab_size) + d2t
@@ -388,8 +450,9 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     t2d = torch.zeros(dcfg.vocab_size, dtype=torch.bool)
     t2d[hot] = True
     if not torch.equal(state["t2d"].to(torch.bool), t2d):
-        notes.append("t2d disagrees with d2t; SGLang ignores t2d and maps draft ids by d2t, so t2d was rebuilt "
-                     "from d2t")
+        notes.append(
+            "t2d disagrees with d2t; SGLang ignores t2d and maps draft ids by d2t, so t2d was rebuilt from d2t"
+        )
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     state["t2d"], state["d2t"] = t2d, d2t
     if mla:
@@ -398,7 +461,9 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *,
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]
     if missing or unexpected:
-        raise ValueError(f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})"
+        )
     return ImportedDrafter(model.eval(), "external", tuple(aux), origin, notes)
 
 
@@ -406,8 +471,12 @@ def _mla_fields(cfg: dict, dims: dict) -> dict:
     """The DrafterConfig fields of an MLA drafter's config.json (RoPE from `rope_scaling` or `rope_parameters`)."""
     from eagle3_dagster.drafter.target_head import rope_scaling
 
-    return {"attention": "mla", "rope_scaling": rope_scaling(cfg), "rope_interleave": bool(cfg.get("rope_interleave",
-            True)), **{k: dims[k] for k in mla_export.MLA_DIMS}}
+    return {
+        "attention": "mla",
+        "rope_scaling": rope_scaling(cfg),
+        "rope_interleave": bool(cfg.get("rope_interleave", True)),
+        **{k: dims[k] for k in mla_export.MLA_DIMS},
+    }
 
 
 def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:

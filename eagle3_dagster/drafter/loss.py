@@ -119,7 +119,9 @@ def build_teacher(
     flat = last_hidden_BTH.reshape(b * t, h)
     draft_cols = t2d.nonzero().squeeze(-1)
     w = lm_head_weight_VH.to(flat.device)
-    supervised_next = torch.cat([loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1)
+    supervised_next = torch.cat(
+        [loss_mask_BT[:, 1:].bool(), torch.zeros_like(loss_mask_BT[:, :1], dtype=torch.bool)], 1
+    )
     rows = supervised_next.flatten().nonzero().squeeze(-1)  # a row nothing learns from needs no logits
     argmax = torch.zeros(b * t, dtype=torch.long, device=flat.device)
     valid = torch.zeros(b * t, dtype=torch.bool, device=flat.device)
@@ -137,7 +139,9 @@ def build_teacher(
     return Teacher(last_hidden_BTH, head, argmax.view(b, t), valid.view(b, t), log_mass.view(b, t))
 
 
-def _mean_acceptance(weight_VH, teacher: Teacher, rows, row_pos, flat_x, chunk: int, num_valid: list[int]) -> list[float]:
+def _mean_acceptance(
+    weight_VH, teacher: Teacher, rows, row_pos, flat_x, chunk: int, num_valid: list[int]
+) -> list[float]:
     """Per TTT step, the mean over valid rows of the expected acceptance Σ_v min(p_target(v), q_draft(v)) of
     speculative sampling (p_target: the target's full-vocab probabilities of the draft ids)."""
     k = len(flat_x)
@@ -170,8 +174,16 @@ class _FusedHeadKL(torch.autograd.Function):
     """Σ_j w_j · mean over valid rows of KL(teacher ‖ softmax(lm_head(normed_j))); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, weight_VH, teacher: Teacher, step_weights: list[float], chunk: int, need_grad: bool,
-                lk: tuple[float, float] | None, *normed):
+    def forward(
+        ctx,
+        weight_VH,
+        teacher: Teacher,
+        step_weights: list[float],
+        chunk: int,
+        need_grad: bool,
+        lk: tuple[float, float] | None,
+        *normed,
+    ):
         k = len(normed)
         b, t, h = normed[0].shape
         device = normed[0].device
@@ -209,8 +221,9 @@ class _FusedHeadKL(torch.autograd.Function):
                 correct[j] += (logits.argmax(-1) == argmax[r if all_kept else r[keep]]).sum()
                 if need_grad and kl_weight is not None:
                     a = p_j * _take_rows(teacher.log_draft_mass_BT.flatten(), r if all_kept else r[keep]).exp()[:, None]
-                    g = _lk_grad(logq.exp_(), p_j, a, scales[j] * kl_weight[j],
-                                 scales[j] * (1 - kl_weight[j])).to(weight_VH.dtype)
+                    g = _lk_grad(logq.exp_(), p_j, a, scales[j] * kl_weight[j], scales[j] * (1 - kl_weight[j])).to(
+                        weight_VH.dtype
+                    )
                 elif need_grad:
                     g = logq.exp_().sub_(p_j).mul_(scales[j]).to(weight_VH.dtype)  # dKL/dlogits = q - p
                 if need_grad:
@@ -221,8 +234,11 @@ class _FusedHeadKL(torch.autograd.Function):
         stats = torch.stack([kl_sums.cpu(), torch.tensor(num_valid, dtype=torch.float64), correct.cpu().double()], 1)
         loss = sum(sc * kl for sc, kl in zip(scales, stats[:, 0].tolist()))
         if kl_weight is not None:  # Σ_j w_j · [λ_j KL_j + (1 - λ_j)(1 - ᾱ_j)]
-            loss = sum(sc * lam * kl + w * (1 - lam) * (1 - a) for sc, lam, kl, w, a, n in
-                       zip(scales, kl_weight, stats[:, 0].tolist(), step_weights, alpha, num_valid) if n)
+            loss = sum(
+                sc * lam * kl + w * (1 - lam) * (1 - a)
+                for sc, lam, kl, w, a, n in zip(scales, kl_weight, stats[:, 0].tolist(), step_weights, alpha, num_valid)
+                if n
+            )
         ctx.save_for_backward(*([grad_w, *grad_x] if need_grad else []))
         ctx.dtypes, ctx.shapes = [x.dtype for x in normed], [x.shape for x in normed]
         ctx.mark_non_differentiable(stats)
@@ -231,8 +247,15 @@ class _FusedHeadKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         grad_w, *grad_x = ctx.saved_tensors
-        return (grad_w * grad_loss, None, None, None, None, None,
-                *[(g * grad_loss).to(dt).view(shape) for g, dt, shape in zip(grad_x, ctx.dtypes, ctx.shapes)])
+        return (
+            grad_w * grad_loss,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *[(g * grad_loss).to(dt).view(shape) for g, dt, shape in zip(grad_x, ctx.dtypes, ctx.shapes)],
+        )
 
 
 def ttt_loss(
@@ -250,8 +273,9 @@ def ttt_loss(
     λ = kl_scale · exp(-kl_decay · ᾱ), held constant for the gradient (specforge/core/lk_loss.py)."""
     weights = weights if weights is not None else step_weights(len(normed_hiddens))
     b, t = normed_hiddens[0].shape[:2]
-    chunk = chunk_rows or chunk_rows_for(lm_head_weight_VdH.shape[0], max(1, b * t),
-                                         _budget(CHUNK_ELEMENTS, lm_head_weight_VdH.device))
+    chunk = chunk_rows or chunk_rows_for(
+        lm_head_weight_VdH.shape[0], max(1, b * t), _budget(CHUNK_ELEMENTS, lm_head_weight_VdH.device)
+    )
     need_grad = torch.is_grad_enabled() and (
         lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
     )

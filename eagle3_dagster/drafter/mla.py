@@ -39,17 +39,21 @@ def mla_dims(overrides, target) -> dict[str, int]:
     for name in ("num_attention_heads", *MLA_DIMS):
         value = getattr(overrides, name, None) or getattr(target, name, None)
         if not value:
-            raise ValueError(f"drafter.{name}: the target's config.json has no {name} (it has no multi-latent "
-                             f"attention), so drafter.attention: mla needs drafter.{name} set; or use "
-                             "drafter.attention: gqa")
+            raise ValueError(
+                f"drafter.{name}: the target's config.json has no {name} (it has no multi-latent "
+                f"attention), so drafter.attention: mla needs drafter.{name} set; or use "
+                "drafter.attention: gqa"
+            )
         dims[name] = int(value)
     return dims
 
 
 def check_rope_scaling(rope_scaling: dict | None) -> None:
     if rope_scaling is not None and rope_scaling.get("type") not in ROPE_KINDS:
-        raise ValueError(f"MLA drafter: rope_scaling type {rope_scaling.get('type')!r}; SGLang's MLA draft layer "
-                         f"builds DeepSeek yarn ({', '.join(ROPE_KINDS)}) or plain RoPE")
+        raise ValueError(
+            f"MLA drafter: rope_scaling type {rope_scaling.get('type')!r}; SGLang's MLA draft layer "
+            f"builds DeepSeek yarn ({', '.join(ROPE_KINDS)}) or plain RoPE"
+        )
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
@@ -82,8 +86,11 @@ def rope_mscale(rope_scaling: dict | None) -> tuple[float, float]:
         return 1.0, 1.0
     factor = float(rope_scaling.get("factor", 1.0))
     all_dim = float(rope_scaling.get("mscale_all_dim") or 0)
-    cos_sin = yarn_get_mscale(factor, float(rope_scaling.get("mscale", 1))) / yarn_get_mscale(factor, all_dim) \
+    cos_sin = (
+        yarn_get_mscale(factor, float(rope_scaling.get("mscale", 1)))
+        / yarn_get_mscale(factor, all_dim)
         * float(rope_scaling.get("attn_factor", 1))
+    )
     softmax = yarn_get_mscale(factor, all_dim) ** 2 if rope_scaling.get("apply_yarn_scaling", True) else 1.0
     return cos_sin, softmax
 

@@ -58,19 +58,21 @@ def is_mla(config: dict) -> bool:
 def dims(config: dict) -> dict[str, int]:
     """The MLA sizes SGLang reads from config.json (besides the common ones `export._sglang_dims` derives)."""
     d = {k: int(config[k]) for k in MLA_DIMS}
-    return d | {"qk_head_dim": d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
-                "kv_a_width": d["kv_lora_rank"] + d["qk_rope_head_dim"],
-                "kv_b_width": d["qk_nope_head_dim"] + d["v_head_dim"]}
+    return d | {
+        "qk_head_dim": d["qk_nope_head_dim"] + d["qk_rope_head_dim"],
+        "kv_a_width": d["kv_lora_rank"] + d["qk_rope_head_dim"],
+        "kv_b_width": d["qk_nope_head_dim"] + d["v_head_dim"],
+    }
 
 
 def to_checkpoint(state: dict) -> dict:
     """Our module's names (`midlayer.*`) → the checkpoint's (`layers.0.*`)."""
-    return {(LAYER + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    return {(LAYER + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in state.items()}
 
 
 def from_checkpoint(state: dict) -> dict:
     """A checkpoint's names (`layers.0.*`, or `midlayer.*` which SGLang also takes) → our module's."""
-    return {("midlayer." + k[len(LAYER):] if k.startswith(LAYER) else k): v for k, v in state.items()}
+    return {("midlayer." + k[len(LAYER) :] if k.startswith(LAYER) else k): v for k, v in state.items()}
 
 
 def config_fields(cfg) -> dict:

@@ -28,8 +28,16 @@ from torch import nn
 from eagle3_dagster.drafter.blocks import RMSNorm, apply_rotary, repeat_kv, rope_cos_sin
 from eagle3_dagster.drafter.mla import MLA_DIMS, MLAAttention, check_rope_scaling, mla_dims
 
-__all__ = ["DraftKVCache", "DrafterConfig", "Eagle3Drafter", "MidLayer", "RMSNorm", "apply_rotary", "repeat_kv",
-           "rope_cos_sin"]
+__all__ = [
+    "DraftKVCache",
+    "DrafterConfig",
+    "Eagle3Drafter",
+    "MidLayer",
+    "RMSNorm",
+    "apply_rotary",
+    "repeat_kv",
+    "rope_cos_sin",
+]
 
 
 @dataclass(frozen=True)
@@ -131,29 +139,47 @@ class DrafterConfig:
         )
 
     @classmethod
-    def from_profile(cls, drafter, target, *, draft_vocab_size: int, aux_layers, serving_context: int
-                     ) -> "DrafterConfig":
+    def from_profile(
+        cls, drafter, target, *, draft_vocab_size: int, aux_layers, serving_context: int
+    ) -> "DrafterConfig":
         """The drafter for the profile's `drafter` section (`config.DrafterOverrides`) and the target's config
         (`target_head.TargetArch`): what the training worker builds. An MLA drafter takes its sizes, RoPE base
         and scaling from the target unless the profile sets them (`mla.mla_dims` refuses a target without MLA)."""
         common = dict(
-            target_hidden_size=target.hidden_size, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
-            aux_layers=tuple(aux_layers), rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
-            max_position_embeddings=serving_context, fc_norm=drafter.fc_norm, norm_output=drafter.norm_output)
+            target_hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layers=tuple(aux_layers),
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            max_position_embeddings=serving_context,
+            fc_norm=drafter.fc_norm,
+            norm_output=drafter.norm_output,
+        )
         if getattr(drafter, "attention", "gqa") != "mla":
             return cls.for_target(
-                target_intermediate_size=target.intermediate_size, hidden_size=drafter.hidden_size,
-                intermediate_size=drafter.intermediate_size, num_attention_heads=drafter.num_attention_heads,
-                num_key_value_heads=drafter.num_key_value_heads, **common)
+                target_intermediate_size=target.intermediate_size,
+                hidden_size=drafter.hidden_size,
+                intermediate_size=drafter.intermediate_size,
+                num_attention_heads=drafter.num_attention_heads,
+                num_key_value_heads=drafter.num_key_value_heads,
+                **common,
+            )
         dims = mla_dims(drafter, target)
         check_rope_scaling(target.rope_scaling)
         heads = dims.pop("num_attention_heads")
         return cls(
             hidden_size=drafter.hidden_size or target.hidden_size,
-            intermediate_size=drafter.intermediate_size or target.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=heads, head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
-            attention="mla", rope_scaling=target.rope_scaling, rope_interleave=target.rope_interleave, **dims,
-            **common)
+            intermediate_size=drafter.intermediate_size or target.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+            attention="mla",
+            rope_scaling=target.rope_scaling,
+            rope_interleave=target.rope_interleave,
+            **dims,
+            **common,
+        )
 
     def kv_values_per_token(self) -> int:
         """Values the draft KV cache holds per token: K and V of every KV head (GQA), or the MLA latent and the
@@ -265,8 +291,11 @@ class DraftKVCache:
         return sum(p.shape[1] * p.shape[3] for p in self.parts)
 
     def append(self, *parts_BNTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self.parts = parts_BNTD if not self.parts else \
-            tuple(torch.cat([old, new], dim=2) for old, new in zip(self.parts, parts_BNTD, strict=True))
+        self.parts = (
+            parts_BNTD
+            if not self.parts
+            else tuple(torch.cat([old, new], dim=2) for old, new in zip(self.parts, parts_BNTD, strict=True))
+        )
         return self.parts
 
     def crop(self, length: int) -> None:
@@ -300,8 +329,11 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.data.copy_(embed_weight)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen; never exported
         # SGLang's names: `fc_norm.{i}` (one per captured state, low to high), before `fc`
-        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) \
-            if cfg.fc_norm else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)])
+            if cfg.fc_norm
+            else None
+        )
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

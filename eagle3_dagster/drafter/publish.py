@@ -27,19 +27,23 @@ EXPORT_MANIFEST = "export_manifest.json"
 EXPORT_FORMAT = "eagle3-drafter-export"
 
 
-def publish_export(export_dir: Path, dest: storage.Location | Path | str, *,
-                   log: Callable[[str], None] = print) -> dict:
+def publish_export(
+    export_dir: Path, dest: storage.Location | Path | str, *, log: Callable[[str], None] = print
+) -> dict:
     """Upload the files of `export_dir` to `dest`, manifest last; an identical publish already there is kept."""
     export_dir, dest = Path(export_dir), storage.location(dest)
     files = sorted(p for p in export_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"{export_dir}: no export files to publish")
-    manifest = {"format": EXPORT_FORMAT, "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                                                   for p in files}}
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
+    }
     manifest_loc = dest.join(EXPORT_MANIFEST)
     try:
         if storage.read_json(manifest_loc) == manifest and all(
-                dest.join(name).size() == e["bytes"] for name, e in manifest["files"].items()):
+            dest.join(name).size() == e["bytes"] for name, e in manifest["files"].items()
+        ):
             log(f"drafter export already published at {dest}")
             return manifest
     except FileNotFoundError:
@@ -60,24 +64,30 @@ def fetch_export(src: storage.Location | Path | str, local_dir: Path) -> Path:
     try:
         manifest = storage.read_json(src.join(EXPORT_MANIFEST))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{src}: no {EXPORT_MANIFEST}; not a published drafter export (or its publish "
-                                "did not finish)") from None
+        raise FileNotFoundError(
+            f"{src}: no {EXPORT_MANIFEST}; not a published drafter export (or its publish did not finish)"
+        ) from None
     where = src.join(EXPORT_MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{where}: format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}, "
-                         f"expected {EXPORT_FORMAT!r}")
+        raise ValueError(
+            f"{where}: format {manifest.get('format') if isinstance(manifest, dict) else manifest!r}, "
+            f"expected {EXPORT_FORMAT!r}"
+        )
     local_dir = Path(local_dir)
     files = _manifest_files(manifest, where, local_dir)  # every entry checked before any file is written
     for name, entry in files.items():
         if (size := src.join(name).size()) != entry["bytes"]:  # also never a device or a FIFO read without end
             got = "missing or not a file" if size is None else f"{size} bytes"
-            raise ValueError(f"{src.join(name)}: {got}, the manifest says {entry['bytes']} bytes; the published "
-                             "export is corrupted")
+            raise ValueError(
+                f"{src.join(name)}: {got}, the manifest says {entry['bytes']} bytes; the published export is corrupted"
+            )
         with atomic_open(local_dir / name) as f:  # renamed into place only if it matches the manifest
             size, digest = src.join(name).download_to(f)
             if size != entry["bytes"] or digest != entry["sha256"]:
-                raise ValueError(f"{src.join(name)}: {size} bytes, sha256 {digest}; the manifest says "
-                                 f"{entry['bytes']} bytes, {entry['sha256']}; the published export is corrupted")
+                raise ValueError(
+                    f"{src.join(name)}: {size} bytes, sha256 {digest}; the manifest says "
+                    f"{entry['bytes']} bytes, {entry['sha256']}; the published export is corrupted"
+                )
     check_export(local_dir).raise_for_errors()
     return local_dir
 
@@ -96,7 +106,12 @@ def _manifest_files(manifest: dict, where: storage.Location, local_dir: Path) ->
         confined_path(local_dir, name, where=what, flat=True)
         if name == EXPORT_MANIFEST or name.startswith("."):
             raise ForeignInputError(f"{what}: not a file a publish writes; refused")
-        if not isinstance(entry, dict) or not (isinstance(entry.get("bytes"), int) and not isinstance(
-                entry["bytes"], bool) and entry["bytes"] >= 0) or not _SHA256.fullmatch(str(entry.get("sha256"))):
+        if (
+            not isinstance(entry, dict)
+            or not (
+                isinstance(entry.get("bytes"), int) and not isinstance(entry["bytes"], bool) and entry["bytes"] >= 0
+            )
+            or not _SHA256.fullmatch(str(entry.get("sha256")))
+        ):
             raise ForeignInputError(f"{what}: {entry!r} is not {{bytes: a size, sha256: 64 hex digits}}")
     return dict(sorted(files.items()))

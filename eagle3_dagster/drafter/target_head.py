@@ -64,7 +64,9 @@ class TargetArch:
                 vocab_size=int(text["vocab_size"]),
                 num_hidden_layers=int(text["num_hidden_layers"]),
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                rope_theta=float(
+                    text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+                ),
                 max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
                 **{k: int(text[k]) for k in MLA_FIELDS if text.get(k) is not None},
@@ -75,8 +77,14 @@ class TargetArch:
             raise ValueError(f"{path}: target config lacks field {e}") from None
 
 
-MLA_FIELDS = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim")
+MLA_FIELDS = (
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 
 
 def rope_scaling(text: dict) -> dict | None:

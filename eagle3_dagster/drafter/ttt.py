@@ -55,19 +55,23 @@ def _fused_forward(q, k, v) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         return out, lse, ()
     # CUDA: the memory-efficient kernel (any GPU, fp32 and bf16); it pads its logsumexp to a multiple of 32
     # queries, and its backward wants that padded tensor back
-    out, lse_padded, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+    out, lse_padded, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, True
+    )
     return out, lse_padded[..., : q.shape[2]], (lse_padded, seed, offset)
 
 
 def _fused_backward(grad_out, q, k, v, out, lse, extra) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, True)
+            grad_out, q, k, v, out, lse.to(torch.float32) if q.dtype != torch.float64 else lse, 0.0, True
+        )
     lse_padded, seed, offset = extra
     lse_padded = lse_padded.clone()
     lse_padded[..., : q.shape[2]] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out.contiguous(), q, k, v, None, out, lse_padded, seed, offset, 0.0, [True, True, True, False], True)
+        grad_out.contiguous(), q, k, v, None, out, lse_padded, seed, offset, 0.0, [True, True, True, False], True
+    )
     return dq, dk, dv
 
 

@@ -18,6 +18,17 @@ from eagle3_dagster.generate.regenerate import (
 from eagle3_dagster.generate.store import ResponseStore, StoreLockedError, iter_turns
 
 __all__ = [
-    "ChatBackend", "ChatRequestError", "ChatResult", "GenerationSettings", "OpenAIChatBackend",
-    "RegenerationFailedError", "RegenerationStats", "ResponseStore", "StoreLockedError", "iter_turns", "regenerate_dataset", "regenerate_dataset_sync", "request_id",
+    "ChatBackend",
+    "ChatRequestError",
+    "ChatResult",
+    "GenerationSettings",
+    "OpenAIChatBackend",
+    "RegenerationFailedError",
+    "RegenerationStats",
+    "ResponseStore",
+    "StoreLockedError",
+    "iter_turns",
+    "regenerate_dataset",
+    "regenerate_dataset_sync",
+    "request_id",
 ]

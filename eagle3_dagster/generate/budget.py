@@ -63,11 +63,20 @@ def prompt_token_bound(messages: list[dict]) -> int:
 class Budget:
     """Reservations against `cap_usd` (None: no cap, still books what was spent)."""
 
-    def __init__(self, cap_usd: float | None, already_spent_usd: float, *, max_new_tokens: int,
-                 price_per_completion_token: float | None, price_per_prompt_token: float = 0.0) -> None:
+    def __init__(
+        self,
+        cap_usd: float | None,
+        already_spent_usd: float,
+        *,
+        max_new_tokens: int,
+        price_per_completion_token: float | None,
+        price_per_prompt_token: float = 0.0,
+    ) -> None:
         if cap_usd is not None and price_per_completion_token is None:
-            raise ValueError("a budget needs price_per_completion_token (generation.price_usd_per_completion_token): "
-                             "each request reserves max_new_tokens x this price before it is sent")
+            raise ValueError(
+                "a budget needs price_per_completion_token (generation.price_usd_per_completion_token): "
+                "each request reserves max_new_tokens x this price before it is sent"
+            )
         self.cap_usd = cap_usd
         self.spent_usd = already_spent_usd
         self.reserved_usd = 0.0
@@ -99,8 +108,9 @@ class Budget:
                     return None
                 await self._changed.wait()  # a request in flight may settle below its bound
 
-    def booked(self, reserved: float, *, cost: float | None, usage: dict | None, paid: bool,
-               malformed: bool = False) -> float:
+    def booked(
+        self, reserved: float, *, cost: float | None, usage: dict | None, paid: bool, malformed: bool = False
+    ) -> float:
         """What a finished request cost: reported cost, else reported tokens at the prices, else the bound.
         `malformed` (the reply's usage had a value that is not an amount or a count): the bound; so is a
         cost or a token count here that is not one (the client drops them; this is the last line)."""
@@ -120,8 +130,12 @@ class Budget:
 
     async def settle(self, reserved: float, spent: float) -> None:
         if spent > reserved + 1e-12 and self.cap_usd is not None:
-            log.warning("a request cost $%.6f, more than its reserved bound $%.6f: the configured prices are "
-                        "below the provider's, raise generation.price_usd_per_completion_token", spent, reserved)
+            log.warning(
+                "a request cost $%.6f, more than its reserved bound $%.6f: the configured prices are "
+                "below the provider's, raise generation.price_usd_per_completion_token",
+                spent,
+                reserved,
+            )
         async with self._changed:
             self.num_in_flight -= 1
             self.reserved_usd = max(0.0, self.reserved_usd - reserved) if self.num_in_flight else 0.0

@@ -88,9 +88,11 @@ def clean_api_key(raw: str | None, source: str = "the API key") -> str | None:
     key = raw.strip()
     bad = [i for i, ch in enumerate(key) if ch.isspace() or not ch.isprintable() or not ch.isascii()]
     if bad:
-        raise ValueError(f"{source}: the API key has a whitespace or control character (or a non-ASCII one) at "
-                         f"position {bad[0]} of {len(key)} after stripping; the key is not shown. Set the "
-                         f"variable to the key alone")
+        raise ValueError(
+            f"{source}: the API key has a whitespace or control character (or a non-ASCII one) at "
+            f"position {bad[0]} of {len(key)} after stripping; the key is not shown. Set the "
+            f"variable to the key alone"
+        )
     return key or None
 
 
@@ -98,18 +100,33 @@ def secret_forms(secret: str) -> list[str]:
     """The ways a secret appears when printed: raw, escaped (bytes repr, as h11 prints headers), repr, JSON."""
     import json as _json
 
-    forms = {secret, repr(secret)[1:-1], _json.dumps(secret)[1:-1], str(secret.encode())[2:-1],
-             secret.encode("unicode_escape").decode()}
+    forms = {
+        secret,
+        repr(secret)[1:-1],
+        _json.dumps(secret)[1:-1],
+        str(secret.encode())[2:-1],
+        secret.encode("unicode_escape").decode(),
+    }
     return sorted((f for f in forms if f), key=len, reverse=True)
 
 
 class ChatRequestError(Exception):
     """A request that failed for good; `kind` is the failure class, `attempt_failures` every failed try."""
 
-    def __init__(self, kind: str, message: str, attempt_failures: dict[str, int] | None = None,
-                 retry_after_s: float | None = None, *, paid: bool = False, cost: float | None = None,
-                 usage: dict | None = None, maybe_paid: bool = False, num_maybe_paid: int = 0,
-                 usage_problems: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        attempt_failures: dict[str, int] | None = None,
+        retry_after_s: float | None = None,
+        *,
+        paid: bool = False,
+        cost: float | None = None,
+        usage: dict | None = None,
+        maybe_paid: bool = False,
+        num_maybe_paid: int = 0,
+        usage_problems: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.attempt_failures = dict(attempt_failures or {})
@@ -128,8 +145,16 @@ class ChatBackend(Protocol):
 
     paid: bool
 
-    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool, before_resend: ResendHook | None = None) -> ChatResult: ...
+    async def complete(
+        self,
+        messages: list[dict],
+        *,
+        request_id: str,
+        max_tokens: int,
+        temperature: float,
+        reasoning: bool,
+        before_resend: ResendHook | None = None,
+    ) -> ChatResult: ...
 
     async def aclose(self) -> None: ...
 
@@ -140,7 +165,9 @@ def parse_chat_response(body: Any) -> ChatResult:
         raise ChatRequestError("malformed", "response body is not a JSON object")
     if body.get("error") and not body.get("choices"):
         err = body["error"]
-        raise ChatRequestError("server_error", f"error in body: {str(err.get('message', err) if isinstance(err, dict) else err)[:200]}")
+        raise ChatRequestError(
+            "server_error", f"error in body: {str(err.get('message', err) if isinstance(err, dict) else err)[:200]}"
+        )
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise ChatRequestError("malformed", "response has no choices[0]")
@@ -159,19 +186,27 @@ def parse_chat_response(body: Any) -> ChatResult:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ChatRequestError("malformed", f"tool_calls[{i}] has no function.name")
         args = fn.get("arguments", "")
-        tool_calls.append({
-            "id": tc.get("id") or f"functions.{fn['name']}:{i}",
-            "type": "function",
-            "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
-        })
+        tool_calls.append(
+            {
+                "id": tc.get("id") or f"functions.{fn['name']}:{i}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
     usage_in = body.get("usage") or {}
     if not isinstance(usage_in, dict):
         raise ChatRequestError("malformed", "usage is not an object")
     usage, cost, problems = parse_usage(usage_in)
     return ChatResult(
-        reasoning=reasoning, content=content, tool_calls=tool_calls,
-        finish_reason=choice.get("finish_reason"), usage=usage, cost=cost,
-        provider=body.get("provider"), model=body.get("model"), usage_problems=problems,
+        reasoning=reasoning,
+        content=content,
+        tool_calls=tool_calls,
+        finish_reason=choice.get("finish_reason"),
+        usage=usage,
+        cost=cost,
+        provider=body.get("provider"),
+        model=body.get("model"),
+        usage_problems=problems,
     )
 
 
@@ -183,8 +218,9 @@ def parse_usage(usage_in: dict) -> tuple[dict, float | None, tuple[str, ...]]:
     details = usage_in.get("completion_tokens_details")
     fields = [(k, k, usage_in.get(k)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")]
     if isinstance(details, dict):
-        fields.append(("reasoning_tokens", "completion_tokens_details.reasoning_tokens",
-                       details.get("reasoning_tokens")))
+        fields.append(
+            ("reasoning_tokens", "completion_tokens_details.reasoning_tokens", details.get("reasoning_tokens"))
+        )
     for key, name, value in fields:
         if value is None:
             continue
@@ -243,9 +279,19 @@ class OpenAIChatBackend:
 
     paid = True
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, *, timeout_s: float = 120.0,
-                 max_retries: int = 6, backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
-                 extra_body: dict | None = None, reasoning_style: str = "openrouter") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        max_retries: int = 6,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        extra_body: dict | None = None,
+        reasoning_style: str = "openrouter",
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.max_retries = max_retries
@@ -259,8 +305,10 @@ class OpenAIChatBackend:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
 
     def __repr__(self) -> str:  # the profile refuses credentials in base_url; a URL built in code may hold some
-        return (f"OpenAIChatBackend(base_url={_without_credentials(self.base_url)!r}, model={self.model!r}, "
-                f"api_key={'***' if self._api_key else None})")
+        return (
+            f"OpenAIChatBackend(base_url={_without_credentials(self.base_url)!r}, model={self.model!r}, "
+            f"api_key={'***' if self._api_key else None})"
+        )
 
     def _scrub(self, text: str) -> str:
         for form in self._secret_forms:
@@ -268,8 +316,13 @@ class OpenAIChatBackend:
         return text
 
     def _payload(self, messages: list[dict], max_tokens: int, temperature: float, reasoning: bool) -> dict:
-        payload: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                                   "temperature": temperature, "usage": {"include": True}}
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "usage": {"include": True},
+        }
         if self.reasoning_style == "openrouter":
             payload["reasoning"] = {"enabled": reasoning}
         else:  # SGLang/vLLM: Kimi's template kwarg is `thinking`, not `enable_thinking`
@@ -283,8 +336,9 @@ class OpenAIChatBackend:
         except httpx.TimeoutException as e:
             raise ChatRequestError("timeout", type(e).__name__, maybe_paid=not isinstance(e, _NOT_SENT)) from None
         except httpx.TransportError as e:
-            raise ChatRequestError("connection", self._scrub(f"{type(e).__name__}: {e}"),
-                                   maybe_paid=not isinstance(e, _NOT_SENT)) from None
+            raise ChatRequestError(
+                "connection", self._scrub(f"{type(e).__name__}: {e}"), maybe_paid=not isinstance(e, _NOT_SENT)
+            ) from None
         status = response.status_code
         if status == 429:
             raise ChatRequestError("rate_limited", "HTTP 429", retry_after_s=_retry_after_s(response))
@@ -295,8 +349,11 @@ class OpenAIChatBackend:
         try:
             body = response.json()
         except ValueError:
-            raise ChatRequestError("unusable_reply", f"HTTP {status} body is not JSON (truncated?): "
-                                   f"{self._scrub(response.text[:80])!r}", paid=True) from None
+            raise ChatRequestError(
+                "unusable_reply",
+                f"HTTP {status} body is not JSON (truncated?): {self._scrub(response.text[:80])!r}",
+                paid=True,
+            ) from None
         try:
             result = parse_chat_response(body)
         except ChatRequestError as e:
@@ -305,15 +362,28 @@ class OpenAIChatBackend:
                 raise ChatRequestError(e.kind, detail) from None
             usage_in = body["usage"] if isinstance(body, dict) and isinstance(body.get("usage"), dict) else {}
             usage, cost, problems = parse_usage(usage_in)
-            raise ChatRequestError("unusable_reply", f"HTTP {status} answer unusable: {detail}", paid=True,
-                                   cost=cost, usage=usage,
-                                   usage_problems=tuple(self._scrub(p) for p in problems)) from None
+            raise ChatRequestError(
+                "unusable_reply",
+                f"HTTP {status} answer unusable: {detail}",
+                paid=True,
+                cost=cost,
+                usage=usage,
+                usage_problems=tuple(self._scrub(p) for p in problems),
+            ) from None
         if result.usage_problems:  # they quote the reply's values, which may echo the key
             result = replace(result, usage_problems=tuple(self._scrub(p) for p in result.usage_problems))
         return result
 
-    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool, before_resend: ResendHook | None = None) -> ChatResult:
+    async def complete(
+        self,
+        messages: list[dict],
+        *,
+        request_id: str,
+        max_tokens: int,
+        temperature: float,
+        reasoning: bool,
+        before_resend: ResendHook | None = None,
+    ) -> ChatResult:
         payload = self._payload(messages, max_tokens, temperature, reasoning)
         failures: Counter[str] = Counter()
         num_maybe_paid = 0
@@ -322,14 +392,17 @@ class OpenAIChatBackend:
         def retryable(e: BaseException) -> bool:
             return isinstance(e, ChatRequestError) and e.kind in RETRYABLE_KINDS and not no_room
 
-        retrying = AsyncRetrying(stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
-                                 retry=retry_if_exception(retryable), reraise=True)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=self._wait,
+            retry=retry_if_exception(retryable),
+            reraise=True,
+        )
         last: ChatRequestError | None = None
         try:
             async for attempt in retrying:
                 with attempt:
-                    if last is not None and last.maybe_paid and before_resend is not None \
-                            and not await before_resend():
+                    if last is not None and last.maybe_paid and before_resend is not None and not await before_resend():
                         no_room = True
                         raise last
                     try:
@@ -341,9 +414,17 @@ class OpenAIChatBackend:
                         log.info("request %s attempt %d failed: %s", request_id, attempt.retry_state.attempt_number, e)
                         raise
         except ChatRequestError as e:
-            raise ChatRequestError(e.kind, str(e).split(": ", 1)[-1], dict(failures), paid=e.paid, cost=e.cost,
-                                   usage=e.usage, maybe_paid=e.maybe_paid, num_maybe_paid=num_maybe_paid,
-                                   usage_problems=e.usage_problems) from None
+            raise ChatRequestError(
+                e.kind,
+                str(e).split(": ", 1)[-1],
+                dict(failures),
+                paid=e.paid,
+                cost=e.cost,
+                usage=e.usage,
+                maybe_paid=e.maybe_paid,
+                num_maybe_paid=num_maybe_paid,
+                usage_problems=e.usage_problems,
+            ) from None
         return ChatResult(**{**result.__dict__, "attempt_failures": dict(failures), "num_maybe_paid": num_maybe_paid})
 
     async def aclose(self) -> None:

@@ -67,8 +67,16 @@ class LocalChatBackend:
 
     paid = False
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", *, dtype: str = "float32", seed: int = 0,
-                 max_batch: int = 32, batch_wait_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_batch: int = 32,
+        batch_wait_s: float = 0.005,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model_dir = Path(model_dir)
@@ -94,14 +102,23 @@ class LocalChatBackend:
     def __repr__(self) -> str:
         return f"LocalChatBackend(model_dir={str(self.model_dir)!r}, device={self.device!r})"
 
-    async def complete(self, messages: list[dict], *, request_id: str, max_tokens: int,
-                       temperature: float, reasoning: bool, before_resend=None) -> ChatResult:
+    async def complete(
+        self,
+        messages: list[dict],
+        *,
+        request_id: str,
+        max_tokens: int,
+        temperature: float,
+        reasoning: bool,
+        before_resend=None,
+    ) -> ChatResult:
         request = _Request(list(messages), request_id, max_tokens, temperature, reasoning)
         with self._worker_lock:  # started lazily, so the backend also works again after `aclose`
             if self._worker is None:
                 self._queue = queue.Queue()
-                self._worker = threading.Thread(target=self._serve, args=(self._queue,), name="local-generate",
-                                                daemon=True)
+                self._worker = threading.Thread(
+                    target=self._serve, args=(self._queue,), name="local-generate", daemon=True
+                )
                 self._worker.start()
             self._queue.put(request)
         return await asyncio.wrap_future(request.future)
@@ -139,13 +156,17 @@ class LocalChatBackend:
         ready = []
         for r in batch:  # a prompt the template cannot render fails alone, not its batch
             try:
-                prompt = self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False,
-                                                            thinking=r.reasoning)
+                prompt = self.tokenizer.apply_chat_template(
+                    r.messages, add_generation_prompt=True, tokenize=False, thinking=r.reasoning
+                )
                 r.prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 ready.append(r)
             except Exception as e:  # bad history (e.g. a malformed tool call) fails its request
-                r.future.set_exception(ChatRequestError(
-                    "local_error", f"request {r.request_id}: chat template failed: {type(e).__name__}: {e}"))
+                r.future.set_exception(
+                    ChatRequestError(
+                        "local_error", f"request {r.request_id}: chat template failed: {type(e).__name__}: {e}"
+                    )
+                )
         if not ready:
             return
         try:
@@ -168,15 +189,23 @@ class LocalChatBackend:
         # generate() samples a whole batch from one global generator; sampling is done here instead, row by
         # row, and generate() only takes the argmax of what the sampler returns.
         processors = LogitsProcessorList(
-            [RowSampler([self.seed ^ _ids_hash([r.request_id]) for r in batch], temperature)] if temperature > 0 else [])
+            [RowSampler([self.seed ^ _ids_hash([r.request_id]) for r in batch], temperature)] if temperature > 0 else []
+        )
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids, attention_mask=padded["attention_mask"].to(self.device), max_new_tokens=max_tokens,
-                eos_token_id=self._stop_ids, pad_token_id=self.tokenizer.pad_token_id, top_k=None, top_p=None,
-                temperature=None, do_sample=False, logits_processor=processors,
+                input_ids,
+                attention_mask=padded["attention_mask"].to(self.device),
+                max_new_tokens=max_tokens,
+                eos_token_id=self._stop_ids,
+                pad_token_id=self.tokenizer.pad_token_id,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                do_sample=False,
+                logits_processor=processors,
             )
         rows = []
-        for row in out[:, input_ids.shape[1]:].tolist():
+        for row in out[:, input_ids.shape[1] :].tolist():
             end = next((i + 1 for i, t in enumerate(row) if t in self._stop_ids), len(row))
             rows.append(row[:end])
         return rows
@@ -186,11 +215,19 @@ class LocalChatBackend:
         text = str(self.tokenizer.decode(generated, skip_special_tokens=False))  # one sequence: one string
         reasoning_text, content, tool_calls = parse_completion(text, thinking=r.reasoning)
         return ChatResult(
-            reasoning=reasoning_text or "", content=content, tool_calls=tool_calls or [],
+            reasoning=reasoning_text or "",
+            content=content,
+            tool_calls=tool_calls or [],
             finish_reason="stop" if finished else "length",
-            usage={"prompt_tokens": len(r.prompt_ids), "completion_tokens": len(generated),
-                   "total_tokens": len(r.prompt_ids) + len(generated)},
-            cost=0.0, provider="local", model=str(self.model_dir.name), completion_ids=[int(t) for t in generated],
+            usage={
+                "prompt_tokens": len(r.prompt_ids),
+                "completion_tokens": len(generated),
+                "total_tokens": len(r.prompt_ids) + len(generated),
+            },
+            cost=0.0,
+            provider="local",
+            model=str(self.model_dir.name),
+            completion_ids=[int(t) for t in generated],
         )
 
 

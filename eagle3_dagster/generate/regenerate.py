@@ -69,8 +69,12 @@ class GenerationSettings:
     producer: dict | None = None
 
     def identity(self) -> dict:
-        identity = {"model": self.model, "max_new_tokens": self.max_new_tokens,
-                    "temperature": self.temperature, "reasoning": self.reasoning}
+        identity = {
+            "model": self.model,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "reasoning": self.reasoning,
+        }
         if self.producer:
             identity["producer"] = self.producer
         return identity
@@ -137,15 +141,23 @@ class _Run:
 
     def __init__(self, store: ResponseStore, backend: ChatBackend, settings: GenerationSettings, dataset: str) -> None:
         self.store, self.backend, self.settings, self.dataset = store, backend, settings, dataset
-        self.stats = RegenerationStats(dataset=dataset, recorded_cost_usd=store.recorded_cost_usd,
-                                       repaired_bytes=store.repaired_bytes, unsettled_usd_at_start=store.unsettled_usd)
+        self.stats = RegenerationStats(
+            dataset=dataset,
+            recorded_cost_usd=store.recorded_cost_usd,
+            repaired_bytes=store.repaired_bytes,
+            unsettled_usd_at_start=store.unsettled_usd,
+        )
         self.failures: Counter[str] = Counter()
         self.attempt_failures: Counter[str] = Counter()
         # a free backend (in-process) costs nothing: no cap, so no price is needed
         cap = settings.budget_usd if backend.paid else None
-        self.budget = Budget(cap, store.recorded_cost_usd, max_new_tokens=settings.max_new_tokens,
-                             price_per_completion_token=settings.price_per_completion_token,
-                             price_per_prompt_token=settings.price_per_prompt_token)
+        self.budget = Budget(
+            cap,
+            store.recorded_cost_usd,
+            max_new_tokens=settings.max_new_tokens,
+            price_per_completion_token=settings.price_per_completion_token,
+            price_per_prompt_token=settings.price_per_prompt_token,
+        )
         self.stop = False
         if settings.producer:
             current = producer_key(settings.producer)
@@ -155,8 +167,12 @@ class _Run:
                     self.stats.set_aside_by_reason[reason] = self.stats.set_aside_by_reason.get(reason, 0) + n
                     self.stats.num_turns_set_aside += n
             if self.stats.num_turns_set_aside:
-                log.warning("%s: %d recorded turns are set aside, not reused: %s", dataset,
-                            self.stats.num_turns_set_aside, self.stats.set_aside_by_reason)
+                log.warning(
+                    "%s: %d recorded turns are set aside, not reused: %s",
+                    dataset,
+                    self.stats.num_turns_set_aside,
+                    self.stats.set_aside_by_reason,
+                )
 
     async def conversation(self, conv: Conversation) -> None:
         st = self.stats
@@ -192,11 +208,22 @@ class _Run:
             st.num_turns += 1
             st.num_turns_reused += 1
             return store.get_turn(rid)
-        lost = "was in flight when an earlier run died" if store.is_interrupted(rid) else \
-            "timed out after reaching the provider" if store.is_maybe_paid(rid) else None
+        lost = (
+            "was in flight when an earlier run died"
+            if store.is_interrupted(rid)
+            else "timed out after reaching the provider"
+            if store.is_maybe_paid(rid)
+            else None
+        )
         if lost and not (self.settings.resend_interrupted or not self.backend.paid):
-            log.warning("%s/%s turn %d %s: it may be paid and is not sent again (generation.resend_interrupted: "
-                        "true sends it again)", self.dataset, conv_id, turn, lost)
+            log.warning(
+                "%s/%s turn %d %s: it may be paid and is not sent again (generation.resend_interrupted: "
+                "true sends it again)",
+                self.dataset,
+                conv_id,
+                turn,
+                lost,
+            )
             st.num_conversations_interrupted += 1
             st.num_requests_held_back_maybe_paid += 1
             return None
@@ -226,17 +253,27 @@ class _Run:
             store.mark_sent(rid, reserved)
             st.num_requests += 1
             result = await self.backend.complete(
-                list(history), request_id=rid, max_tokens=self.settings.max_new_tokens,
-                temperature=self.settings.temperature, reasoning=self.settings.reasoning,
-                before_resend=before_resend)
+                list(history),
+                request_id=rid,
+                max_tokens=self.settings.max_new_tokens,
+                temperature=self.settings.temperature,
+                reasoning=self.settings.reasoning,
+                before_resend=before_resend,
+            )
         except ChatRequestError as e:
             last_maybe_paid = e.maybe_paid and self.backend.paid  # the last try: booked at its bound
             held = e.num_maybe_paid > 0 and self.backend.paid  # any try: a rerun does not send it again
             paid = e.paid and self.backend.paid
-            malformed = paid and not last_maybe_paid and self._malformed_usage(rid, conv_id, turn, e.usage_problems,
-                                                                               tried.bound)
-            spent = tried.bound if last_maybe_paid else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage,
-                                                                             paid=paid, malformed=malformed)
+            malformed = (
+                paid
+                and not last_maybe_paid
+                and self._malformed_usage(rid, conv_id, turn, e.usage_problems, tried.bound)
+            )
+            spent = (
+                tried.bound
+                if last_maybe_paid
+                else self.budget.booked(tried.bound, cost=e.cost, usage=e.usage, paid=paid, malformed=malformed)
+            )
             # a paid failure is on record before any re-send
             store.mark_failed(rid, e.kind, cost_usd=spent, maybe_paid=held)
             if tried.open:
@@ -255,8 +292,9 @@ class _Run:
                 await self.budget.settle(tried.bound, tried.bound)
             raise
         malformed = self.backend.paid and self._malformed_usage(rid, conv_id, turn, result.usage_problems, tried.bound)
-        spent = self.budget.booked(tried.bound, cost=result.cost, usage=result.usage, paid=self.backend.paid,
-                                   malformed=malformed)
+        spent = self.budget.booked(
+            tried.bound, cost=result.cost, usage=result.usage, paid=self.backend.paid, malformed=malformed
+        )
         self.attempt_failures.update(result.attempt_failures)
         record = _turn_record(rid, self.dataset, conv_id, turn, history, result, self.settings, spent)
         store.add_turn(record)
@@ -274,8 +312,16 @@ class _Run:
         if not problems:
             return False
         self.stats.num_replies_usage_malformed += 1
-        log.warning("%s/%s turn %d (request %s): the provider's %s; the reply is booked at its bound $%.6f (the "
-                    "most it could cost)", self.dataset, conv_id, turn, rid, "; ".join(problems), bound)
+        log.warning(
+            "%s/%s turn %d (request %s): the provider's %s; the reply is booked at its bound $%.6f (the "
+            "most it could cost)",
+            self.dataset,
+            conv_id,
+            turn,
+            rid,
+            "; ".join(problems),
+            bound,
+        )
         return True
 
     def _book(self, spent: float) -> None:
@@ -291,18 +337,37 @@ class _Try:
     open: bool = True
 
 
-def _turn_record(rid: str, dataset: str, conv_id: str, turn: int, history: list[dict],
-                 result: ChatResult, settings: GenerationSettings, cost_usd: float) -> dict:
+def _turn_record(
+    rid: str,
+    dataset: str,
+    conv_id: str,
+    turn: int,
+    history: list[dict],
+    result: ChatResult,
+    settings: GenerationSettings,
+    cost_usd: float,
+) -> dict:
     return {
-        "request_id": rid, "dataset": dataset, "conversation_id": conv_id, "turn": turn,
+        "request_id": rid,
+        "dataset": dataset,
+        "conversation_id": conv_id,
+        "turn": turn,
         "messages": history,  # exactly the prompt this answer was generated from
-        "response": {"reasoning": result.reasoning, "content": result.content,
-                     "tool_calls": result.tool_calls, "finish_reason": result.finish_reason,
-                     **({"completion_ids": result.completion_ids} if result.completion_ids is not None else {})},
-        "usage": result.usage, "cost_usd": cost_usd, "cost_reported": result.cost is not None,
+        "response": {
+            "reasoning": result.reasoning,
+            "content": result.content,
+            "tool_calls": result.tool_calls,
+            "finish_reason": result.finish_reason,
+            **({"completion_ids": result.completion_ids} if result.completion_ids is not None else {}),
+        },
+        "usage": result.usage,
+        "cost_usd": cost_usd,
+        "cost_reported": result.cost is not None,
         **({"usage_problems": list(result.usage_problems)} if result.usage_problems else {}),
-        "provider": result.provider, "model": result.model,
-        "settings": settings.identity(), "attempt_failures": result.attempt_failures,
+        "provider": result.provider,
+        "model": result.model,
+        "settings": settings.identity(),
+        "attempt_failures": result.attempt_failures,
         **({"producer": settings.producer} if settings.producer else {}),
     }
 
@@ -326,15 +391,23 @@ def _report_progress(meter: ProgressMeter, run: _Run, *, finished: bool = False)
     meter.update(done, total, note=f"{st.num_requests:,} requests, ${st.cost_usd:.4f}", force=True)
 
 
-async def regenerate_dataset(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,
-                             settings: GenerationSettings, *, dataset: str, total: int | None = None,
-                             progress: Callable[[str], None] | None = None) -> RegenerationStats:
+async def regenerate_dataset(
+    conversations: Iterable[Conversation],
+    store_path: Path,
+    backend: ChatBackend,
+    settings: GenerationSettings,
+    *,
+    dataset: str,
+    total: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RegenerationStats:
     """Regenerate every conversation into the store at `store_path`, reusing what an earlier run recorded."""
     if total is None and hasattr(conversations, "__len__"):
         total = len(conversations)  # type: ignore[arg-type]
     started = time.monotonic()
-    meter = ProgressMeter(progress or no_progress, f"raw_responses[{dataset}]", "conversations", total,
-                          every_s=settings.progress_every_s)
+    meter = ProgressMeter(
+        progress or no_progress, f"raw_responses[{dataset}]", "conversations", total, every_s=settings.progress_every_s
+    )
     with ResponseStore(store_path) as store:
         run = _Run(store, backend, settings, dataset)
         slots = asyncio.Semaphore(settings.concurrency)
@@ -380,24 +453,39 @@ def _check_failures(stats: RegenerationStats, max_fraction: float, store_path: P
     if stats.num_requests and failed / stats.num_requests > max_fraction:
         kinds = ", ".join(f"{k}: {n}" for k, n in sorted(stats.failures_by_kind.items(), key=lambda kv: -kv[1]))
         held = stats.num_failed_maybe_paid
-        rerun = "a rerun sends the failed ones again" if not held else (
-            f"a rerun sends the failed ones again, except the {held} that timed out after reaching the provider "
-            f"(they may be paid, each is booked at its bound; generation.resend_interrupted: true sends them too)")
+        rerun = (
+            "a rerun sends the failed ones again"
+            if not held
+            else (
+                f"a rerun sends the failed ones again, except the {held} that timed out after reaching the provider "
+                f"(they may be paid, each is booked at its bound; generation.resend_interrupted: true sends them too)"
+            )
+        )
         raise RegenerationFailedError(
             f"{stats.dataset}: {failed} of {stats.num_requests} requests failed for good ({kinds}), more than "
             f"generation.max_failure_fraction={max_fraction:g}; the {stats.num_turns} turns that came back are "
-            f"recorded in {store_path} and {rerun}", stats)
+            f"recorded in {store_path} and {rerun}",
+            stats,
+        )
 
 
-def regenerate_dataset_sync(conversations: Iterable[Conversation], store_path: Path, backend: ChatBackend,
-                            settings: GenerationSettings, *, dataset: str, total: int | None = None,
-                            progress: Callable[[str], None] | None = None) -> RegenerationStats:
+def regenerate_dataset_sync(
+    conversations: Iterable[Conversation],
+    store_path: Path,
+    backend: ChatBackend,
+    settings: GenerationSettings,
+    *,
+    dataset: str,
+    total: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RegenerationStats:
     """For the asset: runs the loop and closes the backend (an httpx client belongs to one event loop)."""
 
     async def main() -> RegenerationStats:
         try:
-            return await regenerate_dataset(conversations, store_path, backend, settings,
-                                            dataset=dataset, total=total, progress=progress)
+            return await regenerate_dataset(
+                conversations, store_path, backend, settings, dataset=dataset, total=total, progress=progress
+            )
         finally:
             await backend.aclose()
 

@@ -137,7 +137,9 @@ class ResponseStore:
         size = self.path.stat().st_size
         if size > good_end:
             self.repaired_bytes = size - good_end
-            log.warning("%s: torn last line (%d bytes) from an interrupted run truncated away", self.path, size - good_end)
+            log.warning(
+                "%s: torn last line (%d bytes) from an interrupted run truncated away", self.path, size - good_end
+            )
             os.truncate(self.path, good_end)
 
     def _index(self, record: Any, offset: int, length: int, lineno: int) -> None:
@@ -165,8 +167,14 @@ class ResponseStore:
         amount = usd_amount(record["cost_usd"])
         if amount is None:
             amount = self._unsettled.get(rid, 0.0)
-            log.warning("%s:%d: request %s has cost_usd %r on record, not an amount; counted at its bound $%.6f",
-                        self.path, lineno, rid, record["cost_usd"], amount)
+            log.warning(
+                "%s:%d: request %s has cost_usd %r on record, not an amount; counted at its bound $%.6f",
+                self.path,
+                lineno,
+                rid,
+                record["cost_usd"],
+                amount,
+            )
         return amount
 
     def has_turn(self, request_id: str) -> bool:
@@ -209,7 +217,6 @@ class ResponseStore:
     @property
     def num_turns(self) -> int:
         return len(self._turn_offsets)
-
 
     # -- writing -------------------------------------------------------------------------------------
 

@@ -56,8 +56,16 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         self.metadata = self._read_metadata(keys)
 
     def _read_metadata(self, keys: list[str]) -> dict:
-        common = ("format", "format_version", "target_identity", "aux_layers", "aux_layer_numbering", "dtype",
-                  "hidden_size", "last_hidden_post_norm")
+        common = (
+            "format",
+            "format_version",
+            "target_identity",
+            "aux_layers",
+            "aux_layer_numbering",
+            "dtype",
+            "hidden_size",
+            "last_hidden_post_norm",
+        )
         first: dict[str, str] | None = None
         for f_index, path in enumerate(self._files):
             meta = self._handle(f_index).metadata()
@@ -101,13 +109,24 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         f, start, end, sid = self._rows[i]
         scaled = self.metadata["dtype"] in SCALED_DTYPES
-        names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden", *(["aux_scale", "last_scale"] if scaled else [])]
+        names = [
+            "input_ids",
+            "loss_mask",
+            "aux_hidden",
+            "last_hidden",
+            *(["aux_scale", "last_scale"] if scaled else []),
+        ]
         got = dict(zip(names, self._handle(f).rows([(n, start, end) for n in names]), strict=True))
         aux, last = got["aux_hidden"], got["last_hidden"]
         if scaled:
             aux, last = dequantize(aux, got["aux_scale"]), dequantize(last, got["last_scale"])
-        return {"input_ids": got["input_ids"].long(), "loss_mask": got["loss_mask"].long(), "aux_hidden": aux,
-                "last_hidden": last, "sample_id": sid}
+        return {
+            "input_ids": got["input_ids"].long(),
+            "loss_mask": got["loss_mask"].long(),
+            "aux_hidden": aux,
+            "last_hidden": last,
+            "sample_id": sid,
+        }
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

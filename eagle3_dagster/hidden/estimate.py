@@ -72,7 +72,9 @@ class ExtractionEstimate:
     superseded: list[VersionInfo] = field(default_factory=list)
     message: str = ""
     num_hosts: int = 1  # estimated_hours is for this many hosts
-    hours_by_hosts: dict[int, float] = field(default_factory=dict)  # the remaining shards on 1, 2, 4 and num_hosts hosts
+    hours_by_hosts: dict[int, float] = field(
+        default_factory=dict
+    )  # the remaining shards on 1, 2, 4 and num_hosts hosts
     needed_bytes: int = 0  # what must fit in free_bytes: remaining_bytes, or for a store the largest shard in flight
     free_at: str = ""  # where free_bytes was measured: hidden.root, or the staging folder for a store
 
@@ -88,7 +90,12 @@ def shard_bytes(spec: ShardSpec, fmt: ShardFormat) -> int:
 def shard_manifest_bytes(spec: ShardSpec, fmt: ShardFormat) -> int:
     """The manifest's exact size: its only unknown, the sha256, is fixed-width hex."""
     entry = manifest_entry(
-        fmt, spec.key, spec.sample_ids, spec.lengths, first_record=spec.first_record, sha256="0" * 64,
+        fmt,
+        spec.key,
+        spec.sample_ids,
+        spec.lengths,
+        first_record=spec.first_record,
+        sha256="0" * 64,
         num_bytes=shard_bytes(spec, fmt),
     )
     return len(manifest_bytes(entry))
@@ -110,8 +117,11 @@ def complete_keys(version_dir: storage.Location, shards: Sequence[ShardSpec]) ->
     done = set()
     for spec in shards:
         entry = manifest.get(spec.key)
-        if entry is not None and sizes.get(shard_path(version_dir, spec.key).name) == entry["bytes"] \
-                and [s["id"] for s in entry["samples"]] == list(spec.sample_ids):
+        if (
+            entry is not None
+            and sizes.get(shard_path(version_dir, spec.key).name) == entry["bytes"]
+            and [s["id"] for s in entry["samples"]] == list(spec.sample_ids)
+        ):
             done.add(spec.key)
     return done
 
@@ -119,8 +129,11 @@ def complete_keys(version_dir: storage.Location, shards: Sequence[ShardSpec]) ->
 def find_versions(root: storage.Location, current: str) -> list[VersionInfo]:
     """Every hidden-state version folder under root other than `current` (real folders named like a version)."""
     root = storage.location(root)
-    return [VersionInfo(version=n, path=root.join(n), num_bytes=root.join(n).tree_bytes())
-            for n in root.subfolders() if n != current and VERSION_PATTERN.match(n)]
+    return [
+        VersionInfo(version=n, path=root.join(n), num_bytes=root.join(n).tree_bytes())
+        for n in root.subfolders()
+        if n != current and VERSION_PATTERN.match(n)
+    ]
 
 
 def hours_on_hosts(shard_tokens: Sequence[int], throughput_tokens_per_s: float, num_hosts: int) -> float:
@@ -181,28 +194,48 @@ def estimate_extraction(
         message = f"needs {human_bytes(needed)} of {human_bytes(free)} free at {where}"
     else:
         short = needed - free
-        message = (f"does not fit: needs {human_bytes(needed)}, {human_bytes(free)} free at {where}, "
-                   f"short by {human_bytes(short)}")
+        message = (
+            f"does not fit: needs {human_bytes(needed)}, {human_bytes(free)} free at {where}, "
+            f"short by {human_bytes(short)}"
+        )
         if superseded and not published:  # versions elsewhere free nothing in the staging folder
             names = ", ".join(f"{v.version} ({human_bytes(v.num_bytes)})" for v in superseded)
             enough = "enough" if reclaim >= short else "not enough"
             message += f"; deleting superseded versions would free {human_bytes(reclaim)} ({enough}): {names}"
-    hours = {n: hours_on_hosts(remaining_shard_tokens, throughput_tokens_per_s, n) for n in sorted({1, 2, 4, num_hosts})}
+    hours = {
+        n: hours_on_hosts(remaining_shard_tokens, throughput_tokens_per_s, n) for n in sorted({1, 2, 4, num_hosts})
+    }
     return ExtractionEstimate(
-        version=version, version_dir=version_dir, num_shards=len(shards),
-        num_samples=sum(s.num_records for s in shards), num_tokens=sum(s.num_tokens for s in shards),
-        shard_bytes=total_shard, manifest_bytes=total_manifest, total_bytes=total_shard + total_manifest,
-        remaining_bytes=remaining, remaining_tokens=remaining_tokens,
-        estimated_hours=hours[num_hosts], free_bytes=free, fits=fits,
-        superseded=superseded, message=message, num_hosts=num_hosts, hours_by_hosts=hours, needed_bytes=needed, free_at=str(free_at),
+        version=version,
+        version_dir=version_dir,
+        num_shards=len(shards),
+        num_samples=sum(s.num_records for s in shards),
+        num_tokens=sum(s.num_tokens for s in shards),
+        shard_bytes=total_shard,
+        manifest_bytes=total_manifest,
+        total_bytes=total_shard + total_manifest,
+        remaining_bytes=remaining,
+        remaining_tokens=remaining_tokens,
+        estimated_hours=hours[num_hosts],
+        free_bytes=free,
+        fits=fits,
+        superseded=superseded,
+        message=message,
+        num_hosts=num_hosts,
+        hours_by_hosts=hours,
+        needed_bytes=needed,
+        free_at=str(free_at),
     )
 
 
 def actual_bytes(version_dir: storage.Location, shard_keys: Sequence[str]) -> int:
     """Bytes on disk (or on the store) of these shards and their manifests, to compare with the estimate's prediction."""
     sizes = storage.location(version_dir).file_sizes()
-    return sum(sizes.get(p.name, 0) for key in shard_keys
-               for p in (shard_path(version_dir, key), manifest_path(version_dir, key)))
+    return sum(
+        sizes.get(p.name, 0)
+        for key in shard_keys
+        for p in (shard_path(version_dir, key), manifest_path(version_dir, key))
+    )
 
 
 @dataclass(frozen=True)
@@ -213,8 +246,11 @@ class CleanupResult:
 
 
 def cleanup_superseded(
-    root: storage.Location | Path | str, current_version: str, *, dry_run: bool = True,
-    log: Callable[[str], None] = print
+    root: storage.Location | Path | str,
+    current_version: str,
+    *,
+    dry_run: bool = True,
+    log: Callable[[str], None] = print,
 ) -> CleanupResult:
     """Delete (or, by default, only list) version folders under root that are not the current one.
 

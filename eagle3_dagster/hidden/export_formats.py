@@ -61,10 +61,14 @@ _GENERATED_BY = "eagle3 export-shards --format specforge"
 # them (atomic_open's temp files, `.NAME.HOST-PID.XXXX.tmp`, are what a killed export leaves). A new export
 # removes them; anything else in the folder is someone else's, and the folder is refused.
 _TEMP = r"\..+\.tmp"
-_EXPORT_FILES = re.compile(rf"{re.escape(EXPORT_MARKER)}|data-\d{{5}}-of-\d{{5}}\.arrow|dataset_info\.json|"
-                           rf"state\.json|{_TEMP}")
-_EXPORT_FOLDERS = ((re.compile(r"rows_\d+-\d+"), re.compile(rf"data_\d+\.ckpt|{_TEMP}")),  # specforge
-                   (re.compile(r"hidden_states"), re.compile(rf"hs_\d+\.safetensors|{_TEMP}")))  # speculators
+_EXPORT_FILES = re.compile(
+    rf"{re.escape(EXPORT_MARKER)}|data-\d{{5}}-of-\d{{5}}\.arrow|dataset_info\.json|"
+    rf"state\.json|{_TEMP}"
+)
+_EXPORT_FOLDERS = (
+    (re.compile(r"rows_\d+-\d+"), re.compile(rf"data_\d+\.ckpt|{_TEMP}")),  # specforge
+    (re.compile(r"hidden_states"), re.compile(rf"hs_\d+\.safetensors|{_TEMP}")),
+)  # speculators
 
 
 class ExportFolderError(FileExistsError):
@@ -86,7 +90,8 @@ def verify_version(version_dir: storage.Location | Path | str) -> list[str]:
         raise ShardCorruptError(
             f"{version_dir}: {len(problems)} of {len(manifest)} shards do not match their manifest, so nothing is "
             "exported (training refuses them too); materialize those hidden_states partitions again: "
-            + "; ".join(problems))
+            + "; ".join(problems)
+        )
     return sorted(manifest)
 
 
@@ -103,15 +108,15 @@ def _is_marker(path: Path) -> bool:
 def _is_target_view(path: Path) -> bool:
     """A `specforge_target_dir` folder: links and the index it generated, nothing else."""
     index = path / "model.safetensors.index.json"
-    if path.name != TARGET_VIEW or path.is_symlink() or not path.is_dir() or index.is_symlink() or \
-            not index.is_file():
+    if path.name != TARGET_VIEW or path.is_symlink() or not path.is_dir() or index.is_symlink() or not index.is_file():
         return False
     try:
         generated = json.loads(index.read_bytes()).get("metadata", {}).get("generated_by")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
-    return generated == _GENERATED_BY and all(p == index or p.is_symlink() or re.fullmatch(_TEMP, p.name)
-                                              for p in path.iterdir())
+    return generated == _GENERATED_BY and all(
+        p == index or p.is_symlink() or re.fullmatch(_TEMP, p.name) for p in path.iterdir()
+    )
 
 
 def _is_export_entry(path: Path) -> bool:
@@ -140,11 +145,13 @@ def prepare_export_dir(out_dir: Path, layout: str) -> list[str]:
     if entries and not _is_marker(out_dir / EXPORT_MARKER):
         raise ExportFolderError(
             f"{out_dir}: not empty ({', '.join(p.name for p in entries[:5])}{', …' if len(entries) > 5 else ''}) and "
-            f"not an earlier export of this project (no {EXPORT_MARKER}); export into an empty or new folder")
+            f"not an earlier export of this project (no {EXPORT_MARKER}); export into an empty or new folder"
+        )
     if foreign := [p.name for p in entries if not _is_export_entry(p)]:
         raise ExportFolderError(
             f"{out_dir}: an earlier export, but it also holds {foreign[:5]}, which no export writes; move them "
-            "away (the trainers read every sample file below the folder)")
+            "away (the trainers read every sample file below the folder)"
+        )
     for p in entries:
         if p.is_dir():
             shutil.rmtree(p)
@@ -152,6 +159,7 @@ def prepare_export_dir(out_dir: Path, layout: str) -> list[str]:
             p.unlink()
     atomic_write_json(out_dir / EXPORT_MARKER, {"format": EXPORT_FORMAT, "layout": layout, "complete": False})
     return [p.name for p in entries]
+
 
 SPECFORGE_FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
 
@@ -166,8 +174,12 @@ SPECFORGE_DTYPE = torch.bfloat16
 
 
 def export_specforge(
-    version_dir: storage.Location | Path, out_dir: Path, *, group_size: int = SPECFORGE_FILE_GROUP_SIZE,
-    progress: Callable[[int, int], None] | None = None, dtype: torch.dtype = SPECFORGE_DTYPE,
+    version_dir: storage.Location | Path,
+    out_dir: Path,
+    *,
+    group_size: int = SPECFORGE_FILE_GROUP_SIZE,
+    progress: Callable[[int, int], None] | None = None,
+    dtype: torch.dtype = SPECFORGE_DTYPE,
 ) -> int:
     """One torch.save file per sample, numbered in dataset order, states in `dtype`, into an empty folder or an
     earlier export (`prepare_export_dir`), from shards that pass their checksum; returns how many."""
@@ -221,14 +233,27 @@ def specforge_target_dir(target_dir: Path, out_dir: Path) -> Path:
                 for d in sl.get_shape():
                     numel *= d
                 total += numel * _DTYPE_BYTES[sl.get_dtype()]
-    atomic_write_json(view / "model.safetensors.index.json",
-                      {"metadata": {"total_size": total, "generated_by": _GENERATED_BY},
-                       "weight_map": weight_map})
+    atomic_write_json(
+        view / "model.safetensors.index.json",
+        {"metadata": {"total_size": total, "generated_by": _GENERATED_BY}, "weight_map": weight_map},
+    )
     return view
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
@@ -256,13 +281,18 @@ def pre_norm_equivalent(last_hidden: torch.Tensor, final_norm_weight: torch.Tens
     """y / w in float32, cast back: a state whose RMSNorm (with weight w) is y again."""
     w = final_norm_weight.float()
     if bool((w == 0).any()):
-        raise ValueError(f"final norm weight has zeros at {torch.nonzero(w == 0).flatten()[:5].tolist()}; "
-                         "the post-norm state cannot be mapped back for speculators")
+        raise ValueError(
+            f"final norm weight has zeros at {torch.nonzero(w == 0).flatten()[:5].tolist()}; "
+            "the post-norm state cannot be mapped back for speculators"
+        )
     return (last_hidden.float() / w).to(last_hidden.dtype)
 
 
 def export_speculators(
-    version_dir: storage.Location | Path, out_dir: Path, *, final_norm_weight: torch.Tensor,
+    version_dir: storage.Location | Path,
+    out_dir: Path,
+    *,
+    final_norm_weight: torch.Tensor,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Arrow dataset + hidden_states/hs_{i}.safetensors, into an empty folder or an earlier export
@@ -294,8 +324,14 @@ def export_speculators(
 def _write_provenance(out_dir: Path, ds: HiddenStatesDataset, layout: str, extra: dict | None = None) -> None:
     atomic_write_json(
         Path(out_dir) / EXPORT_MARKER,
-        {"format": EXPORT_FORMAT, "layout": layout, "complete": True, "num_samples": len(ds),
-         "sample_ids": ds.sample_ids, **ds.metadata,
-         "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm",
-         **(extra or {})},
+        {
+            "format": EXPORT_FORMAT,
+            "layout": layout,
+            "complete": True,
+            "num_samples": len(ds),
+            "sample_ids": ds.sample_ids,
+            **ds.metadata,
+            "last_hidden": "pre-norm equivalent (y / final_norm.weight)" if layout == "speculators" else "post-norm",
+            **(extra or {}),
+        },
     )

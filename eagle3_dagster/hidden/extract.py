@@ -118,13 +118,20 @@ def extract_shard(
             log(f"{staged_distrust}; extracting it again")
         _write(spec, merged_train, staged, fmt, backend, vocab_size=vocab_size, progress=progress)
     entry = publish_shard(staged, version_dir, spec.key, log=log)
-    return _result(spec, version_dir, entry, time.perf_counter() - start, skipped=False,
-                   reextracted_corrupt=distrust is not None or staged_distrust is not None,
-                   uploaded_from_staging=in_staging)
+    return _result(
+        spec,
+        version_dir,
+        entry,
+        time.perf_counter() - start,
+        skipped=False,
+        reextracted_corrupt=distrust is not None or staged_distrust is not None,
+        uploaded_from_staging=in_staging,
+    )
 
 
-def publish_shard(staged: Path, version_dir: storage.Location | Path | str, key: str, *,
-                  log: Callable[[str], None]) -> dict:
+def publish_shard(
+    staged: Path, version_dir: storage.Location | Path | str, key: str, *, log: Callable[[str], None]
+) -> dict:
     """Make the shard committed in the local folder `staged` the version's; its manifest entry.
 
     A local version is its own staging folder: nothing to do. On a store the manifest goes up only after the
@@ -152,9 +159,13 @@ def _write(spec: ShardSpec, merged_train: Path, folder: Path, fmt, backend: Back
     done = 0
     with ShardWriter(folder, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w:
         for sample, aux, last in backend(records):
-            w.write_sample(sample.id, input_ids=torch.tensor(sample.input_ids, dtype=torch.int64),
-                           loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
-                           aux_hidden=aux, last_hidden=last)
+            w.write_sample(
+                sample.id,
+                input_ids=torch.tensor(sample.input_ids, dtype=torch.int64),
+                loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
+                aux_hidden=aux,
+                last_hidden=last,
+            )
             done += len(sample.input_ids)
             if progress is not None:
                 progress(done, spec.num_tokens)
@@ -167,10 +178,25 @@ def _entry(folder: storage.Location | Path, key: str) -> dict:
     return entry
 
 
-def _result(spec: ShardSpec, version_dir: storage.Location, entry: dict, seconds: float, *, skipped: bool,
-            reextracted_corrupt: bool = False, uploaded_from_staging: bool = False) -> ShardResult:
+def _result(
+    spec: ShardSpec,
+    version_dir: storage.Location,
+    entry: dict,
+    seconds: float,
+    *,
+    skipped: bool,
+    reextracted_corrupt: bool = False,
+    uploaded_from_staging: bool = False,
+) -> ShardResult:
     return ShardResult(
-        key=spec.key, path=shard_path(version_dir, spec.key), num_samples=entry["num_samples"],
-        num_tokens=entry["num_tokens"], num_bytes=entry["bytes"], sha256=entry["sha256"], seconds=seconds,
-        skipped=skipped, reextracted_corrupt=reextracted_corrupt, uploaded_from_staging=uploaded_from_staging,
+        key=spec.key,
+        path=shard_path(version_dir, spec.key),
+        num_samples=entry["num_samples"],
+        num_tokens=entry["num_tokens"],
+        num_bytes=entry["bytes"],
+        sha256=entry["sha256"],
+        seconds=seconds,
+        skipped=skipped,
+        reextracted_corrupt=reextracted_corrupt,
+        uploaded_from_staging=uploaded_from_staging,
     )

@@ -171,15 +171,30 @@ def extract_shard_hf(
     summary = cache(lambda: target_summary(Path(model_dir)))  # read only if the shard has to be computed
 
     def fmt() -> ShardFormat:
-        return ShardFormat(hidden_size=summary()["hidden_size"], dtype=dtype, aux_layers=tuple(aux_layers),
-                           target_identity=target_identity, code_version=code_version)
+        return ShardFormat(
+            hidden_size=summary()["hidden_size"],
+            dtype=dtype,
+            aux_layers=tuple(aux_layers),
+            target_identity=target_identity,
+            code_version=code_version,
+        )
 
     def rows(records: list[SampleRecord]) -> Rows:
         loaded = model if model is not None else load_target_hf(model_dir, dtype, device)
         yield from hf_rows(loaded, aux_layers, batch_tokens)(records)
 
-    return extract_shard(spec, merged_train, version_dir, fmt, rows, vocab_size=lambda: summary()["vocab_size"],
-                         progress=progress, log=log, staging_dir=staging_dir, force=force)
+    return extract_shard(
+        spec,
+        merged_train,
+        version_dir,
+        fmt,
+        rows,
+        vocab_size=lambda: summary()["vocab_size"],
+        progress=progress,
+        log=log,
+        staging_dir=staging_dir,
+        force=force,
+    )
 
 
 def extract_all_hf(
@@ -206,8 +221,16 @@ def extract_all_hf(
             model = load_target_hf(model_dir, dtype, device)
         results.append(
             extract_shard_hf(
-                model_dir, merged_train, spec, version_dir, aux_layers=aux_layers, dtype=dtype,
-                batch_tokens=batch_tokens, target_identity=target_identity, progress=progress, model=model,
+                model_dir,
+                merged_train,
+                spec,
+                version_dir,
+                aux_layers=aux_layers,
+                dtype=dtype,
+                batch_tokens=batch_tokens,
+                target_identity=target_identity,
+                progress=progress,
+                model=model,
                 staging_dir=staging_dir,
             )
         )

@@ -45,17 +45,19 @@ class ExtractionPlan:
 def write_plan(plan: ExtractionPlan) -> storage.Location:
     """Store the plan as PLAN_FILE in its version folder, once: everything later stages need; returns its path."""
     path = plan.version_dir.join(PLAN_FILE)
-    path.write_json({
-        "contract_version": PLAN_FORMAT_VERSION,  # the key plans already written carry
-        "version": plan.version,
-        "version_dir": str(plan.version_dir),
-        "merged_train": str(plan.merged_train),
-        "merged_train_sha256": plan.merged_train_sha256,
-        "target": {**asdict(plan.target), "path": str(plan.target.path)},
-        "format": asdict(plan.fmt),
-        "shards": [asdict(s) for s in plan.shards],
-        "staging_dir": None if plan.staging_dir is None else str(plan.staging_dir),
-    })
+    path.write_json(
+        {
+            "contract_version": PLAN_FORMAT_VERSION,  # the key plans already written carry
+            "version": plan.version,
+            "version_dir": str(plan.version_dir),
+            "merged_train": str(plan.merged_train),
+            "merged_train_sha256": plan.merged_train_sha256,
+            "target": {**asdict(plan.target), "path": str(plan.target.path)},
+            "format": asdict(plan.fmt),
+            "shards": [asdict(s) for s in plan.shards],
+            "staging_dir": None if plan.staging_dir is None else str(plan.staging_dir),
+        }
+    )
     return path
 
 
@@ -67,30 +69,54 @@ def load_plan(plan_path: storage.Location | Path | str) -> ExtractionPlan:
     except FileNotFoundError:
         raise FileNotFoundError(f"extraction plan {path} not found; materialize extraction_plan first") from None
     if raw.get("contract_version") != PLAN_FORMAT_VERSION:
-        raise ValueError(f"{path}: plan format version {raw.get('contract_version')!r}, this code reads "
-                         f"{PLAN_FORMAT_VERSION}; materialize extraction_plan again")
+        raise ValueError(
+            f"{path}: plan format version {raw.get('contract_version')!r}, this code reads "
+            f"{PLAN_FORMAT_VERSION}; materialize extraction_plan again"
+        )
     t = raw["target"]
     target = TargetFacts(**{**t, "path": Path(t["path"]), "aux_layers": tuple(t["aux_layers"])})
     fmt = ShardFormat(**{**raw["format"], "aux_layers": tuple(raw["format"]["aux_layers"])})
-    shards = [ShardSpec(**{**s, "sample_ids": tuple(s["sample_ids"]), "lengths": tuple(s["lengths"])})
-              for s in raw["shards"]]
+    shards = [
+        ShardSpec(**{**s, "sample_ids": tuple(s["sample_ids"]), "lengths": tuple(s["lengths"])}) for s in raw["shards"]
+    ]
     version_dir = storage.location(raw["version_dir"])
     staging = raw.get("staging_dir")  # null in plans written before a local root named itself here
-    return ExtractionPlan(target, shards, fmt, raw["version"], version_dir, Path(raw["merged_train"]),
-                          raw["merged_train_sha256"],
-                          version_dir.parent.local_folder(None if staging is None else Path(staging)))
+    return ExtractionPlan(
+        target,
+        shards,
+        fmt,
+        raw["version"],
+        version_dir,
+        Path(raw["merged_train"]),
+        raw["merged_train_sha256"],
+        version_dir.parent.local_folder(None if staging is None else Path(staging)),
+    )
 
 
 def build_plan(profile: Profile, layout: ArtifactLayout) -> ExtractionPlan:
     """Cut merged_train into shards and name the hidden-state version: the plan extraction_plan writes."""
     h = profile.hidden
-    return plan_for(target_facts(profile, layout), layout, samples_per_shard=h.samples_per_shard,
-                    max_seq_len=profile.data.max_seq_len, backend=h.backend, dtype=h.dtype,
-                    batch_tokens=h.batch_tokens)
+    return plan_for(
+        target_facts(profile, layout),
+        layout,
+        samples_per_shard=h.samples_per_shard,
+        max_seq_len=profile.data.max_seq_len,
+        backend=h.backend,
+        dtype=h.dtype,
+        batch_tokens=h.batch_tokens,
+    )
 
 
-def plan_for(target: TargetFacts, layout: ArtifactLayout, *, samples_per_shard: int, max_seq_len: int,
-             backend: str, dtype: str, batch_tokens: int) -> ExtractionPlan:
+def plan_for(
+    target: TargetFacts,
+    layout: ArtifactLayout,
+    *,
+    samples_per_shard: int,
+    max_seq_len: int,
+    backend: str,
+    dtype: str,
+    batch_tokens: int,
+) -> ExtractionPlan:
     """`build_plan` from the settings themselves (hidden.*, data.max_seq_len), as the plan stage is given them."""
     merged = layout.merged_train
     if not merged.exists():
@@ -99,13 +125,22 @@ def plan_for(target: TargetFacts, layout: ArtifactLayout, *, samples_per_shard: 
     backend_version = BACKEND_CODE_VERSIONS[backend]
     merged_sha = sha256_file(merged)
     version = hidden_version(
-        target.identity, merged_sha, list(target.aux_layers), dtype, backend_version,
-        samples_per_shard=samples_per_shard, batch_tokens=batch_tokens if backend == "hf" else None,
+        target.identity,
+        merged_sha,
+        list(target.aux_layers),
+        dtype,
+        backend_version,
+        samples_per_shard=samples_per_shard,
+        batch_tokens=batch_tokens if backend == "hf" else None,
     )
     fmt = ShardFormat(
-        hidden_size=target.hidden_size, dtype=dtype, aux_layers=target.aux_layers,
-        target_identity=target.identity, code_version=backend_version,
+        hidden_size=target.hidden_size,
+        dtype=dtype,
+        aux_layers=target.aux_layers,
+        target_identity=target.identity,
+        code_version=backend_version,
     )
     root = storage.location(layout.hidden_root)
-    return ExtractionPlan(target, shards, fmt, version, root.join(version), merged, merged_sha,
-                          root.local_folder(layout.staging_dir))
+    return ExtractionPlan(
+        target, shards, fmt, version, root.join(version), merged, merged_sha, root.local_folder(layout.staging_dir)
+    )

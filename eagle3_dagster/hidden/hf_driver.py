@@ -43,15 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"shards {unknown} are not in the plan {args.plan} ({len(by_key)} shards)", file=sys.stderr)
         return 2
-    results = extract_shards_hf(plan, [by_key[k] for k in args.shard], batch_tokens=args.batch_tokens,
-                                progress=lambda line: print(line, flush=True), force=args.force)
+    results = extract_shards_hf(
+        plan,
+        [by_key[k] for k in args.shard],
+        batch_tokens=args.batch_tokens,
+        progress=lambda line: print(line, flush=True),
+        force=args.force,
+    )
     for r in results:
         print(json.dumps(r), flush=True)
     return 0
 
 
-def extract_shards_hf(plan: ExtractionPlan, specs: list[ShardSpec], *, batch_tokens: int, progress: Progress,
-                      force: bool = False) -> list[dict]:
+def extract_shards_hf(
+    plan: ExtractionPlan, specs: list[ShardSpec], *, batch_tokens: int, progress: Progress, force: bool = False
+) -> list[dict]:
     """The hf backend over some shards of a plan, with one loaded model in the plan's dtype (`force`: complete
     shards too)."""
     from eagle3_dagster.hidden.extract_hf import extract_shard_hf, load_target_hf
@@ -63,14 +69,31 @@ def extract_shards_hf(plan: ExtractionPlan, specs: list[ShardSpec], *, batch_tok
         # extract_shard_hf counts tokens as progress(done, total): a meter turns that into the contract's line
         meter = ProgressMeter(progress, f"hidden_states[{spec.key}]", "tokens", spec.num_tokens)
         r = extract_shard_hf(
-            plan.target.path, plan.merged_train, spec, plan.version_dir, aux_layers=list(plan.target.aux_layers),
-            dtype=dtype, batch_tokens=batch_tokens, code_version=plan.fmt.code_version, log=progress,
-            target_identity=plan.target.identity, progress=meter, model=model, staging_dir=plan.staging_dir, force=force,
+            plan.target.path,
+            plan.merged_train,
+            spec,
+            plan.version_dir,
+            aux_layers=list(plan.target.aux_layers),
+            dtype=dtype,
+            batch_tokens=batch_tokens,
+            code_version=plan.fmt.code_version,
+            log=progress,
+            target_identity=plan.target.identity,
+            progress=meter,
+            model=model,
+            staging_dir=plan.staging_dir,
+            force=force,
         )
         if r.skipped:
             progress(f"hidden_states[{spec.key}]: complete in the manifest, skipped")
-        results.append({"shard": spec.key, "skipped": r.skipped, "reextracted_corrupt": r.reextracted_corrupt,
-                        "uploaded_from_staging": r.uploaded_from_staging})
+        results.append(
+            {
+                "shard": spec.key,
+                "skipped": r.skipped,
+                "reextracted_corrupt": r.reextracted_corrupt,
+                "uploaded_from_staging": r.uploaded_from_staging,
+            }
+        )
     return results
 
 

@@ -24,8 +24,14 @@ import torch
 
 from eagle3_dagster import storage
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "U8": torch.uint8}
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "U8": torch.uint8,
+}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
@@ -78,8 +84,10 @@ class RangedSafetensors:
             for d in shape:
                 numel *= d
             if dtype is None or end - start != numel * dtype.itemsize or self._data_start + end > self.num_bytes:
-                raise ValueError(f"{loc}: tensor {tname!r} ({info.get('dtype')}, shape {shape}, bytes "
-                                 f"[{start}, {end})) does not fit the file")
+                raise ValueError(
+                    f"{loc}: tensor {tname!r} ({info.get('dtype')}, shape {shape}, bytes "
+                    f"[{start}, {end})) does not fit the file"
+                )
             self._tensors[tname] = (dtype, shape, start, end)
 
     def metadata(self) -> dict[str, str]:

@@ -145,7 +145,10 @@ def header_metadata(fmt: ShardFormat, key: str, sample_ids: Sequence[str], num_t
 def tensor_layout(fmt: ShardFormat, num_tokens: int, num_samples: int) -> list[tuple[str, str, list[int], int]]:
     """(name, safetensors dtype, shape, nbytes) in file order; float tensors first keeps them 8-byte aligned."""
     h, tag, size = fmt.hidden_size, DTYPES[fmt.dtype][0], fmt.itemsize
-    scales = [("aux_scale", "F32", [num_tokens, 3], num_tokens * 12), ("last_scale", "F32", [num_tokens], num_tokens * 4)]
+    scales = [
+        ("aux_scale", "F32", [num_tokens, 3], num_tokens * 12),
+        ("last_scale", "F32", [num_tokens], num_tokens * 4),
+    ]
     return [
         *(scales if fmt.scaled else []),
         ("aux_hidden", tag, [num_tokens, 3 * h], num_tokens * 3 * h * size),
@@ -178,8 +181,14 @@ def shard_file_size(fmt: ShardFormat, key: str, sample_ids: Sequence[str], lengt
 
 
 def manifest_entry(
-    fmt: ShardFormat, key: str, sample_ids: Sequence[str], lengths: Sequence[int], *, first_record: int,
-    sha256: str, num_bytes: int,
+    fmt: ShardFormat,
+    key: str,
+    sample_ids: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    first_record: int,
+    sha256: str,
+    num_bytes: int,
 ) -> dict:
     rows, pos = [], 0
     for sid, n in zip(sample_ids, lengths, strict=True):
@@ -221,16 +230,24 @@ class ShardWriter:
     """
 
     def __init__(
-        self, version_dir: Path, key: str, fmt: ShardFormat, sample_ids: Sequence[str], lengths: Sequence[int],
-        *, first_record: int = 0,
+        self,
+        version_dir: Path,
+        key: str,
+        fmt: ShardFormat,
+        sample_ids: Sequence[str],
+        lengths: Sequence[int],
+        *,
+        first_record: int = 0,
     ) -> None:
         if len(sample_ids) != len(lengths) or not sample_ids:
             raise ValueError(f"{key}: need one length per sample id and at least one sample")
         try:
             self.version_dir = storage.location(version_dir).local_path()
         except ValueError:
-            raise ValueError(f"{key}: ShardWriter writes a local folder, not {version_dir}; shards for a store are "
-                             "written in the staging folder and published (extract.extract_shard does both)") from None
+            raise ValueError(
+                f"{key}: ShardWriter writes a local folder, not {version_dir}; shards for a store are "
+                "written in the staging folder and published (extract.extract_shard does both)"
+            ) from None
         self.key, self.fmt = key, fmt
         self.sample_ids, self.lengths, self.first_record = list(sample_ids), [int(n) for n in lengths], first_record
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
@@ -264,7 +281,12 @@ class ShardWriter:
         os.pwrite(self._fd, buf.data.cast("B"), self._data_start + self._starts[name] + row * width)
 
     def write_sample(
-        self, sample_id: str, *, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
+        self,
+        sample_id: str,
+        *,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        aux_hidden: torch.Tensor,
         last_hidden: torch.Tensor,
     ) -> None:
         """Rows of one sample: aux_hidden [T, 3H] and last_hidden [T, H] (cast to the shard dtype), ids and mask [T]."""
@@ -277,11 +299,15 @@ class ShardWriter:
             raise ValueError(f"{self.key}: sample {sample_id!r} written twice")
         n, h = self.lengths[i], self.fmt.hidden_size
         for name, t, shape in (
-            ("input_ids", input_ids, (n,)), ("loss_mask", loss_mask, (n,)),
-            ("aux_hidden", aux_hidden, (n, 3 * h)), ("last_hidden", last_hidden, (n, h)),
+            ("input_ids", input_ids, (n,)),
+            ("loss_mask", loss_mask, (n,)),
+            ("aux_hidden", aux_hidden, (n, 3 * h)),
+            ("last_hidden", last_hidden, (n, h)),
         ):
             if tuple(t.shape) != shape:
-                raise ValueError(f"{self.key}: sample {sample_id!r} {name} has shape {tuple(t.shape)}, expected {shape}")
+                raise ValueError(
+                    f"{self.key}: sample {sample_id!r} {name} has shape {tuple(t.shape)}, expected {shape}"
+                )
         row = self._row0[i]
         if self.fmt.scaled:
             (aux_q, aux_scale), (last_q, last_scale) = quantize_rows(aux_hidden, 3), quantize_rows(last_hidden, 1)
@@ -310,8 +336,13 @@ class ShardWriter:
         digest = sha256_file(self.tmp_path)
         os.replace(self.tmp_path, self.final_path)
         self.entry = manifest_entry(
-            self.fmt, self.key, self.sample_ids, self.lengths, first_record=self.first_record,
-            sha256=digest, num_bytes=self.num_bytes,
+            self.fmt,
+            self.key,
+            self.sample_ids,
+            self.lengths,
+            first_record=self.first_record,
+            sha256=digest,
+            num_bytes=self.num_bytes,
         )
         atomic_write_json(manifest_path(self.version_dir, self.key), self.entry)
         return self.entry
@@ -353,16 +384,21 @@ def load_manifest(version_dir: storage.Location) -> dict[str, dict]:
         try:
             entry = parse_json(blob, version_dir.join(n))
         except ValueError as e:
-            raise ValueError(f"{e}: a corrupt shard manifest; delete it and the shard "
-                             f"{n[: -len(MANIFEST_SUFFIX)]} counts as missing and is extracted again") from None
+            raise ValueError(
+                f"{e}: a corrupt shard manifest; delete it and the shard "
+                f"{n[: -len(MANIFEST_SUFFIX)]} counts as missing and is extracted again"
+            ) from None
         if entry.get("shard") != n[: -len(MANIFEST_SUFFIX)]:
-            raise ValueError(f"{version_dir.join(n)}: manifest names shard {entry.get('shard')!r}, "
-                             "not its own file name")
+            raise ValueError(
+                f"{version_dir.join(n)}: manifest names shard {entry.get('shard')!r}, not its own file name"
+            )
         out[entry["shard"]] = entry
     return out
 
 
-def is_shard_complete(version_dir: storage.Location | Path, key: str, expected_ids: Sequence[str] | None = None) -> bool:
+def is_shard_complete(
+    version_dir: storage.Location | Path, key: str, expected_ids: Sequence[str] | None = None
+) -> bool:
     """Done = a manifest entry whose shard file has the recorded size (and, if given, the expected samples)."""
     entry = load_shard_manifest(version_dir, key)
     if entry is None or shard_path(version_dir, key).size() != entry["bytes"]:

@@ -35,8 +35,7 @@ def launch_record(host: GpuHost) -> dict:
     record: dict = {"pid": os.getpid(), "machine": socket.gethostname(), "since": time.time()}
     if (held := held_here(host.name)) is not None:
         lease_dir, holder = held
-        record |= {"lease_dir": str(Path(lease_dir).resolve()), "lease_name": host.name,
-                   "run_id": holder.get("run_id")}
+        record |= {"lease_dir": str(Path(lease_dir).resolve()), "lease_name": host.name, "run_id": holder.get("run_id")}
     return record
 
 
@@ -58,8 +57,12 @@ def _recorded(host: GpuHost, name: str) -> dict:
         record = json.loads(proc.stdout) if proc.returncode == 0 else {}
     except ValueError:
         return {}
-    if not isinstance(record, dict) or not isinstance(record.get("lease_dir"), str) \
-            or not os.path.isabs(record["lease_dir"]) or not isinstance(record.get("lease_name"), str):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("lease_dir"), str)
+        or not os.path.isabs(record["lease_dir"])
+        or not isinstance(record.get("lease_name"), str)
+    ):
         return {}
     return record
 
@@ -83,13 +86,18 @@ def refuse_if_leased_elsewhere(host: GpuHost, name: str) -> None:
         holder = who_holds(lease_dir, lease_name)
         if holder is None:
             continue
-        launched = (f"; the server was launched by run {record.get('run_id')} (pid {record.get('pid')} on "
-                    f"{record.get('machine')})" if record else "")
+        launched = (
+            f"; the server was launched by run {record.get('run_id')} (pid {record.get('pid')} on "
+            f"{record.get('machine')})"
+            if record
+            else ""
+        )
         raise HostInUseError(
             f"{host.where()}: the SGLang server recorded in {host.spec.workdir}/{name}.pid is live and host "
             f"{lease_name} is leased by run {holder.get('run_id', '?')} (pid {holder.get('pid', '?')}, "
             f"{lease_path(lease_dir, lease_name)}){launched}; another run's server is never stopped: wait for "
-            f"that run to end, or give this launch another port (gpu_host.hosts[i].sglang_port)")
+            f"that run to end, or give this launch another port (gpu_host.hosts[i].sglang_port)"
+        )
 
 
 def _same_folder(a: Path | str, b: Path | str) -> bool:

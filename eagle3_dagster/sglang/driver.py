@@ -122,31 +122,40 @@ def assemble_sample(
     expected_start = 0
     for start, path in chunks:
         if start != expected_start:
-            raise DumpError(f"sample {sample.id!r}: dump chunk {path.name} starts at {start}, expected {expected_start}")
+            raise DumpError(
+                f"sample {sample.id!r}: dump chunk {path.name} starts at {start}, expected {expected_start}"
+            )
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
             names = ["input_ids", "last_hidden", *(f"hidden.{i}" for i in aux_layers)]
             missing = [n for n in names if n not in f.keys()]
             if missing:
-                raise DumpError(f"sample {sample.id!r}: {path.name} lacks {missing} (dumped layers {meta.get('layers')})")
+                raise DumpError(
+                    f"sample {sample.id!r}: {path.name} lacks {missing} (dumped layers {meta.get('layers')})"
+                )
             for n in names:
                 parts.setdefault(n, []).append(f.get_tensor(n))
         expected_start += parts["input_ids"][-1].shape[0]
     num_tokens = len(sample.input_ids)
     if expected_start != num_tokens:
-        raise DumpError(f"sample {sample.id!r}: dump covers positions [0, {expected_start}), the sample has "
-                        f"{num_tokens}")
+        raise DumpError(
+            f"sample {sample.id!r}: dump covers positions [0, {expected_start}), the sample has {num_tokens}"
+        )
     full = {k: torch.cat(v) for k, v in parts.items()}
     if full["input_ids"].tolist() != sample.input_ids:
         raise DumpError(f"sample {sample.id!r}: dumped token ids differ from the sample's input_ids")
     for k, v in full.items():
         if k != "input_ids" and tuple(v.shape) != (num_tokens, hidden_size):
-            raise DumpError(f"sample {sample.id!r}: {k} has shape {tuple(v.shape)}, expected {(num_tokens, hidden_size)}")
+            raise DumpError(
+                f"sample {sample.id!r}: {k} has shape {tuple(v.shape)}, expected {(num_tokens, hidden_size)}"
+            )
     aux = torch.cat([full[f"hidden.{i}"] for i in aux_layers], dim=-1)
     return aux, full["last_hidden"]
 
 
-def sglang_rows(settings: DriverSettings, aux_layers: list[int], hidden_size: int) -> Callable[[list[SampleRecord]], Rows]:
+def sglang_rows(
+    settings: DriverSettings, aux_layers: list[int], hidden_size: int
+) -> Callable[[list[SampleRecord]], Rows]:
     """The SGLang backend: prefill requests in flight, each sample's dump stitched and checked as it returns."""
 
     def rows(records: list[SampleRecord]) -> Rows:
@@ -193,10 +202,24 @@ def extract_shard_sglang(
 ) -> ShardResult:
     """One shard through the server (resume, format, commit and upload to a store are `extract_shard`'s;
     `force`: extract it again even when complete)."""
-    fmt = ShardFormat(hidden_size=hidden_size, dtype=dtype, aux_layers=tuple(aux_layers),
-                      target_identity=target_identity, code_version=code_version)
-    return extract_shard(spec, merged_train, version_dir, fmt, sglang_rows(settings, aux_layers, hidden_size),
-                         progress=progress, log=log, staging_dir=staging_dir, force=force)
+    fmt = ShardFormat(
+        hidden_size=hidden_size,
+        dtype=dtype,
+        aux_layers=tuple(aux_layers),
+        target_identity=target_identity,
+        code_version=code_version,
+    )
+    return extract_shard(
+        spec,
+        merged_train,
+        version_dir,
+        fmt,
+        sglang_rows(settings, aux_layers, hidden_size),
+        progress=progress,
+        log=log,
+        staging_dir=staging_dir,
+        force=force,
+    )
 
 
 def dump_folder(plan: ExtractionPlan) -> Path:
@@ -238,16 +261,36 @@ def main(argv: list[str] | None = None) -> int:
 
     fmt = plan.fmt
     result = extract_shard_sglang(
-        DriverSettings(a.base_url, dump_folder(plan), concurrency=a.concurrency), plan.merged_train, by_key[a.shard],
-        plan.version_dir, aux_layers=list(fmt.aux_layers), hidden_size=fmt.hidden_size, dtype=fmt.dtype,
-        target_identity=fmt.target_identity, code_version=fmt.code_version, progress=progress,
-        log=lambda line: print(line, flush=True), staging_dir=plan.staging_dir, force=a.force,
+        DriverSettings(a.base_url, dump_folder(plan), concurrency=a.concurrency),
+        plan.merged_train,
+        by_key[a.shard],
+        plan.version_dir,
+        aux_layers=list(fmt.aux_layers),
+        hidden_size=fmt.hidden_size,
+        dtype=fmt.dtype,
+        target_identity=fmt.target_identity,
+        code_version=fmt.code_version,
+        progress=progress,
+        log=lambda line: print(line, flush=True),
+        staging_dir=plan.staging_dir,
+        force=a.force,
     )
-    print(orjson.dumps({
-        "shard": result.key, "num_samples": result.num_samples, "num_tokens": result.num_tokens,
-        "bytes": result.num_bytes, "sha256": result.sha256, "seconds": result.seconds, "skipped": result.skipped,
-        "reextracted_corrupt": result.reextracted_corrupt, "uploaded_from_staging": result.uploaded_from_staging,
-    }).decode(), flush=True)
+    print(
+        orjson.dumps(
+            {
+                "shard": result.key,
+                "num_samples": result.num_samples,
+                "num_tokens": result.num_tokens,
+                "bytes": result.num_bytes,
+                "sha256": result.sha256,
+                "seconds": result.seconds,
+                "skipped": result.skipped,
+                "reextracted_corrupt": result.reextracted_corrupt,
+                "uploaded_from_staging": result.uploaded_from_staging,
+            }
+        ).decode(),
+        flush=True,
+    )
     return 0
 
 

@@ -124,8 +124,11 @@ def _transition(python: str, *, reverse: bool) -> str:
     result = apply_unified_diff(data.decode(), release.patch_file.read_text(), reverse=reverse).encode()
     expected = release.pristine_sha256 if reverse else release.patched_sha256
     if hashlib.sha256(result).hexdigest() != expected:
-        what = f"reverting {path} did not restore the pristine" if reverse else \
-            f"{release.patch_file} did not produce the expected patched"
+        what = (
+            f"reverting {path} did not restore the pristine"
+            if reverse
+            else f"{release.patch_file} did not produce the expected patched"
+        )
         raise PatchError(f"{what} file for sglang {version}")
     _rewrite(path, result)
     return f"{verb}: {path} (sglang {version})"

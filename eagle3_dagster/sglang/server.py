@@ -69,8 +69,17 @@ class ServerSpec:
     sglang_version: str | None = None  # the host's release: its own options (patches/sglang/releases.json)
 
     def argv(self, python: str, served_model_name: str | None = None) -> list[str]:
-        args = [*(self.launcher or (python, "-m", "sglang.launch_server")), "--model-path", self.model_path,
-                "--tp-size", str(self.tp_size), "--host", "127.0.0.1", "--port", str(self.port)]
+        args = [
+            *(self.launcher or (python, "-m", "sglang.launch_server")),
+            "--model-path",
+            self.model_path,
+            "--tp-size",
+            str(self.tp_size),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if served_model_name is not None:
             args += ["--served-model-name", served_model_name]
         if self.trust_remote_code:
@@ -89,14 +98,21 @@ class ServerSpec:
         if (why := refused_extraction_option(self.extra_args)) is not None:
             raise ValueError(why)
         if self.sglang_version is None:
-            args = ["--disable-radix-cache", "--chunked-prefill-size", "-1", "--disable-cuda-graph",
-                    "--skip-server-warmup"]
+            args = [
+                "--disable-radix-cache",
+                "--chunked-prefill-size",
+                "-1",
+                "--disable-cuda-graph",
+                "--skip-server-warmup",
+            ]
         else:
             args = list(sglang_patch.release_for(self.sglang_version).extraction_args)
         missing = [a for a in REQUIRED_EXTRACTION_OPTIONS if a not in args]
         if missing:  # a releases.json row without it would serve cached prefixes with no states
-            raise ValueError(f"hidden-state extraction on sglang {self.sglang_version} would run without {missing}: "
-                             "a cached prefix has no hidden states")
+            raise ValueError(
+                f"hidden-state extraction on sglang {self.sglang_version} would run without {missing}: "
+                "a cached prefix has no hidden states"
+            )
         return args
 
     def environment(self) -> dict[str, str]:
@@ -159,9 +175,11 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     claim.refuse_if_leased_elsewhere(host, name)  # a live server of a run holding the host is never stopped
     host.stop_stale(name)
     if host.run(program_argv(host.spec.python, health, "port", spec.port), check=False).returncode == 0:
-        raise ServerError(f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
-                          f"server this project started (none is recorded in {host.spec.workdir}/{name}.pid); "
-                          f"stop it or set hidden.sglang_port to a free port")
+        raise ServerError(
+            f"{host.where()}: something already answers on 127.0.0.1:{spec.port} and it is not a "
+            f"server this project started (none is recorded in {host.spec.workdir}/{name}.pid); "
+            f"stop it or set hidden.sglang_port to a free port"
+        )
     served_model_name = f"eagle3-{uuid.uuid4().hex[:16]}"
     claim.record_launch(host, name)
     proc = host.spawn(spec.argv(host.spec.python, served_model_name), spec.environment(), name)
@@ -191,18 +209,25 @@ def check_reviewed_code(host: GpuHost, spec: ServerSpec) -> None:
     else UnreviewedCodeError naming each file and both hashes, before anything is started or stopped."""
     if not spec.trust_remote_code or spec.reviewed_code is None:
         return
-    proc = host.run(program_argv(host.spec.python, target_code, "check", spec.model_path,
-                                 json.dumps(dict(spec.reviewed_code))), check=False)
+    proc = host.run(
+        program_argv(host.spec.python, target_code, "check", spec.model_path, json.dumps(dict(spec.reviewed_code))),
+        check=False,
+    )
     if proc.returncode != 0:
         said = proc.stderr.strip()[-4000:] or f"exit {proc.returncode}"
         raise target_code.UnreviewedCodeError(f"{host.where()}: {said}")
 
 
-def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str],
-                  served_model_name: str) -> None:
+def _wait_healthy(
+    host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str], served_model_name: str
+) -> None:
     waiter = subprocess.Popen(
         host.command(program_argv(host.spec.python, health, "wait", url, timeout_s, served_model_name)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         while waiter.poll() is None:
             if proc.poll() is not None:
@@ -212,8 +237,10 @@ def _wait_healthy(host: GpuHost, proc: HostProcess, url: str, timeout_s: float, 
         if waiter.returncode == 2:
             raise ServerError(f"{host.where()}: refusing a server that is not ours: {said}")
         if waiter.returncode != 0:
-            raise ServerError(f"SGLang server not healthy at {url}/health_generate within {timeout_s:.0f}s "
-                              f"({said}); last log lines:\n" + "\n".join(tail))
+            raise ServerError(
+                f"SGLang server not healthy at {url}/health_generate within {timeout_s:.0f}s "
+                f"({said}); last log lines:\n" + "\n".join(tail)
+            )
     finally:
         if waiter.poll() is None:
             with contextlib.suppress(ProcessLookupError):

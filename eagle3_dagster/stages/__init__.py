@@ -20,8 +20,18 @@ from typing import Any, TypeVar
 
 from eagle3_dagster.progress import PROGRESS_EVERY_S, Progress, ProgressMeter, format_duration, no_progress
 
-__all__ = ["PROGRESS_EVERY_S", "Progress", "ProgressMeter", "StageReport", "StageSettings", "TargetFiles",
-           "format_duration", "group", "no_progress", "setting"]
+__all__ = [
+    "PROGRESS_EVERY_S",
+    "Progress",
+    "ProgressMeter",
+    "StageReport",
+    "StageSettings",
+    "TargetFiles",
+    "format_duration",
+    "group",
+    "no_progress",
+    "setting",
+]
 
 
 @dataclass

@@ -38,18 +38,27 @@ class BenchSettings(StageSettings):
     aux_layers: list[int] | None = setting("hidden.aux_layers")  # the layers the served drafter is fed
     target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
     sglang_port: int = setting("hidden.sglang_port", runs_with="where the server listens")
-    sglang_server_args: list[str] = setting("hidden.sglang_server_args", runs_with="the host's own server options "
-                                            "(its device, memory fraction, attention backend)")
-    tp_size: int = setting("hidden.tp_size", runs_with="how many GPUs serve the target; the verify steps are "
-                           "the same")
+    sglang_server_args: list[str] = setting(
+        "hidden.sglang_server_args",
+        runs_with="the host's own server options (its device, memory fraction, attention backend)",
+    )
+    tp_size: int = setting("hidden.tp_size", runs_with="how many GPUs serve the target; the verify steps are the same")
 
     def target_facts(self, layout: ArtifactLayout) -> TargetFacts:
         return target_facts_at(self.target.model_dir(layout), self.aux_layers)
 
 
-def benchmark_stage(settings: BenchSettings, layout: ArtifactLayout, *, export_dir: Path, previous_results: str | None,
-                    run_id: str, gpu_host: Any = None, progress: Progress = no_progress,
-                    out_dir: Path | None = None) -> StageReport:
+def benchmark_stage(
+    settings: BenchSettings,
+    layout: ArtifactLayout,
+    *,
+    export_dir: Path,
+    previous_results: str | None,
+    run_id: str,
+    gpu_host: Any = None,
+    progress: Progress = no_progress,
+    out_dir: Path | None = None,
+) -> StageReport:
     """Benchmark the drafter exported in `export_dir`: the path drafter_checkpoint's materialization names,
     or any standard EAGLE-3 export for the profile's target (another trainer's: `drafter.imported`).
 
@@ -92,8 +101,9 @@ def _served(settings: BenchSettings, layout: ArtifactLayout, export: Path, host:
         raise ValueError("benchmark_report: the served benchmark (bench.mode 'served') needs the gpu_host resource")
     installed = _serving_release(settings, export, host)
     target = settings.target_facts(layout)
-    tokenizer = load_tokenizer(target.path, trust_remote_code=settings.target.trust_remote_code,
-                               reviewed_code=settings.target.reviewed_code)
+    tokenizer = load_tokenizer(
+        target.path, trust_remote_code=settings.target.trust_remote_code, reviewed_code=settings.target.reviewed_code
+    )
     context, bench = settings.serving_context, settings.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
     sets, described = {}, {}
@@ -101,23 +111,42 @@ def _served(settings: BenchSettings, layout: ArtifactLayout, export: Path, host:
         prompt_set = load_prompt_set(name, bench.num_prompts, bench.set_paths.get(name))
         sets[name] = render_prompts(tokenizer, prompt_set, limit)
         described[name] = prompt_set.describe() | {
-            "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
-            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
+            "num_prompts": len(sets[name]),
+            "max_prompt_tokens": limit,
+            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name]),
+        }
 
     drafter_meta = _served_drafter_notes(settings, export, target, progress, installed)
     configs = [(None, "no_spec")] + [(SpecConfig.parse(tuple(c)), "eagle3") for c in bench.spec_configs]
     rows = []
     for spec, method in configs:
-        server = serving_spec(settings, target.path, export, installed, spec,
-                              port=host.spec.server_port(settings.sglang_port))
-        rows += run_on_host(host, server, sets, method=method, spec=spec.label if spec else None,
-                            max_new_tokens=bench.max_new_tokens, concurrency=bench.concurrency, log=progress)
-    return results_document(attach_speedups(rows), "served", described,
-                            meta={"target_identity": target.identity, **drafter_meta})
+        server = serving_spec(
+            settings, target.path, export, installed, spec, port=host.spec.server_port(settings.sglang_port)
+        )
+        rows += run_on_host(
+            host,
+            server,
+            sets,
+            method=method,
+            spec=spec.label if spec else None,
+            max_new_tokens=bench.max_new_tokens,
+            concurrency=bench.concurrency,
+            log=progress,
+        )
+    return results_document(
+        attach_speedups(rows), "served", described, meta={"target_identity": target.identity, **drafter_meta}
+    )
 
 
-def serving_spec(settings: BenchSettings, target_path: Path, export: Path, installed: str | None, spec: Any, *,
-                 port: int | None = None) -> Any:
+def serving_spec(
+    settings: BenchSettings,
+    target_path: Path,
+    export: Path,
+    installed: str | None,
+    spec: Any,
+    *,
+    port: int | None = None,
+) -> Any:
     """The served benchmark's server: the target, and with `spec` (a `SpecConfig`) the exported drafter under
     `--speculative-algorithm EAGLE3` at that configuration; the release's serving options come with `installed`.
     `port`: the serving host's (default `hidden.sglang_port`)."""
@@ -127,17 +156,30 @@ def serving_spec(settings: BenchSettings, target_path: Path, export: Path, insta
     if spec is not None:
         if installed is not None:  # every launch of the drafter, not only the stage's, meets the release check
             _check_export_release(export, installed, "the serving host")
-        extra = ("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(export),
-                 "--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
-                 "--speculative-num-draft-tokens", str(spec.num_draft_tokens or spec.num_steps + 1))
+        extra = (
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(export),
+            "--speculative-num-steps",
+            str(spec.num_steps),
+            "--speculative-eagle-topk",
+            str(spec.topk),
+            "--speculative-num-draft-tokens",
+            str(spec.num_draft_tokens or spec.num_steps + 1),
+        )
     # the host's own options (its device, memory fraction, attention backend) after the drafter's, as extraction
     # passes them: without them a host that needs them (a CPU host: --device cpu) cannot serve the benchmark
-    return ServerSpec(model_path=str(target_path), port=port or settings.sglang_port,
-                      tp_size=settings.tp_size,
-                      context_length=settings.serving_context,
-                      extra_args=(*extra, *settings.sglang_server_args), sglang_version=installed,
-                      trust_remote_code=settings.target.trust_remote_code,
-                      reviewed_code=settings.target.reviewed_code)
+    return ServerSpec(
+        model_path=str(target_path),
+        port=port or settings.sglang_port,
+        tp_size=settings.tp_size,
+        context_length=settings.serving_context,
+        extra_args=(*extra, *settings.sglang_server_args),
+        sglang_version=installed,
+        trust_remote_code=settings.target.trust_remote_code,
+        reviewed_code=settings.target.reviewed_code,
+    )
 
 
 def _serving_release(settings: BenchSettings, export: Path, host: Any) -> str:
@@ -158,11 +200,13 @@ def _check_export_release(export: Path, installed: str, where: str) -> None:
             f"benchmark_report: {where} has SGLang {installed}, but the export {export} has aux ids right on "
             f"SGLang {', '.join(right_on)} only (config.json eagle3_dagster_sglang.releases): {installed} would "
             f"capture other layers for the drafter; install one of those there, or export again with "
-            f"gpu_host.sglang_version: {installed}")
+            f"gpu_host.sglang_version: {installed}"
+        )
 
 
-def _served_drafter_notes(settings: BenchSettings, export: Path, target: Any, progress: Progress,
-                          installed: str | None = None) -> dict:
+def _served_drafter_notes(
+    settings: BenchSettings, export: Path, target: Any, progress: Progress, installed: str | None = None
+) -> dict:
     """What the serving release will capture for another trainer's export (SGLang reads the export itself)."""
     import json
 
@@ -173,12 +217,17 @@ def _served_drafter_notes(settings: BenchSettings, export: Path, target: Any, pr
         return {"drafter_source": "eagle3_dagster"}
     cfg = json.loads((export / "config.json").read_text())
     version = installed or settings.sglang_version or REFERENCE_SGLANG  # the release that will serve it
-    aux, origin, notes = resolve_aux_layers(cfg, target_summary(target.path)["architecture"], target.num_layers,
-                                            version)
+    aux, origin, notes = resolve_aux_layers(
+        cfg, target_summary(target.path)["architecture"], target.num_layers, version
+    )
     for note in notes:
         progress(f"drafter {export}: {note}")
-    return {"drafter_source": "external", "drafter_aux_layers": aux, "drafter_aux_layers_from": origin,
-            "drafter_notes": notes}
+    return {
+        "drafter_source": "external",
+        "drafter_aux_layers": aux,
+        "drafter_aux_layers_from": origin,
+        "drafter_notes": notes,
+    }
 
 
 def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, progress: Progress) -> dict:
@@ -203,8 +252,13 @@ def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, pr
         progress(f"drafter {export}: {note}")
     drafter = imported.model.float()
     torch.manual_seed(0)
-    untrained = Eagle3Drafter(drafter.cfg, drafter.embed_tokens.weight.detach().clone(),
-                              drafter.d2t.clone(), drafter.t2d.clone()).float().eval()
+    untrained = (
+        Eagle3Drafter(
+            drafter.cfg, drafter.embed_tokens.weight.detach().clone(), drafter.d2t.clone(), drafter.t2d.clone()
+        )
+        .float()
+        .eval()
+    )
     # Prompts fit the serving context with room for the answer; acceptance is split at the training length.
     context, bench = settings.serving_context, settings.bench
     limit = prompt_token_limit(context, bench.max_new_tokens, bench.max_prompt_tokens)
@@ -217,8 +271,10 @@ def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, pr
             prompt_set = load_prompt_set(name, bench.num_prompts, bench.set_paths.get(name))
         sets[name] = render_prompts(tokenizer, prompt_set, limit)
         described[name] = prompt_set.describe() | {
-            "num_prompts": len(sets[name]), "max_prompt_tokens": limit,
-            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name])}
+            "num_prompts": len(sets[name]),
+            "max_prompt_tokens": limit,
+            "num_left_out_over_context": len(prompt_set.prompts) - len(sets[name]),
+        }
     proposers: dict[str, Proposer] = {
         "eagle3": Eagle3Proposer(drafter, name="eagle3"),
         "eagle3_untrained": Eagle3Proposer(untrained, name="eagle3_untrained"),
@@ -227,16 +283,34 @@ def _inprocess(settings: BenchSettings, layout: ArtifactLayout, export: Path, pr
     eos = [i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id] if i is not None]
     with torch.inference_mode():
         rows = run_inprocess_benchmark(
-            model, sets, proposers, [SpecConfig.parse(tuple(c)) for c in bench.spec_configs],
-            bench.max_new_tokens, eos_ids=set(eos), check=True, log=progress, rounds=DEFAULT_ROUNDS,
-            bands=bands, temperatures=bench.temperatures, sampled_proposers={"eagle3"},
+            model,
+            sets,
+            proposers,
+            [SpecConfig.parse(tuple(c)) for c in bench.spec_configs],
+            bench.max_new_tokens,
+            eos_ids=set(eos),
+            check=True,
+            log=progress,
+            rounds=DEFAULT_ROUNDS,
+            bands=bands,
+            temperatures=bench.temperatures,
+            sampled_proposers={"eagle3"},
             # the untrained drafter is a control for acceptance (about 1.0); drafting k tokens that all fail, it
             # is the slowest method to run, and nobody compares its speed, so it runs in round 0 only
             timed_proposers={"eagle3", "ngram"},
         )
-    return results_document(rows, "inprocess", described, meta={
-        "target_identity": target.identity, "training_max_seq_len": settings.max_seq_len,
-        "serving_context": context, "rounds": DEFAULT_ROUNDS, "temperatures": list(bench.temperatures),
-        "torch_threads": threads,
-        "sampling_rule": "SGLang tree_speculative_sampling_target_only (topk 1: one-hot draft), thresholds 1.0",
-        **imported.metadata()})
+    return results_document(
+        rows,
+        "inprocess",
+        described,
+        meta={
+            "target_identity": target.identity,
+            "training_max_seq_len": settings.max_seq_len,
+            "serving_context": context,
+            "rounds": DEFAULT_ROUNDS,
+            "temperatures": list(bench.temperatures),
+            "torch_threads": threads,
+            "sampling_rule": "SGLang tree_speculative_sampling_target_only (topk 1: one-hot draft), thresholds 1.0",
+            **imported.metadata(),
+        },
+    )

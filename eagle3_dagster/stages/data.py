@@ -28,8 +28,9 @@ from eagle3_dagster.stages import TARGET_FILES_RUN_WITH, StageSettings, TargetFi
 # a threshold raised or lowered later does not make its paid answers stale. tokenized_dataset hashes it: its
 # materialization certifies that the bad share (raw_responses' rejects counted) is within the threshold, so a
 # tightened threshold marks it, and what is built from it, stale until it is checked again.
-THRESHOLD_REFUSES_BEFORE_PAYING = ("a refusal before anything is paid for; tokenized_dataset, which counts these "
-                                   "rejects too, hashes it")
+THRESHOLD_REFUSES_BEFORE_PAYING = (
+    "a refusal before anything is paid for; tokenized_dataset, which counts these rejects too, hashes it"
+)
 
 
 def _dataset(datasets: list[DatasetConfig], name: str) -> DatasetConfig:
@@ -61,13 +62,16 @@ class RegenerateSettings(StageSettings):
     max_retries: int = setting("generation.max_retries", runs_with="retries of a failed request")
     timeout_s: float = setting("generation.timeout_s", runs_with="how long one request may take")
     budget_usd: float | None = setting("generation.budget_usd", runs_with="a spend cap")
-    price_usd_per_completion_token: float | None = setting("generation.price_usd_per_completion_token",
-                                                           runs_with="what a request reserves of the cap")
-    price_usd_per_prompt_token: float = setting("generation.price_usd_per_prompt_token",
-                                                runs_with="what a request reserves of the cap")
+    price_usd_per_completion_token: float | None = setting(
+        "generation.price_usd_per_completion_token", runs_with="what a request reserves of the cap"
+    )
+    price_usd_per_prompt_token: float = setting(
+        "generation.price_usd_per_prompt_token", runs_with="what a request reserves of the cap"
+    )
     max_failure_fraction: float = setting("generation.max_failure_fraction", runs_with="tolerated failures")
-    resend_interrupted: bool = setting("generation.resend_interrupted", runs_with="whether lost requests are "
-                                       "sent again")
+    resend_interrupted: bool = setting(
+        "generation.resend_interrupted", runs_with="whether lost requests are sent again"
+    )
     bad_fraction_threshold: float = setting("data.bad_fraction_threshold", runs_with=THRESHOLD_REFUSES_BEFORE_PAYING)
 
 
@@ -104,8 +108,16 @@ class VocabSettings(StageSettings):
     target: TargetFiles = group(runs_with=TARGET_FILES_RUN_WITH)
 
 
-def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Callable | None = None, *,
-                  max_seq_len: int, answer_room: int, heldout_fraction: float) -> Iterator[Conversation]:
+def conversations(
+    ds: DatasetConfig,
+    stats: dict,
+    tokenizer=None,
+    on_reject: Callable | None = None,
+    *,
+    max_seq_len: int,
+    answer_room: int,
+    heldout_fraction: float,
+) -> Iterator[Conversation]:
     """The dataset's conversations (training split only), cut to the turns whose prompt plus `answer_room`
     tokens fits `max_seq_len`.
 
@@ -141,9 +153,13 @@ def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Cal
             if on_reject is not None:
                 from eagle3_dagster.data.prompts import Rejected
 
-                on_reject(Rejected(reason=f"chat_template: {type(e).__name__}: {e}"[:300],
-                                   where=f"{ds.name} conversation {conv.id}",
-                                   raw=orjson.dumps({"id": conv.id, "messages": list(conv.messages)}).decode()))
+                on_reject(
+                    Rejected(
+                        reason=f"chat_template: {type(e).__name__}: {e}"[:300],
+                        where=f"{ds.name} conversation {conv.id}",
+                        raw=orjson.dumps({"id": conv.id, "messages": list(conv.messages)}).decode(),
+                    )
+                )
             continue
         if fitted is None:
             too_long += 1
@@ -153,13 +169,21 @@ def conversations(ds: DatasetConfig, stats: dict, tokenizer=None, on_reject: Cal
         yield fitted
     if ds.source == "sharegpt":
         s = reader.stats
-        stats.update(records_read=s.records_read, malformed=dict(s.malformed_by_reason),
-                     source_truncated_at_end=s.truncated_at_end, source_truncated_at_byte=s.truncated_at_byte,
-                     heldout_skipped=s.heldout_skipped)
+        stats.update(
+            records_read=s.records_read,
+            malformed=dict(s.malformed_by_reason),
+            source_truncated_at_end=s.truncated_at_end,
+            source_truncated_at_byte=s.truncated_at_byte,
+            heldout_skipped=s.heldout_skipped,
+        )
     else:
         stats.update(lines=load.lines, loaded=load.loaded, skipped_by_reason=dict(load.skipped_by_reason))
-    stats.update(conversations_used=kept, conversations_skipped_prompt_too_long=too_long,
-                 num_turns_cut_to_fit_context=turns_cut, conversations_quarantined_chat_template=template_failed)
+    stats.update(
+        conversations_used=kept,
+        conversations_skipped_prompt_too_long=too_long,
+        num_turns_cut_to_fit_context=turns_cut,
+        conversations_quarantined_chat_template=template_failed,
+    )
 
 
 def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> tuple[Conversation | None, int]:
@@ -176,20 +200,32 @@ def _fit_to_context(conv: Conversation, tokenizer, budget: int) -> tuple[Convers
         end = i + 1
     if end is None:
         return None, 0
-    return Conversation(id=conv.id, messages=tuple(messages[:end])), sum(m["role"] == "assistant" for m in messages[end:])
+    return Conversation(id=conv.id, messages=tuple(messages[:end])), sum(
+        m["role"] == "assistant" for m in messages[end:]
+    )
 
 
-def regenerate_partition(settings: RegenerateSettings, name: str, layout: ArtifactLayout, *, api_key: str | None,
-                         progress: Progress = no_progress) -> StageReport:
+def regenerate_partition(
+    settings: RegenerateSettings,
+    name: str,
+    layout: ArtifactLayout,
+    *,
+    api_key: str | None,
+    progress: Progress = no_progress,
+) -> StageReport:
     ds = _dataset(settings.datasets, name)
     if ds.source == "pretokenized_jsonl" or not ds.regenerate:
         return _registered_source(ds)
     from eagle3_dagster.generate import GenerationSettings, regenerate_dataset_sync
 
     generation = GenerationSettings(
-        model=settings.model or "local-target", max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature, reasoning=settings.reasoning, max_turns=ds.max_turns,
-        concurrency=settings.concurrency, budget_usd=settings.budget_usd,
+        model=settings.model or "local-target",
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        reasoning=settings.reasoning,
+        max_turns=ds.max_turns,
+        concurrency=settings.concurrency,
+        budget_usd=settings.budget_usd,
         price_per_completion_token=settings.price_usd_per_completion_token,
         price_per_prompt_token=settings.price_usd_per_prompt_token,
         max_failure_fraction=settings.max_failure_fraction,
@@ -208,31 +244,50 @@ def regenerate_partition(settings: RegenerateSettings, name: str, layout: Artifa
         from eagle3_dagster.generate import OpenAIChatBackend
 
         assert settings.base_url and settings.model  # the schema requires both for backend 'openai'
-        backend = OpenAIChatBackend(settings.base_url, settings.model, api_key=api_key, timeout_s=settings.timeout_s,
-                                    max_retries=settings.max_retries, extra_body=settings.extra_body or None,
-                                    reasoning_style=settings.reasoning_style)
+        backend = OpenAIChatBackend(
+            settings.base_url,
+            settings.model,
+            api_key=api_key,
+            timeout_s=settings.timeout_s,
+            max_retries=settings.max_retries,
+            extra_body=settings.extra_body or None,
+            reasoning_style=settings.reasoning_style,
+        )
     source_stats: dict = {}
     out = layout.raw_responses(name)
     tokenizer = _tokenizer(settings.target, layout)
-    num_rejected = (_quarantine_source(ds, source_rejects_path(layout, name), settings.bad_fraction_threshold)
-                    if ds.path else 0)
+    num_rejected = (
+        _quarantine_source(ds, source_rejects_path(layout, name), settings.bad_fraction_threshold) if ds.path else 0
+    )
     template_rejects: list = []  # conversations the chat template cannot render: tokenized_dataset counts them
     try:
         # a turn is kept when its prompt leaves room for a whole generated answer
-        conversation_iter = conversations(ds, source_stats, tokenizer, template_rejects.append,
-                                          max_seq_len=settings.max_seq_len, answer_room=settings.max_new_tokens,
-                                          heldout_fraction=settings.heldout_fraction)
-        stats = regenerate_dataset_sync(conversation_iter, out, backend, generation, dataset=name,
-                                        total=ds.max_conversations,
-                                        progress=progress)
+        conversation_iter = conversations(
+            ds,
+            source_stats,
+            tokenizer,
+            template_rejects.append,
+            max_seq_len=settings.max_seq_len,
+            answer_room=settings.max_new_tokens,
+            heldout_fraction=settings.heldout_fraction,
+        )
+        stats = regenerate_dataset_sync(
+            conversation_iter, out, backend, generation, dataset=name, total=ds.max_conversations, progress=progress
+        )
     finally:
         _write_rejects(template_rejects_path(layout, name), template_rejects)
-    return StageReport(metadata={"path": out, **stats.as_dict(), "source": source_stats,
-                                 "num_source_lines_quarantined": num_rejected,
-                                 # only a source file of its own is read line by line (a packaged one is not)
-                                 **({"source_quarantine_path": source_rejects_path(layout, name)} if ds.path else {}),
-                                 "num_conversations_quarantined_chat_template": len(template_rejects),
-                                 "chat_template_quarantine_path": template_rejects_path(layout, name)})
+    return StageReport(
+        metadata={
+            "path": out,
+            **stats.as_dict(),
+            "source": source_stats,
+            "num_source_lines_quarantined": num_rejected,
+            # only a source file of its own is read line by line (a packaged one is not)
+            **({"source_quarantine_path": source_rejects_path(layout, name)} if ds.path else {}),
+            "num_conversations_quarantined_chat_template": len(template_rejects),
+            "chat_template_quarantine_path": template_rejects_path(layout, name),
+        }
+    )
 
 
 def source_rejects_path(layout: ArtifactLayout, name: str) -> Path:
@@ -266,14 +321,19 @@ def _quarantine_source(ds: DatasetConfig, path: Path, threshold: float) -> int:
     load = LoadStats()
     assert ds.path is not None  # called for a source with a file only
     with atomic_open(path) as f:
-        for _ in load_conversations(ds.path, stats=load, answer_slots=ds.regenerate, on_reject=lambda r: f.write(
-                orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n")):
+        for _ in load_conversations(
+            ds.path,
+            stats=load,
+            answer_slots=ds.regenerate,
+            on_reject=lambda r: f.write(orjson.dumps({"reason": r.reason, "where": r.where, "input": r.raw}) + b"\n"),
+        ):
             pass
     if load.lines and load.num_rejected / load.lines > threshold:
         raise BadDataError(
             f"raw_responses[{ds.name}]: {load.num_rejected}/{load.lines} lines of {ds.path} cannot be used "
             f"({load.num_rejected / load.lines:.1%} > data.bad_fraction_threshold {threshold:.1%}): "
-            f"{load.skipped_by_reason}; see {path}. Nothing was sent.")
+            f"{load.skipped_by_reason}; see {path}. Nothing was sent."
+        )
     return load.num_rejected
 
 
@@ -299,12 +359,14 @@ def answer_producer_of(backend: str, model: str | None, target: TargetFiles, lay
 def _tokenizer(target: TargetFiles, layout: ArtifactLayout):
     from eagle3_dagster.target import load_tokenizer
 
-    return load_tokenizer(target.model_dir(layout), trust_remote_code=target.trust_remote_code,
-                          reviewed_code=target.reviewed_code)
+    return load_tokenizer(
+        target.model_dir(layout), trust_remote_code=target.trust_remote_code, reviewed_code=target.reviewed_code
+    )
 
 
-def tokenize_partition(settings: TokenizeSettings, name: str, layout: ArtifactLayout,
-                       progress: Progress = no_progress) -> StageReport:
+def tokenize_partition(
+    settings: TokenizeSettings, name: str, layout: ArtifactLayout, progress: Progress = no_progress
+) -> StageReport:
     from eagle3_dagster.data import tokenize as tk
 
     ds = _dataset(settings.datasets, name)
@@ -314,30 +376,53 @@ def tokenize_partition(settings: TokenizeSettings, name: str, layout: ArtifactLa
     source_stats: dict = {}
     if ds.source == "pretokenized_jsonl":
         assert ds.path is not None  # the schema requires it of every source but sharegpt
-        stats = tk.normalize_pretokenized(Path(ds.path), out, quarantine, dataset=name,
-                                          vocab_size=len(tokenizer), bad_fraction_threshold=threshold)
+        stats = tk.normalize_pretokenized(
+            Path(ds.path), out, quarantine, dataset=name, vocab_size=len(tokenizer), bad_fraction_threshold=threshold
+        )
     elif ds.regenerate:
-        stats = tk.tokenize_regenerated(layout.raw_responses(name), tokenizer, out, quarantine, dataset=name,
-                                        bad_fraction_threshold=threshold,
-                                        source_rejects_path=[source_rejects_path(layout, name),
-                                                             template_rejects_path(layout, name)],
-                                        producer=answer_producer_of(settings.backend, settings.model,
-                                                                    settings.target, layout))
+        stats = tk.tokenize_regenerated(
+            layout.raw_responses(name),
+            tokenizer,
+            out,
+            quarantine,
+            dataset=name,
+            bad_fraction_threshold=threshold,
+            source_rejects_path=[source_rejects_path(layout, name), template_rejects_path(layout, name)],
+            producer=answer_producer_of(settings.backend, settings.model, settings.target, layout),
+        )
     else:
         rejects: deque = deque()
         # nothing is generated: a turn is kept when its prompt leaves room for one answer token
-        conversation_iter = conversations(ds, source_stats, tokenizer, rejects.append,
-                                          max_seq_len=settings.max_seq_len, answer_room=1,
-                                          heldout_fraction=settings.heldout_fraction)
-        stats = tk.tokenize_conversations(conversation_iter,
-                                          tokenizer, out, quarantine, dataset=name, source=ds.source,
-                                          max_turns=ds.max_turns, bad_fraction_threshold=threshold,
-                                          source_rejects=rejects)
+        conversation_iter = conversations(
+            ds,
+            source_stats,
+            tokenizer,
+            rejects.append,
+            max_seq_len=settings.max_seq_len,
+            answer_room=1,
+            heldout_fraction=settings.heldout_fraction,
+        )
+        stats = tk.tokenize_conversations(
+            conversation_iter,
+            tokenizer,
+            out,
+            quarantine,
+            dataset=name,
+            source=ds.source,
+            max_turns=ds.max_turns,
+            bad_fraction_threshold=threshold,
+            source_rejects=rejects,
+        )
     progress(f"tokenized {name}: {stats.num_records} records, {stats.num_tokens} tokens")
     if stats.num_records == 0:
-        aside = (f"; {stats.num_set_aside} recorded turns were set aside ({stats.set_aside_by_reason}): "
-                 f"materialize raw_responses[{name}] again to regenerate them with this target") \
-            if stats.num_set_aside else ""
+        aside = (
+            (
+                f"; {stats.num_set_aside} recorded turns were set aside ({stats.set_aside_by_reason}): "
+                f"materialize raw_responses[{name}] again to regenerate them with this target"
+            )
+            if stats.num_set_aside
+            else ""
+        )
         raise ValueError(
             f"tokenized_dataset[{name}]: no usable record out of {stats.num_inputs} inputs "
             f"({stats.num_dropped_length} cut off by length, {stats.num_quarantined} quarantined in {quarantine})"
@@ -358,20 +443,28 @@ def merge_partitions(settings: MergeSettings, layout: ArtifactLayout, progress: 
         raise FileNotFoundError(f"merged_train: tokenized_dataset partitions not materialized: {', '.join(missing)}")
     inputs = {n: p for n, p in inputs.items() if p.exists()}
     out = layout.merged_train
-    stats = merge_and_shuffle(inputs, out, max_seq_len=settings.max_seq_len, seed=settings.shuffle_seed,
-                              drop_datasets=settings.drop_datasets)
-    histogram = plot_length_histogram(stats.lengths, out.with_name("sequence_lengths.png"),
-                                      max_seq_len=settings.max_seq_len)
+    stats = merge_and_shuffle(
+        inputs, out, max_seq_len=settings.max_seq_len, seed=settings.shuffle_seed, drop_datasets=settings.drop_datasets
+    )
+    histogram = plot_length_histogram(
+        stats.lengths, out.with_name("sequence_lengths.png"), max_seq_len=settings.max_seq_len
+    )
     progress(f"merged {stats.num_records} records, {stats.num_tokens} tokens")
     if stats.num_records == 0:
-        raise ValueError(f"merged_train: no record left after the drop list and truncation ({stats.as_dict()['before']})")
+        raise ValueError(
+            f"merged_train: no record left after the drop list and truncation ({stats.as_dict()['before']})"
+        )
     num_shards = math.ceil(stats.num_records / settings.samples_per_shard)
     sha = sha256_file(out)
     return StageReport(
         metadata={"path": out, "sha256": sha, "num_shards": num_shards, **stats.as_dict()},
         images={"sequence_lengths": histogram},
-        series={"records_by_length": (length_counts(stats.lengths, settings.max_seq_len),
-                                      f"tokens per record, 48 bins up to {settings.max_seq_len}")},
+        series={
+            "records_by_length": (
+                length_counts(stats.lengths, settings.max_seq_len),
+                f"tokens per record, 48 bins up to {settings.max_seq_len}",
+            )
+        },
         data_version=sha,
     )
 
@@ -389,10 +482,16 @@ def build_vocab(settings: VocabSettings, layout: ArtifactLayout) -> StageReport:
     from eagle3_dagster.target import load_target_config
 
     vocab_size = int(load_target_config(settings.target.model_dir(layout))["vocab_size"])
-    stats = build_vocab_mapping([layout.merged_train], layout.vocab_mapping, target_vocab_size=vocab_size,
-                                draft_vocab_size=settings.draft_vocab_size)
+    stats = build_vocab_mapping(
+        [layout.merged_train],
+        layout.vocab_mapping,
+        target_vocab_size=vocab_size,
+        draft_vocab_size=settings.draft_vocab_size,
+    )
     meta = {"path": layout.vocab_mapping, **stats.as_dict()}
     if stats.draft_vocab_covers_target:
-        meta["note"] = (f"target vocab ({vocab_size}) is not larger than data.draft_vocab_size "
-                        f"({settings.draft_vocab_size}): the draft vocab is the whole target vocab")
+        meta["note"] = (
+            f"target vocab ({vocab_size}) is not larger than data.draft_vocab_size "
+            f"({settings.draft_vocab_size}): the draft vocab is the whole target vocab"
+        )
     return StageReport(metadata=meta)

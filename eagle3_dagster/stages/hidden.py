@@ -16,7 +16,12 @@ from eagle3_dagster import storage
 from eagle3_dagster.config import PROJECT_ROOT, DrafterOverrides
 from eagle3_dagster.contracts import BACKEND_CODE_VERSIONS, PLAN_PATH_KEY, ArtifactLayout
 from eagle3_dagster.hidden.estimate import (
-    actual_bytes, cleanup_superseded, estimate_extraction, human_bytes, shard_bytes, shard_manifest_bytes,
+    actual_bytes,
+    cleanup_superseded,
+    estimate_extraction,
+    human_bytes,
+    shard_bytes,
+    shard_manifest_bytes,
 )
 from eagle3_dagster.hidden.extraction_plan import ExtractionPlan, load_plan, plan_for, write_plan
 from eagle3_dagster.hidden.sharding import ShardSpec
@@ -47,9 +52,15 @@ class ShardSettings(StageSettings):
 
     def plan(self, layout: ArtifactLayout) -> ExtractionPlan:
         """Cut merged_train into shards and name their version (the plan extraction_plan writes)."""
-        return plan_for(target_facts_at(self.target.model_dir(layout), self.aux_layers), layout,
-                        samples_per_shard=self.samples_per_shard, max_seq_len=self.max_seq_len,
-                        backend=self.backend, dtype=self.dtype, batch_tokens=self.batch_tokens)
+        return plan_for(
+            target_facts_at(self.target.model_dir(layout), self.aux_layers),
+            layout,
+            samples_per_shard=self.samples_per_shard,
+            max_seq_len=self.max_seq_len,
+            backend=self.backend,
+            dtype=self.dtype,
+            batch_tokens=self.batch_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -78,8 +89,9 @@ class PlanSettings(StageSettings):
     shards: ShardSettings = group()
     throughput_tokens_per_s: float = setting("hidden.throughput_tokens_per_s")
     schedule: TrainScheduleSettings = group()
-    hosts: list = setting("gpu_host.hosts", runs_with="the hours on the hosts configured now; its table gives "
-                          "them for 1..N hosts")
+    hosts: list = setting(
+        "gpu_host.hosts", runs_with="the hours on the hosts configured now; its table gives them for 1..N hosts"
+    )
     drafter: DrafterOverrides = setting("drafter", runs_with=DRAFT_KV_FIGURE)
     serving_context: int = setting("target.serving_context", runs_with=DRAFT_KV_FIGURE)
     target_dtype: str = setting("target.dtype", runs_with=DRAFT_KV_FIGURE)
@@ -92,8 +104,10 @@ class ExtractSettings(StageSettings):
     shards: ShardSettings = group()
     tp_size: int = setting("hidden.tp_size")  # tensor parallelism changes the sums' rounding
     sglang_port: int = setting("hidden.sglang_port", runs_with="where the server listens")
-    sglang_server_args: list[str] = setting("hidden.sglang_server_args", runs_with="the server's own options: one "
-                                            "that would change a row is refused at launch")
+    sglang_server_args: list[str] = setting(
+        "hidden.sglang_server_args",
+        runs_with="the server's own options: one that would change a row is refused at launch",
+    )
     sglang_concurrency: int = setting("hidden.sglang_concurrency", runs_with="parallel requests")
     sglang_version: str | None = setting("gpu_host.sglang_version", runs_with="the release the host must have")
 
@@ -112,8 +126,10 @@ def refuse_other_plan(plan: ExtractionPlan, shards: ShardSettings) -> None:
     }
     named = [f"{name} ({now} now, the plan: {planned})" for name, (now, planned) in differs.items() if now != planned]
     if named:
-        raise ValueError(f"hidden_states: the extraction plan was made with other settings: {'; '.join(named)}; "
-                         "materialize extraction_plan again")
+        raise ValueError(
+            f"hidden_states: the extraction plan was made with other settings: {'; '.join(named)}; "
+            "materialize extraction_plan again"
+        )
 
 
 def free_space_location(layout: ArtifactLayout) -> Path:
@@ -122,43 +138,48 @@ def free_space_location(layout: ArtifactLayout) -> Path:
     return storage.location(layout.hidden_root).local_folder(layout.staging_dir)
 
 
-def plan_stage(settings: PlanSettings, layout: ArtifactLayout, free_bytes: int | None
-               ) -> tuple[StageReport, bool, str]:
+def plan_stage(settings: PlanSettings, layout: ArtifactLayout, free_bytes: int | None) -> tuple[StageReport, bool, str]:
     """The only stage that reads and hashes merged_train for extraction; it writes the plan (plan.json).
     `free_bytes` is measured at `free_space_location(layout)`."""
     plan = settings.shards.plan(layout)
     plan_path = write_plan(plan)
     estimate = estimate_extraction(
-        plan.shards, plan.fmt, layout.hidden_root, plan.version,
-        throughput_tokens_per_s=settings.throughput_tokens_per_s, free_bytes=free_bytes,
+        plan.shards,
+        plan.fmt,
+        layout.hidden_root,
+        plan.version,
+        throughput_tokens_per_s=settings.throughput_tokens_per_s,
+        free_bytes=free_bytes,
         num_hosts=len(settings.hosts),
         staging_dir=layout.staging_dir,
     )
-    report = StageReport(metadata={
-        "version": estimate.version,
-        "version_dir": str(estimate.version_dir),
-        "num_shards": estimate.num_shards,
-        "num_samples": estimate.num_samples,
-        "num_tokens": estimate.num_tokens,
-        "total_bytes": estimate.total_bytes,
-        "total_human": human_bytes(estimate.total_bytes),
-        "remaining_bytes": estimate.remaining_bytes,
-        "num_hosts": estimate.num_hosts,
-        "estimated_hours": round(estimate.estimated_hours, 3),  # on num_hosts hosts
-        "hours_by_hosts": {str(n): round(h, 3) for n, h in estimate.hours_by_hosts.items()},
-        "free_bytes": estimate.free_bytes,
-        "free_human": human_bytes(estimate.free_bytes),
-        "free_at": estimate.free_at,
-        "needed_bytes": estimate.needed_bytes,
-        "fits": estimate.fits,
-        "superseded_versions": [v.summary for v in estimate.superseded],
-        "superseded_bytes": estimate.superseded_bytes,
-        "aux_layers_canonical": list(plan.target.aux_layers),
-        "merged_train_sha256": plan.merged_train_sha256,
-        PLAN_PATH_KEY: str(plan_path),
-        "train_schedule": asdict(training_schedule(settings.schedule, plan)),
-        **draft_kv_cache(settings, plan.target.path),
-    })
+    report = StageReport(
+        metadata={
+            "version": estimate.version,
+            "version_dir": str(estimate.version_dir),
+            "num_shards": estimate.num_shards,
+            "num_samples": estimate.num_samples,
+            "num_tokens": estimate.num_tokens,
+            "total_bytes": estimate.total_bytes,
+            "total_human": human_bytes(estimate.total_bytes),
+            "remaining_bytes": estimate.remaining_bytes,
+            "num_hosts": estimate.num_hosts,
+            "estimated_hours": round(estimate.estimated_hours, 3),  # on num_hosts hosts
+            "hours_by_hosts": {str(n): round(h, 3) for n, h in estimate.hours_by_hosts.items()},
+            "free_bytes": estimate.free_bytes,
+            "free_human": human_bytes(estimate.free_bytes),
+            "free_at": estimate.free_at,
+            "needed_bytes": estimate.needed_bytes,
+            "fits": estimate.fits,
+            "superseded_versions": [v.summary for v in estimate.superseded],
+            "superseded_bytes": estimate.superseded_bytes,
+            "aux_layers_canonical": list(plan.target.aux_layers),
+            "merged_train_sha256": plan.merged_train_sha256,
+            PLAN_PATH_KEY: str(plan_path),
+            "train_schedule": asdict(training_schedule(settings.schedule, plan)),
+            **draft_kv_cache(settings, plan.target.path),
+        }
+    )
     return report, estimate.fits, estimate.message
 
 
@@ -172,14 +193,23 @@ def draft_kv_cache(settings: PlanSettings, target_path: Path) -> dict:
 
     arch = TargetArch.from_dir(target_path)
     context = settings.serving_context
-    cfg = DrafterConfig.from_profile(settings.drafter, arch, draft_vocab_size=arch.vocab_size,  # no bearing on the KV
-                                     aux_layers=(), serving_context=context)
+    cfg = DrafterConfig.from_profile(
+        settings.drafter,
+        arch,
+        draft_vocab_size=arch.vocab_size,  # no bearing on the KV
+        aux_layers=(),
+        serving_context=context,
+    )
     dtype = export_dtype(settings.target_dtype)
     per_token = cfg.kv_values_per_token() * (2 if dtype == "bfloat16" else 4)
-    return {"draft_attention": cfg.attention, "draft_kv_dtype": dtype,
-            "draft_kv_values_per_token": cfg.kv_values_per_token(), "draft_kv_bytes_per_token": per_token,
-            "draft_kv_bytes_at_serving_context": per_token * context,
-            "draft_kv_at_serving_context_human": human_bytes(per_token * context)}
+    return {
+        "draft_attention": cfg.attention,
+        "draft_kv_dtype": dtype,
+        "draft_kv_values_per_token": cfg.kv_values_per_token(),
+        "draft_kv_bytes_per_token": per_token,
+        "draft_kv_bytes_at_serving_context": per_token * context,
+        "draft_kv_at_serving_context_human": human_bytes(per_token * context),
+    }
 
 
 def export_dtype(target_dtype: str) -> str:
@@ -208,19 +238,31 @@ def extraction_preflight(settings: ExtractSettings, host: "GpuHost", root: Path 
 
     sglang = settings.shards.backend == "sglang"
     on_gpus = sglang and server_option(settings.sglang_server_args, "--device") in (None, "cuda")
-    report = host.preflight(str(root), min_gpus=max(host.spec.num_gpus, settings.tp_size if on_gpus else 0),
-                            require_sglang=sglang, require_patch=sglang,
-                            sglang_version=settings.sglang_version if sglang else None)
+    report = host.preflight(
+        str(root),
+        min_gpus=max(host.spec.num_gpus, settings.tp_size if on_gpus else 0),
+        require_sglang=sglang,
+        require_patch=sglang,
+        sglang_version=settings.sglang_version if sglang else None,
+    )
     if not sglang and not host.is_this_process(sys.executable) and not report["eagle3_dagster"]:
-        raise PreflightError(f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
-                             "runs the hf extraction there; install this project on the host")
+        raise PreflightError(
+            f"{host.where()}: interpreter {host.spec.python} cannot import eagle3_dagster, which "
+            "runs the hf extraction there; install this project on the host"
+        )
     return report
 
 
-def extract_stage(settings: ExtractSettings, plan_path: Path | str, keys: list[str], *,
-                  gpu_host: "GpuHost | None" = None,
-                  host_report: dict | None = None, force: bool = False,
-                  progress: Progress = no_progress) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
+def extract_stage(
+    settings: ExtractSettings,
+    plan_path: Path | str,
+    keys: list[str],
+    *,
+    gpu_host: "GpuHost | None" = None,
+    host_report: dict | None = None,
+    force: bool = False,
+    progress: Progress = no_progress,
+) -> tuple[StageReport, dict[str, tuple[bool, str]]]:
     """Extract the named shards of the plan at `plan_path` (extraction_plan's output) on `gpu_host`
     (`host_report`: its preflight, when the caller already ran it). `force` extracts shards complete in
     their manifest again, each replacing the old one whole (`extract.extract_shard`)."""
@@ -229,31 +271,34 @@ def extract_stage(settings: ExtractSettings, plan_path: Path | str, keys: list[s
     by_key = {s.key: s for s in plan.shards}
     unknown = [k for k in keys if k not in by_key]
     if unknown:
-        raise KeyError(f"hidden_states: partitions {unknown} are not shards of the plan {plan_path} "
-                       f"({len(plan.shards)} shards); materialize extraction_plan for the current merged_train")
+        raise KeyError(
+            f"hidden_states: partitions {unknown} are not shards of the plan {plan_path} "
+            f"({len(plan.shards)} shards); materialize extraction_plan for the current merged_train"
+        )
     specs = [by_key[k] for k in keys]
     extra: dict = {}
     if settings.shards.backend == "hf":
         results = _extract_hf(settings, plan_path, plan, specs, gpu_host, progress, force)
     else:
-        results, log_path = _extract_sglang(settings, plan_path, plan, specs, gpu_host, host_report, progress,
-                                            force)
+        results, log_path = _extract_sglang(settings, plan_path, plan, specs, gpu_host, host_report, progress, force)
         extra["sglang_log"] = str(log_path)
     checks = shard_checks(plan, specs)
-    report = StageReport(metadata={
-        "version": plan.version,
-        "version_dir": str(plan.version_dir),
-        "shards": keys,
-        "num_samples": sum(s.num_records for s in specs),
-        "num_tokens": sum(s.num_tokens for s in specs),
-        "bytes_written": actual_bytes(plan.version_dir, keys),
-        "resumed_shards": sum(1 for r in results if r.get("skipped")),
-        "reextracted_corrupt_shards": sum(1 for r in results if r.get("reextracted_corrupt")),
-        "uploaded_from_staging_shards": sum(1 for r in results if r.get("uploaded_from_staging")),
-        "forced": force,
-        **extra,
-        "backend": settings.shards.backend,
-    })
+    report = StageReport(
+        metadata={
+            "version": plan.version,
+            "version_dir": str(plan.version_dir),
+            "shards": keys,
+            "num_samples": sum(s.num_records for s in specs),
+            "num_tokens": sum(s.num_tokens for s in specs),
+            "bytes_written": actual_bytes(plan.version_dir, keys),
+            "resumed_shards": sum(1 for r in results if r.get("skipped")),
+            "reextracted_corrupt_shards": sum(1 for r in results if r.get("reextracted_corrupt")),
+            "uploaded_from_staging_shards": sum(1 for r in results if r.get("uploaded_from_staging")),
+            "forced": force,
+            **extra,
+            "backend": settings.shards.backend,
+        }
+    )
     return report, checks
 
 
@@ -274,8 +319,15 @@ def shard_checks(plan: ExtractionPlan, specs: list[ShardSpec]) -> dict[str, tupl
     }
 
 
-def _extract_hf(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec],
-                host: "GpuHost | None", progress: Progress, force: bool = False) -> list[dict]:
+def _extract_hf(
+    settings: ExtractSettings,
+    plan_path: Path | str,
+    plan: ExtractionPlan,
+    specs: list[ShardSpec],
+    host: "GpuHost | None",
+    progress: Progress,
+    force: bool = False,
+) -> list[dict]:
     """In this process when the host is this process's own interpreter on this machine; otherwise the
     hf driver on the host (`python -m eagle3_dagster.hidden.hf_driver`), one process for the shards."""
     import sys
@@ -285,15 +337,24 @@ def _extract_hf(settings: ExtractSettings, plan_path: Path | str, plan: Extracti
         from eagle3_dagster.threads import stage_threads
 
         stage_threads()
-        return extract_shards_hf(plan, specs, batch_tokens=settings.shards.batch_tokens, progress=progress,
-                                 force=force)
-    argv = [host.spec.python, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(plan_path),
-            "--batch-tokens", str(settings.shards.batch_tokens),
-            *(a for s in specs for a in ("--shard", s.key)), *(["--force"] if force else [])]
+        return extract_shards_hf(plan, specs, batch_tokens=settings.shards.batch_tokens, progress=progress, force=force)
+    argv = [
+        host.spec.python,
+        "-m",
+        "eagle3_dagster.hidden.hf_driver",
+        "--plan",
+        str(plan_path),
+        "--batch-tokens",
+        str(settings.shards.batch_tokens),
+        *(a for s in specs for a in ("--shard", s.key)),
+        *(["--force"] if force else []),
+    ]
     returncode, out = _run_driver(host, argv, f"hf-driver-{specs[0].key}", progress)
     if returncode != 0:
-        raise RuntimeError(f"hidden_states{[s.key for s in specs]}: the hf driver exited {returncode} on "
-                           f"{host.where()}.\n--- driver output (last {len(out)} lines) ---\n" + "\n".join(out))
+        raise RuntimeError(
+            f"hidden_states{[s.key for s in specs]}: the hf driver exited {returncode} on "
+            f"{host.where()}.\n--- driver output (last {len(out)} lines) ---\n" + "\n".join(out)
+        )
     return [json.loads(line) for line in out if line.startswith('{"shard"')]
 
 
@@ -312,9 +373,16 @@ def _run_driver(host: "GpuHost", argv: list[str], name: str, progress: Progress)
     return returncode, list(out)
 
 
-def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: ExtractionPlan, specs: list[ShardSpec],
-                    host: "GpuHost | None",
-                    host_report: dict | None, progress: Progress, force: bool = False) -> tuple[list[dict], Path]:
+def _extract_sglang(
+    settings: ExtractSettings,
+    plan_path: Path | str,
+    plan: ExtractionPlan,
+    specs: list[ShardSpec],
+    host: "GpuHost | None",
+    host_report: dict | None,
+    progress: Progress,
+    force: bool = False,
+) -> tuple[list[dict], Path]:
     """One patched SGLang server for the batch of shards; the driver runs on the host beside the dump folder
     (`python -m eagle3_dagster.sglang.driver --plan ... --shard ...`), one process per shard.
 
@@ -339,32 +407,52 @@ def _extract_sglang(settings: ExtractSettings, plan_path: Path | str, plan: Extr
     log_path = local_root / ".logs" / f"sglang-{plan.version}-{time.strftime('%Y%m%dT%H%M%S')}.log"
     server_log = LogTail(log_path, echo=lambda line: progress(f"[sglang] {line}"))
     target = settings.shards.target
-    spec = ServerSpec(model_path=str(plan.target.path), port=host.spec.server_port(settings.sglang_port),
-                      tp_size=settings.tp_size,
-                      dump_dir=str(dump_folder(plan)), dump_layers=plan.target.aux_layers,
-                      sglang_version=report["sglang_version"], trust_remote_code=target.trust_remote_code,
-                      reviewed_code=target.reviewed_code, extra_args=tuple(settings.sglang_server_args))
+    spec = ServerSpec(
+        model_path=str(plan.target.path),
+        port=host.spec.server_port(settings.sglang_port),
+        tp_size=settings.tp_size,
+        dump_dir=str(dump_folder(plan)),
+        dump_layers=plan.target.aux_layers,
+        sglang_version=report["sglang_version"],
+        trust_remote_code=target.trust_remote_code,
+        reviewed_code=target.reviewed_code,
+        extra_args=tuple(settings.sglang_server_args),
+    )
     results = []
     try:
         with sglang_server(host, spec, on_log=server_log) as server:
             for i, shard in enumerate(specs, 1):
-                argv = [host.spec.python, "-m", "eagle3_dagster.sglang.driver", "--plan", str(plan_path),
-                        "--shard", shard.key, "--base-url", server.base_url,
-                        "--concurrency", str(settings.sglang_concurrency), *(["--force"] if force else [])]
+                argv = [
+                    host.spec.python,
+                    "-m",
+                    "eagle3_dagster.sglang.driver",
+                    "--plan",
+                    str(plan_path),
+                    "--shard",
+                    shard.key,
+                    "--base-url",
+                    server.base_url,
+                    "--concurrency",
+                    str(settings.sglang_concurrency),
+                    *(["--force"] if force else []),
+                ]
                 returncode, driver_out = _run_driver(host, argv, f"driver-{shard.key}", progress)
                 if returncode != 0:
                     raise RuntimeError(
                         f"hidden_states[{shard.key}]: the SGLang driver exited {returncode} on {host.where()}.\n"
-                        f"--- driver output (last {len(driver_out)} lines) ---\n" + "\n".join(driver_out) +
-                        f"\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n" + server_log.text()
+                        f"--- driver output (last {len(driver_out)} lines) ---\n"
+                        + "\n".join(driver_out)
+                        + f"\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n"
+                        + server_log.text()
                     )
                 results.append(_driver_result(driver_out))
                 progress(f"shard {shard.key} done ({i}/{len(specs)})")
     except RuntimeError as e:
         if str(log_path) in str(e):
             raise
-        raise RuntimeError(f"{e}\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n"
-                           + server_log.text()) from e
+        raise RuntimeError(
+            f"{e}\n--- SGLang log {log_path} (last {len(server_log.lines)} lines) ---\n" + server_log.text()
+        ) from e
     finally:
         server_log.close()
     return results, log_path
@@ -379,15 +467,23 @@ def _driver_result(lines) -> dict:
     return {}
 
 
-def cleanup_stage(settings: ShardSettings, layout: ArtifactLayout, *, dry_run: bool = True,
-                  log: Callable[[str], None] = print, plan_path: Path | str | None = None) -> StageReport:
+def cleanup_stage(
+    settings: ShardSettings,
+    layout: ArtifactLayout,
+    *,
+    dry_run: bool = True,
+    log: Callable[[str], None] = print,
+    plan_path: Path | str | None = None,
+) -> StageReport:
     """Delete versions other than the planned one (from the plan at `plan_path`; the CLI, with no instance to ask,
     plans afresh)."""
     plan = load_plan(plan_path) if plan_path is not None else settings.plan(layout)
     result = cleanup_superseded(layout.hidden_root, plan.version, dry_run=dry_run, log=log)
-    return StageReport(metadata={
-        "dry_run": result.dry_run,
-        "freed_bytes": result.freed_bytes,
-        "freed_human": human_bytes(result.freed_bytes),
-        "removed": [v.summary for v in result.removed],
-    })
+    return StageReport(
+        metadata={
+            "dry_run": result.dry_run,
+            "freed_bytes": result.freed_bytes,
+            "freed_human": human_bytes(result.freed_bytes),
+            "removed": [v.summary for v in result.removed],
+        }
+    )

@@ -27,8 +27,7 @@ class ExternalTargetSettings(StageSettings):
     path: str | None = setting("target.path")
 
 
-def build_target(settings: TinyTargetSettings, layout: ArtifactLayout,
-                 progress: Progress = no_progress) -> StageReport:
+def build_target(settings: TinyTargetSettings, layout: ArtifactLayout, progress: Progress = no_progress) -> StageReport:
     from eagle3_dagster.target_code import code_files
     from eagle3_dagster.threads import stage_threads
     from eagle3_dagster.tiny.build import build_tiny_target

@@ -55,8 +55,14 @@ class TrainLaunch:
     worker: str = ENGINE_WORKER  # the module torchrun runs on every rank
 
 
-def prepare_training(settings: TrainSettings, layout: ArtifactLayout, *, plan_path: Path | str,
-                     python: str | None = None, worker: str = ENGINE_WORKER) -> TrainLaunch:
+def prepare_training(
+    settings: TrainSettings,
+    layout: ArtifactLayout,
+    *,
+    plan_path: Path | str,
+    python: str | None = None,
+    worker: str = ENGINE_WORKER,
+) -> TrainLaunch:
     """The torchrun job for the shards of extraction_plan's plan at `plan_path`.
 
     `worker`: the module torchrun runs, the engine's own or a wrapper with its arguments (the caller's
@@ -96,18 +102,30 @@ def prepare_training(settings: TrainSettings, layout: ArtifactLayout, *, plan_pa
     t = settings.train
     # drafter_checkpoint builds each leased host's own command (train/nodes.py); this one, for this interpreter,
     # exists when the job needs no launch-time choice: one node, or a fixed rendezvous endpoint
-    command = build_torchrun_command(
-        job_path, nproc_per_node=t.nproc_per_node, nnodes=t.nnodes, python=python or _python(), module=worker,
-        rdzv_endpoint=t.rdzv_endpoint, rdzv_id=t.rdzv_id,
-    ) if t.nnodes == 1 or t.rdzv_endpoint else []
+    command = (
+        build_torchrun_command(
+            job_path,
+            nproc_per_node=t.nproc_per_node,
+            nnodes=t.nnodes,
+            python=python or _python(),
+            module=worker,
+            rdzv_endpoint=t.rdzv_endpoint,
+            rdzv_id=t.rdzv_id,
+        )
+        if t.nnodes == 1 or t.rdzv_endpoint
+        else []
+    )
     # ranks x threads <= the cores this process gets (eagle3_dagster.threads); the user's OMP_NUM_THREADS wins;
     # the workers read shards from the store as the profile says
     env = {**thread_env(t.nproc_per_node), "TOKENIZERS_PARALLELISM": "false", **storage.child_env()}
-    return TrainLaunch(command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir,
-                       worker=worker)
+    return TrainLaunch(
+        command=command, env=env, cwd=str(PROJECT_ROOT), job_path=job_path, out_dir=out_dir, worker=worker
+    )
 
 
-def verify_shards(version_dir: storage.Location | Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8) -> None:
+def verify_shards(
+    version_dir: storage.Location | Path, keys: list[str], manifest: dict[str, dict], *, workers: int = 8
+) -> None:
     """Every shard's size and sha256 against its manifest entry; a `ShardCorruptError` naming each bad shard.
 
     Hashing reads every byte (4.6 TiB for the production corpus); threads overlap the reads (hashlib
@@ -127,10 +145,13 @@ def verify_shards(version_dir: storage.Location | Path, keys: list[str], manifes
         raise ShardCorruptError(
             f"drafter_checkpoint: {len(problems)} of {len(keys)} hidden-state shards do not match their manifest; "
             f"training does not start on them. Materialize those hidden_states partitions again (resume "
-            f"re-extracts a shard failing its checksum):\n  " + "\n  ".join(problems))
+            f"re-extracts a shard failing its checksum):\n  " + "\n  ".join(problems)
+        )
 
 
-def finish_training(settings: TrainSettings, layout: ArtifactLayout, launch: TrainLaunch) -> tuple[StageReport, bool, str]:
+def finish_training(
+    settings: TrainSettings, layout: ArtifactLayout, launch: TrainLaunch
+) -> tuple[StageReport, bool, str]:
     """Read back what training wrote: the report, whether the export passed `check_export` and what it found.
 
     An export that fails its check (a missing, misshaped or non-finite weight) is named only as
@@ -156,8 +177,10 @@ def finish_training(settings: TrainSettings, layout: ArtifactLayout, launch: Tra
     report = StageReport(
         metadata={"run_dir": launch.out_dir, **named, **summary_metadata(metrics)},
         images={"curves": launch.out_dir / "curves.png"},
-        series={"loss_by_step": (list(metrics["curves"]["loss"]), "training step"),
-                "acc_0_by_step": (list(metrics["curves"]["acc_0"]), "training step")},
+        series={
+            "loss_by_step": (list(metrics["curves"]["loss"]), "training step"),
+            "acc_0_by_step": (list(metrics["curves"]["acc_0"]), "training step"),
+        },
     )
     return report, check.ok, detail
 

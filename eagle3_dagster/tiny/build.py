@@ -76,7 +76,9 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
     say(f"training BPE tokenizer (vocab {cfg.vocab_size}) on {len(bpe_conversations)} ShareGPT conversations")
     tokenizer = train_tokenizer(conversation_texts(bpe_conversations), cfg.vocab_size)
     if len(tokenizer) > cfg.vocab_size:
-        raise AssertionError(f"tokenizer has {len(tokenizer)} entries, more than target.tiny.vocab_size {cfg.vocab_size}")
+        raise AssertionError(
+            f"tokenizer has {len(tokenizer)} entries, more than target.tiny.vocab_size {cfg.vocab_size}"
+        )
     save_tokenizer(tokenizer, work)
 
     settings = PretrainSettings(
@@ -87,7 +89,9 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
         seed=cfg.seed,
     )
     streams, data_reader = _pretrain_streams(tokenizer, settings, cfg.pretrain_answer_words)
-    say(f"rendered {len(streams)} conversations ({sum(map(len, streams)):,} tokens) for {settings.num_steps} pretrain steps")
+    say(
+        f"rendered {len(streams)} conversations ({sum(map(len, streams)):,} tokens) for {settings.num_steps} pretrain steps"
+    )
     sequences_NT = pack_sequences(streams, settings.seq_len, settings.num_steps * settings.batch_size)
 
     stop_ids = kimi.stop_token_ids(tokenizer)
@@ -139,16 +143,16 @@ def _build_into(cfg: TinyTargetConfig, work: Path, say: Callable[[str], None], s
     return report
 
 
-def _pretrain_streams(tokenizer, settings: PretrainSettings,
-                      answer_words: int | None = None) -> tuple[list[list[int]], ShareGPTReader]:
+def _pretrain_streams(
+    tokenizer, settings: PretrainSettings, answer_words: int | None = None
+) -> tuple[list[list[int]], ShareGPTReader]:
     """Chat-rendered train-split conversations, read until they cover the token budget."""
     cap = MAX_SEQS_PER_CONVERSATION * settings.seq_len
     reader = ShareGPTReader(split="train")
     streams: list[list[int]] = []
     total = 0
     for batch in _batched(reader, 64):
-        texts = [tokenizer.apply_chat_template(_clip_answers(c.messages, answer_words), tokenize=False)
-                 for c in batch]
+        texts = [tokenizer.apply_chat_template(_clip_answers(c.messages, answer_words), tokenize=False) for c in batch]
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
             streams.append(ids[:cap])
             total += len(streams[-1])

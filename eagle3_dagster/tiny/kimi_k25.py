@@ -37,8 +37,13 @@ from eagle3_dagster.io import atomic_write_json
 
 PROCESSOR_FILE = "kimi_k25_processor.py"
 TEXT_PREFIX = "language_model."
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                "special_tokens_map.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,9 @@ def wrap_as_kimi_k25(text_dir: Path, out_dir: Path, *, vision: TinyVision = Tiny
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
     }
-    atomic_write_json(out_dir / "preprocessor_config.json", {"media_proc_cfg": media_proc_cfg,
-                                                             "tiny_vision": asdict(vision)})
+    atomic_write_json(
+        out_dir / "preprocessor_config.json", {"media_proc_cfg": media_proc_cfg, "tiny_vision": asdict(vision)}
+    )
     shutil.copyfile(Path(__file__).with_name(PROCESSOR_FILE), out_dir / PROCESSOR_FILE)
     for name in COPIED_FILES:
         if (text_dir / name).exists():

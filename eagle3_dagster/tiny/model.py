@@ -75,9 +75,16 @@ def tiny_model_config(
         max_position_embeddings=cfg.max_position_embeddings,
         # DeepSeek yarn at factor 1.0 is the plain RoPE (transformers' logits are bit-identical to
         # rope_type "default"), and it is the only RoPE SGLang's CPU path builds for DeepSeek.
-        rope_parameters={"rope_type": "yarn", "rope_theta": ROPE_THETA, "factor": 1.0,
-                         "original_max_position_embeddings": cfg.max_position_embeddings,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": ROPE_THETA,
+            "factor": 1.0,
+            "original_max_position_embeddings": cfg.max_position_embeddings,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
         rope_interleave=True,
         rms_norm_eps=RMS_NORM_EPS,
         hidden_act="silu",

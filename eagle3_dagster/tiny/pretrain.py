@@ -142,11 +142,13 @@ def pretrain(
             tokens += batch_BT.numel()
             losses.append(loss.item())
             if meter is not None:
-                meter.update(step + 1, note=f"loss {losses[-1]:.3f}, {tokens / (time.monotonic() - started):,.0f} tokens/s")
+                meter.update(
+                    step + 1, note=f"loss {losses[-1]:.3f}, {tokens / (time.monotonic() - started):,.0f} tokens/s"
+                )
     finally:
         balancer.close()
     model.eval()
-    tail = losses[-max(1, min(20, len(losses) // 10)):]
+    tail = losses[-max(1, min(20, len(losses) // 10)) :]
     return PretrainResult(
         tokens_seen=tokens,
         num_steps=steps,

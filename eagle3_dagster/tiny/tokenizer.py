@@ -58,7 +58,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     Deterministic for the same texts in the same order.
     """
     if vocab_size < 256 + len(kimi.SPECIAL_TOKENS) + 1:
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {len(kimi.SPECIAL_TOKENS)} specials)")
+        raise ValueError(
+            f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {len(kimi.SPECIAL_TOKENS)} specials)"
+        )
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [

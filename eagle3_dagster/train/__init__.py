@@ -41,8 +41,7 @@ class TrainJobConfig:
         d["train"] = self.train.model_dump()
         # The EAGLE 3.1 switches are written only when on: the job's JSON names the run folder (its hash), and
         # a run trained before they existed is then found again, not trained twice.
-        d["drafter"] = self.drafter.model_dump(exclude={k for k in EAGLE31_OPTIONS
-                                                        if not getattr(self.drafter, k)})
+        d["drafter"] = self.drafter.model_dump(exclude={k for k in EAGLE31_OPTIONS if not getattr(self.drafter, k)})
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod

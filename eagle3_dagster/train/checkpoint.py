@@ -49,8 +49,9 @@ class Checkpointer:
             return self.save(step, **parts)
         return None
 
-    def save(self, step: int, *, model_state: dict[str, torch.Tensor], optimizer, scheduler,
-             trainer_state: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, *, model_state: dict[str, torch.Tensor], optimizer, scheduler, trainer_state: dict[str, Any]
+    ) -> Path:
         final = self.root / f"step_{step:07d}"
         tmp = self.root / f"step_{step:07d}.tmp"
         if self.rank == 0:
@@ -62,12 +63,14 @@ class Checkpointer:
             torch.save(_rng_state(), tmp / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             with naming_full_disk(tmp / "model.safetensors", unnamed_errors=(SafetensorError,)):
-                save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()},
-                          str(tmp / "model.safetensors"))
+                save_file(
+                    {k: v.detach().cpu().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors")
+                )
             with naming_full_disk(tmp / "optimizer.pt", unnamed_errors=(RuntimeError,)):
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            atomic_write_json(tmp / "trainer_state.json", {**trainer_state, "step": step,
-                                                            "scheduler": scheduler.state_dict()})
+            atomic_write_json(
+                tmp / "trainer_state.json", {**trainer_state, "step": step, "scheduler": scheduler.state_dict()}
+            )
         _barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
@@ -91,14 +94,15 @@ class Checkpointer:
             raise FileNotFoundError(f"{pointer} names {path.name}, which is incomplete or missing")
         return path
 
-    def load(self, path: Path, *, model: torch.nn.Module, optimizer, scheduler,
-             device: torch.device) -> dict[str, Any]:
+    def load(self, path: Path, *, model: torch.nn.Module, optimizer, scheduler, device: torch.device) -> dict[str, Any]:
         """Restore everything in place; returns the trainer state (step, sampler, …)."""
         weights = load_file(str(path / "model.safetensors"), device=str(device))
         missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [m for m in missing if not m.startswith("embed_tokens.")]
         if missing or unexpected:
-            raise ValueError(f"{path}: checkpoint does not fit the drafter (missing {missing}, unexpected {unexpected})")
+            raise ValueError(
+                f"{path}: checkpoint does not fit the drafter (missing {missing}, unexpected {unexpected})"
+            )
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
         state = read_json(path / "trainer_state.json")
         scheduler.load_state_dict(state.pop("scheduler"))

@@ -33,7 +33,9 @@ class SampleSubset(torch.utils.data.Subset):
         return [every[i] for i in self.indices]
 
 
-def split_heldout(dataset: HiddenSamples, sample_ids: Sequence[str], fraction: float) -> tuple[SampleSubset, SampleSubset]:
+def split_heldout(
+    dataset: HiddenSamples, sample_ids: Sequence[str], fraction: float
+) -> tuple[SampleSubset, SampleSubset]:
     """(train, held-out) subsets of `dataset` by `is_heldout_sample`; the held-out part is never trained on."""
     held = [i for i, sid in enumerate(sample_ids) if is_heldout_sample(sid, fraction)]
     held_set = set(held)
@@ -57,8 +59,14 @@ class Batch:
         def move(x: torch.Tensor) -> torch.Tensor:
             return x.to(device, non_blocking=True)
 
-        return Batch(move(self.input_ids_BT), move(self.loss_mask_BT), move(self.aux_hidden_BT3H),
-                     move(self.last_hidden_BTH), self.num_tokens, self.sample_ids)
+        return Batch(
+            move(self.input_ids_BT),
+            move(self.loss_mask_BT),
+            move(self.aux_hidden_BT3H),
+            move(self.last_hidden_BTH),
+            self.num_tokens,
+            self.sample_ids,
+        )
 
 
 def collate(dataset: HiddenSamples, indices: list[int], dtype: torch.dtype = torch.float32) -> Batch:
@@ -67,7 +75,9 @@ def collate(dataset: HiddenSamples, indices: list[int], dtype: torch.dtype = tor
         t = len(s["input_ids"])
         for key in ("loss_mask", "aux_hidden", "last_hidden"):
             if s[key].shape[0] != t:
-                raise ValueError(f"sample {s.get('sample_id', idx)}: {key} has {s[key].shape[0]} rows, input_ids has {t}")
+                raise ValueError(
+                    f"sample {s.get('sample_id', idx)}: {key} has {s[key].shape[0]} rows, input_ids has {t}"
+                )
         if s["aux_hidden"].shape[-1] != 3 * s["last_hidden"].shape[-1]:
             raise ValueError(f"sample {s.get('sample_id', idx)}: aux_hidden width is not 3 × hidden size")
     t_max = max(len(s["input_ids"]) for s in samples)
@@ -82,5 +92,11 @@ def collate(dataset: HiddenSamples, indices: list[int], dtype: torch.dtype = tor
         mask[r, :t] = torch.as_tensor(s["loss_mask"])
         aux[r, :t] = torch.as_tensor(s["aux_hidden"]).to(dtype)
         last[r, :t] = torch.as_tensor(s["last_hidden"]).to(dtype)
-    return Batch(ids, mask, aux, last, sum(len(s["input_ids"]) for s in samples),
-                 [str(s.get("sample_id", i)) for i, s in zip(indices, samples)])
+    return Batch(
+        ids,
+        mask,
+        aux,
+        last,
+        sum(len(s["input_ids"]) for s in samples),
+        [str(s.get("sample_id", i)) for i, s in zip(indices, samples)],
+    )

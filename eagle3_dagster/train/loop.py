@@ -41,8 +41,13 @@ class TTTObjective(nn.Module):
     target_lm_head: torch.Tensor  # buffers, registered in __init__
     teacher_head: torch.Tensor
 
-    def __init__(self, drafter: Eagle3Drafter, target_lm_head_VH: torch.Tensor, ttt_steps: int,
-                 lk: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        target_lm_head_VH: torch.Tensor,
+        ttt_steps: int,
+        lk: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("target_lm_head", target_lm_head_VH, persistent=False)
@@ -53,8 +58,9 @@ class TTTObjective(nn.Module):
         self.lk = lk  # (kl_scale, kl_decay) of the LK lambda objective; None: plain forward KL
 
     def forward(self, input_ids_BT, loss_mask_BT, aux_hidden_BT3H, last_hidden_BTH):
-        teacher = build_teacher(last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d,
-                                draft_head_VdH=self.teacher_head)
+        teacher = build_teacher(
+            last_hidden_BTH, loss_mask_BT, self.target_lm_head, self.drafter.t2d, draft_head_VdH=self.teacher_head
+        )
         normed = list(ttt_unroll(self.drafter, input_ids_BT, aux_hidden_BT3H, self.ttt_steps))
         return ttt_loss(normed, self.drafter.lm_head.weight, teacher, self.weights, lk=self.lk)
 
@@ -149,14 +155,24 @@ def tune_cpu_allocator(max_micro_batch_tokens: int) -> bool:
 
 
 class Trainer:
-    def __init__(self, objective: nn.Module, drafter: Eagle3Drafter, dataset: HiddenSamples, sampler: BucketedSampler,
-                 cfg: LoopConfig, checkpointer: Checkpointer, device: torch.device,
-                 on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None) -> None:
+    def __init__(
+        self,
+        objective: nn.Module,
+        drafter: Eagle3Drafter,
+        dataset: HiddenSamples,
+        sampler: BucketedSampler,
+        cfg: LoopConfig,
+        checkpointer: Checkpointer,
+        device: torch.device,
+        on_step: Callable[[int, dict[str, float]], None] = lambda step, m: None,
+    ) -> None:
         self.objective, self.drafter, self.dataset, self.sampler = objective, drafter, dataset, sampler
         self.cfg, self.checkpointer, self.device, self.on_step = cfg, checkpointer, device, on_step
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=0.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(cfg.warmup_steps, cfg.total_steps)
+        )
         self.step = 0
         self.tokens_seen = 0
         self.history = History()
@@ -168,8 +184,9 @@ class Trainer:
         path = self.checkpointer.latest()
         if path is None:
             return False
-        state = self.checkpointer.load(path, model=self.drafter, optimizer=self.optimizer,
-                                       scheduler=self.scheduler, device=self.device)
+        state = self.checkpointer.load(
+            path, model=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler, device=self.device
+        )
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.sampler.load_state_dict(state["sampler"])
         self.history.steps = list(state.get("history", []))
@@ -197,8 +214,9 @@ class Trainer:
             if not math.isfinite(loss):
                 bad_batches.append((loss, batch.sample_ids))
         # one collective for the metrics, the token count and how many batches had a non-finite loss
-        totals = _all_reduce(torch.cat([stats.flatten(),
-                                        torch.tensor([float(tokens), float(len(bad_batches))], dtype=torch.float64)]))
+        totals = _all_reduce(
+            torch.cat([stats.flatten(), torch.tensor([float(tokens), float(len(bad_batches))], dtype=torch.float64)])
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self._stop_if_not_finite(int(totals[-1]), bad_batches, float(grad_norm))
         self.optimizer.step()
@@ -206,7 +224,9 @@ class Trainer:
         self.step += 1
         self.tokens_seen += int(totals[-2])
         metrics = summarize(totals[:-2].view(-1, 3))
-        metrics.update(grad_norm=float(grad_norm), lr=float(self.scheduler.get_last_lr()[0]), step_tokens=int(totals[-2]))
+        metrics.update(
+            grad_norm=float(grad_norm), lr=float(self.scheduler.get_last_lr()[0]), step_tokens=int(totals[-2])
+        )
         return metrics
 
     def _stop_if_not_finite(self, num_bad: int, bad_batches: list[tuple[float, list[str]]], grad_norm: float) -> None:
@@ -226,7 +246,8 @@ class Trainer:
         raise NonFiniteTrainingError(
             f"training stopped at step {step}: non-finite loss or gradient (grad norm {grad_norm}); {detail}. "
             f"Nothing of step {step} was applied or checkpointed; check those samples' hidden states "
-            f"(hidden_states checks) or lower train.lr")
+            f"(hidden_states checks) or lower train.lr"
+        )
 
     @torch.no_grad()
     def evaluate(self, heldout: HiddenSamples | None = None) -> dict[str, float | int | str | None]:
@@ -259,9 +280,16 @@ class Trainer:
             self.history.steps.append({"step": self.step, **metrics})
             self.on_step(self.step, metrics)
             self.checkpointer.maybe_save(
-                self.step, model_state=self.drafter.trainable_state_dict(), optimizer=self.optimizer,
-                scheduler=self.scheduler, trainer_state={"sampler": self.sampler.state_dict(),
-                                                         "tokens_seen": self.tokens_seen, "history": self.history.steps})
+                self.step,
+                model_state=self.drafter.trainable_state_dict(),
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                trainer_state={
+                    "sampler": self.sampler.state_dict(),
+                    "tokens_seen": self.tokens_seen,
+                    "history": self.history.steps,
+                },
+            )
             if stop_after_step is not None and self.step >= stop_after_step:
                 break
         elapsed = time.perf_counter() - t0

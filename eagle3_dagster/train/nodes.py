@@ -40,7 +40,8 @@ def check_host_count(nnodes: int, num_hosts: int) -> None:
         raise TooFewHostsError(
             f"drafter_checkpoint: train.nnodes is {nnodes} but gpu_host.hosts lists {num_hosts} host"
             f"{'s' * (num_hosts != 1)}; torchrun runs one node per host: list at least {nnodes} hosts under "
-            f"gpu_host.hosts or lower train.nnodes")
+            f"gpu_host.hosts or lower train.nnodes"
+        )
 
 
 def rendezvous_host(host: GpuHost) -> str:
@@ -55,8 +56,9 @@ def free_port(host: GpuHost) -> int:
     return int(host.run([host.spec.python, "-c", FREE_PORT], timeout=120).stdout.split()[-1])
 
 
-def node_commands(job_path: Path | str, train: TrainConfig, hosts: Sequence[GpuHost], *, module: str,
-                  port: int | None = None) -> list[HostCommand]:
+def node_commands(
+    job_path: Path | str, train: TrainConfig, hosts: Sequence[GpuHost], *, module: str, port: int | None = None
+) -> list[HostCommand]:
     """The torchrun command of each of the first `train.nnodes` hosts (the leased ones, in lease order).
 
     `port`: the rendezvous port when train.rdzv_endpoint is unset (default: one the first host finds free)."""
@@ -66,8 +68,19 @@ def node_commands(job_path: Path | str, train: TrainConfig, hosts: Sequence[GpuH
     if endpoint is None and train.nnodes > 1:
         endpoint = f"{rendezvous_host(hosts[0])}:{port if port is not None else free_port(hosts[0])}"
         store_on_first = True
-    return [HostCommand(host, build_torchrun_command(
-        Path(job_path), train.nproc_per_node, train.nnodes, python=host.spec.python, module=module,
-        rdzv_endpoint=endpoint, rdzv_id=train.rdzv_id,
-        extra_args=[f"--rdzv-conf=is_host={int(rank == 0)}"] if store_on_first else []))
-        for rank, host in enumerate(hosts)]
+    return [
+        HostCommand(
+            host,
+            build_torchrun_command(
+                Path(job_path),
+                train.nproc_per_node,
+                train.nnodes,
+                python=host.spec.python,
+                module=module,
+                rdzv_endpoint=endpoint,
+                rdzv_id=train.rdzv_id,
+                extra_args=[f"--rdzv-conf=is_host={int(rank == 0)}"] if store_on_first else [],
+            ),
+        )
+        for rank, host in enumerate(hosts)
+    ]

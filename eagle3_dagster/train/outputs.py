@@ -29,8 +29,10 @@ def write_outputs(job, trainer: Trainer, drafter: Eagle3Drafter, final: dict, ti
         "final_eval": final,
         "final": {f"acc_{j}": final[f"acc_{j}"] for j in range(k)}
         | {"sim_accept_length": final["sim_accept_length"], "loss": final["loss"]},
-        "curves": {key: [h[key] for h in trainer.history.steps] for key in
-                   ["step", "loss", "lr", *[f"acc_{j}" for j in range(k)], *[f"loss_{j}" for j in range(k)]]},
+        "curves": {
+            key: [h[key] for h in trainer.history.steps]
+            for key in ["step", "loss", "lr", *[f"acc_{j}" for j in range(k)], *[f"loss_{j}" for j in range(k)]]
+        },
         "drafter_config": {**drafter.cfg.__dict__, "aux_layers": list(drafter.cfg.aux_layers)},
         "job": job.metadata,
     }
@@ -38,10 +40,15 @@ def write_outputs(job, trainer: Trainer, drafter: Eagle3Drafter, final: dict, ti
     plot_curves(metrics["curves"], out / "curves.png", k)
     from eagle3_dagster.target import target_summary
 
-    export_drafter(drafter, out / "export", job.serving_context, getattr(torch, job.export_dtype),
-                   extra_config={"eagle3_dagster_train": {"steps": trainer.step, **job.metadata}},
-                   target_architecture=target_summary(Path(job.target_dir))["text_architecture"],
-                   sglang_versions=list(job.sglang_versions) if job.sglang_versions else None)
+    export_drafter(
+        drafter,
+        out / "export",
+        job.serving_context,
+        getattr(torch, job.export_dtype),
+        extra_config={"eagle3_dagster_train": {"steps": trainer.step, **job.metadata}},
+        target_architecture=target_summary(Path(job.target_dir))["text_architecture"],
+        sglang_versions=list(job.sglang_versions) if job.sglang_versions else None,
+    )
     return metrics
 
 
@@ -74,10 +81,14 @@ def summary_metadata(metrics: dict) -> dict:
     f = metrics.get("final_eval") or metrics["final"]
     scope = f.get("scope", "train_batches")
     prefix = "heldout" if scope == "heldout" else "train_batches"
-    out = {"steps": metrics["steps"], "tokens_per_s": round(float(metrics["tokens_per_s"]), 1), "eval_scope": scope,
-           f"{prefix}_loss": round(float(f["loss"]), 5),
-           f"{prefix}_sim_accept_length": round(float(f["sim_accept_length"]), 4),
-           **{f"{prefix}_{k}": round(float(v), 4) for k, v in f.items() if k.startswith("acc_")}}
+    out = {
+        "steps": metrics["steps"],
+        "tokens_per_s": round(float(metrics["tokens_per_s"]), 1),
+        "eval_scope": scope,
+        f"{prefix}_loss": round(float(f["loss"]), 5),
+        f"{prefix}_sim_accept_length": round(float(f["sim_accept_length"]), 4),
+        **{f"{prefix}_{k}": round(float(v), 4) for k, v in f.items() if k.startswith("acc_")},
+    }
     if scope == "heldout":
         out |= {"heldout_samples": f.get("num_samples"), "heldout_scored_tokens": f.get("num_scored_tokens")}
     initial = metrics.get("initial_eval") or {}

@@ -29,8 +29,9 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int, wor
     order = rng.permutation(len(lengths))
     batches: list[list[int]] = []
     for s in range(0, len(order), BUCKET_SAMPLES):
-        batches += _pack(sorted(order[s : s + BUCKET_SAMPLES].tolist(), key=lambda i: (lengths[i], i)),
-                         lengths, batch_tokens)
+        batches += _pack(
+            sorted(order[s : s + BUCKET_SAMPLES].tolist(), key=lambda i: (lengths[i], i)), lengths, batch_tokens
+        )
     batches = [batches[i] for i in rng.permutation(len(batches))]
     usable = len(batches) - len(batches) % world_size
     return batches[:usable]
@@ -80,9 +81,11 @@ class TrainSchedule:
     tokens_per_step: float  # real (unpadded) tokens per optimizer step, all ranks, epoch 0's mean
 
     def describe(self) -> str:
-        return (f"{self.total_steps:,} optimizer steps ({self.steps_per_epoch:,} per epoch, {self.warmup_steps:,} "
-                f"warm-up), {self.tokens_per_step:,.0f} tokens per step over {self.world_size} rank(s); "
-                f"{self.num_train_samples:,} samples trained on, {self.num_heldout_samples:,} held out")
+        return (
+            f"{self.total_steps:,} optimizer steps ({self.steps_per_epoch:,} per epoch, {self.warmup_steps:,} "
+            f"warm-up), {self.tokens_per_step:,.0f} tokens per step over {self.world_size} rank(s); "
+            f"{self.num_train_samples:,} samples trained on, {self.num_heldout_samples:,} held out"
+        )
 
 
 def train_schedule(lengths: Sequence[int], sample_ids: Sequence[str], train: Any, world_size: int) -> TrainSchedule:
@@ -97,10 +100,15 @@ def train_schedule(lengths: Sequence[int], sample_ids: Sequence[str], train: Any
     total = train.max_steps or train.epochs * per_epoch
     tokens = sum(kept[i] for b in batches for i in b)
     return TrainSchedule(
-        num_train_samples=len(kept), num_heldout_samples=len(held) - len(kept), world_size=world_size,
-        batches_per_rank_per_epoch=per_rank, steps_per_epoch=per_epoch, total_steps=total,
+        num_train_samples=len(kept),
+        num_heldout_samples=len(held) - len(kept),
+        world_size=world_size,
+        batches_per_rank_per_epoch=per_rank,
+        steps_per_epoch=per_epoch,
+        total_steps=total,
         warmup_steps=max(1, math.ceil(train.warmup_ratio * total)),
-        tokens_per_step=tokens / max(per_epoch, 1) if per_epoch else 0.0)
+        tokens_per_step=tokens / max(per_epoch, 1) if per_epoch else 0.0,
+    )
 
 
 class BucketedSampler:
@@ -118,7 +126,9 @@ class BucketedSampler:
             )
 
     def batches_for(self, epoch: int) -> list[list[int]]:
-        return plan_epoch(self.lengths, self.batch_tokens, self.seed, epoch, self.world_size)[self.rank :: self.world_size]
+        return plan_epoch(self.lengths, self.batch_tokens, self.seed, epoch, self.world_size)[
+            self.rank :: self.world_size
+        ]
 
     def __len__(self) -> int:
         """Batches per rank per epoch."""

@@ -63,9 +63,16 @@ def build_drafter(job: TrainJobConfig, dataset) -> tuple[Eagle3Drafter, torch.Te
         raise KeyError(f"{job.vocab_mapping}: vocab mapping needs tensors 'd2t' and 't2d', has {sorted(mapping)}")
     aux = job.aux_layers or tuple((getattr(dataset, "metadata", None) or {}).get("aux_layers") or ())
     if len(aux) != 3:
-        raise ValueError(f"{job.hidden_version_dir}: aux layers unknown (job.aux_layers or metadata['aux_layers']): {aux}")
-    cfg = DrafterConfig.from_profile(job.drafter, target.arch, draft_vocab_size=int(mapping["d2t"].shape[0]),
-                                     aux_layers=aux, serving_context=job.serving_context)
+        raise ValueError(
+            f"{job.hidden_version_dir}: aux layers unknown (job.aux_layers or metadata['aux_layers']): {aux}"
+        )
+    cfg = DrafterConfig.from_profile(
+        job.drafter,
+        target.arch,
+        draft_vocab_size=int(mapping["d2t"].shape[0]),
+        aux_layers=aux,
+        serving_context=job.serving_context,
+    )
     torch.manual_seed(job.train.seed)
     assert target.embed is not None and target.lm_head is not None  # both asked for: a missing one raised
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
@@ -94,17 +101,24 @@ def run(job: TrainJobConfig, stop_after_step: int | None = None, reporter: Repor
     if schedule.total_steps < 1:
         raise ValueError(f"{len(sampler)} batches per rank give no optimizer step at grad_accum {job.train.grad_accum}")
     total = schedule.total_steps
-    loop_cfg = LoopConfig(ttt_steps=job.train.ttt_steps, lr=job.train.lr, total_steps=total,
-                          warmup_steps=schedule.warmup_steps,
-                          grad_accum=job.train.grad_accum, grad_clip=job.train.grad_clip, eval_batches=job.eval_batches,
-                          betas=job.train.betas)
+    loop_cfg = LoopConfig(
+        ttt_steps=job.train.ttt_steps,
+        lr=job.train.lr,
+        total_steps=total,
+        warmup_steps=schedule.warmup_steps,
+        grad_accum=job.train.grad_accum,
+        grad_clip=job.train.grad_clip,
+        eval_batches=job.eval_batches,
+        betas=job.train.betas,
+    )
     lk = (job.train.lk_kl_scale, job.train.lk_kl_decay) if job.train.loss == "lk_lambda" else None
     objective: torch.nn.Module = TTTObjective(drafter, lm_head.to(device), job.train.ttt_steps, lk=lk).to(device)
     if world > 1:
         # buffers (vocab map, target lm_head) are identical on every rank: DDP syncs them once at init, never
         # per step (torch 2.13's forward_sync_buffers; its deprecated broadcast_buffers=False warned on every run)
         objective = torch.nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+            objective, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False
+        )
     checkpointer = Checkpointer(out / "ckpt", job.train.checkpoint_every, rank)
 
     progress = None

@@ -16,6 +16,7 @@ import datetime as dt
 
 import dagster as dg
 import pytest
+
 # Private, for want of a public API: a queued run must name the code location its job comes from, and Dagster
 # exports no way to build that origin outside a webserver or daemon (the runs here are made in-process).
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
@@ -32,8 +33,9 @@ BATCH = 2
 @pytest.fixture(scope="module")
 def defs() -> dg.Definitions:
     # A batch smaller than the sets below, so the bound is visible.
-    return build_definitions(load_profile("micro", overrides={"hidden": {"backfill_batch": BATCH,
-                                                                          "backfill_cron": "*/10 * * * *"}}))
+    return build_definitions(
+        load_profile("micro", overrides={"hidden": {"backfill_batch": BATCH, "backfill_cron": "*/10 * * * *"}})
+    )
 
 
 @pytest.fixture
@@ -62,14 +64,23 @@ def report_upstream(instance: dg.DagsterInstance, num_shards: int, fits: bool = 
     report_merged_train(instance, num_shards)
     for asset in ["target_model", "extraction_plan"]:
         instance.report_runless_asset_event(dg.AssetMaterialization(asset))
-    instance.report_runless_asset_event(dg.AssetCheckEvaluation(
-        asset_key=dg.AssetKey("extraction_plan"), check_name="fits_on_disk", passed=fits,
-        severity=dg.AssetCheckSeverity.ERROR,
-    ))
+    instance.report_runless_asset_event(
+        dg.AssetCheckEvaluation(
+            asset_key=dg.AssetKey("extraction_plan"),
+            check_name="fits_on_disk",
+            passed=fits,
+            severity=dg.AssetCheckSeverity.ERROR,
+        )
+    )
 
 
-def add_run(defs: dg.Definitions, instance: dg.DagsterInstance, key: str, job: str,
-            status: dg.DagsterRunStatus = dg.DagsterRunStatus.QUEUED) -> dg.DagsterRun:
+def add_run(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    key: str,
+    job: str,
+    status: dg.DagsterRunStatus = dg.DagsterRunStatus.QUEUED,
+) -> dg.DagsterRun:
     """A run of `job` targeting shard `key`, created as the webserver or a sensor creates it (its planned
     materialization recorded); a queued run must name where its job lives."""
     job_def = defs.resolve_implicit_global_asset_job_def() if job == "__ASSET_JOB" else defs.resolve_job_def(job)
@@ -78,7 +89,9 @@ def add_run(defs: dg.Definitions, instance: dg.DagsterInstance, key: str, job: s
         job_name=job,
     )
     run = instance.create_run_for_job(
-        job_def=job_def, asset_selection=frozenset({HIDDEN}), tags={"dagster/partition": key},
+        job_def=job_def,
+        asset_selection=frozenset({HIDDEN}),
+        tags={"dagster/partition": key},
         status=dg.DagsterRunStatus.QUEUED if status == dg.DagsterRunStatus.QUEUED else dg.DagsterRunStatus.NOT_STARTED,
         remote_job_origin=origin,
     )
@@ -97,8 +110,9 @@ class Ticks:
 
     def next(self) -> list[str]:
         self.now += dt.timedelta(minutes=10)
-        result = dg.evaluate_automation_conditions(self.defs, self.instance, evaluation_time=self.now,
-                                                   cursor=self.cursor)
+        result = dg.evaluate_automation_conditions(
+            self.defs, self.instance, evaluation_time=self.now, cursor=self.cursor
+        )
         self.cursor = result.cursor
         return sorted(result.get_requested_partitions(HIDDEN))
 
@@ -207,16 +221,22 @@ def test_an_external_target_is_observed_by_the_automation_before_any_shard_is_re
     """Production's target is an observable source: until it is observed it is missing to the automation, and no
     shard is ever requested (the production rehearsal's shards waited forever). The automation sensor observes it
     when it never was, then requests the shards at the next tick."""
-    defs = build_definitions(load_profile("production", overrides={
-        "hidden": {"backfill_batch": BATCH, "backfill_cron": "*/10 * * * *"}}))
+    defs = build_definitions(
+        load_profile("production", overrides={"hidden": {"backfill_batch": BATCH, "backfill_cron": "*/10 * * * *"}})
+    )
     target = dg.AssetKey("target_model")
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(SHARDS, [shard(i) for i in range(3)])
         report_merged_train(instance, 3)
         instance.report_runless_asset_event(dg.AssetMaterialization("extraction_plan"))
-        instance.report_runless_asset_event(dg.AssetCheckEvaluation(
-            asset_key=dg.AssetKey("extraction_plan"), check_name="fits_on_disk", passed=True,
-            severity=dg.AssetCheckSeverity.ERROR))
+        instance.report_runless_asset_event(
+            dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey("extraction_plan"),
+                check_name="fits_on_disk",
+                passed=True,
+                severity=dg.AssetCheckSeverity.ERROR,
+            )
+        )
         ticks = Ticks(defs, instance)
         result = dg.evaluate_automation_conditions(defs, instance, evaluation_time=ticks.now, cursor=ticks.cursor)
         assert result.get_num_requested(target) == 1  # never observed: observed at once

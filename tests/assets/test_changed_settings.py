@@ -51,8 +51,12 @@ def test_an_edit_is_named_on_every_asset_it_invalidates(instance):
     edited = load_profile("micro", overrides={"data": {"max_seq_len": 256}})
     result = sensor_tick(edited, instance)
     change = [{"setting": "data.max_seq_len", "before": "192", "after": "256"}]
-    assert observed(result) == {"merged_train": change, "vocab_mapping": change, "extraction_plan": change,
-                                "drafter_checkpoint": change}
+    assert observed(result) == {
+        "merged_train": change,
+        "vocab_mapping": change,
+        "extraction_plan": change,
+        "drafter_checkpoint": change,
+    }
     assert {e.metadata["changed_setting_names"].value for e in result.asset_events} == {"data.max_seq_len"}
 
 

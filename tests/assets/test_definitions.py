@@ -71,7 +71,11 @@ def test_hidden_state_shards_are_dynamic_partitions_and_datasets_static() -> Non
 def test_dagster_cli_validates_the_workspace() -> None:
     out = subprocess.run(
         [str(Path(sys.executable).with_name("dagster")), "definitions", "validate", "-w", "workspace.yaml"],
-        cwd=ROOT, env=os.environ | {"EAGLE3_PROFILE": "micro"}, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=os.environ | {"EAGLE3_PROFILE": "micro"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Validation successful" in out.stdout + out.stderr
@@ -93,8 +97,12 @@ def test_an_edit_invalidates_every_asset_built_from_what_it_changes_and_only_tho
     everything_but_the_target = set(GRAPH) - {"target_model"}
     assert invalidated(data={"max_seq_len": 256}) == everything_but_the_target
     assert invalidated(data={"draft_vocab_size": 128}) == {"vocab_mapping", "drafter_checkpoint", "benchmark_report"}
-    assert invalidated(hidden={"batch_tokens": 2048}) == {"extraction_plan", "hidden_states", "drafter_checkpoint",
-                                                          "benchmark_report"}
+    assert invalidated(hidden={"batch_tokens": 2048}) == {
+        "extraction_plan",
+        "hidden_states",
+        "drafter_checkpoint",
+        "benchmark_report",
+    }
     # The plan's estimate is not in the shards: only the plan is invalidated.
     assert invalidated(hidden={"throughput_tokens_per_s": 1.0}) == {"extraction_plan"}
     assert invalidated(train={"lr": 0.01}) == {"drafter_checkpoint", "benchmark_report"}
@@ -115,23 +123,34 @@ def test_each_code_version_hashes_what_its_stage_is_given_and_nothing_it_only_ru
     from eagle3_dagster.stages.target import ExternalTargetSettings, TinyTargetSettings
     from eagle3_dagster.stages.train import TrainSettings
 
-    stages = {"raw_responses": RegenerateSettings, "tokenized_dataset": TokenizeSettings,
-              "merged_train": MergeSettings, "vocab_mapping": VocabSettings, "extraction_plan": PlanSettings,
-              "hidden_states": ExtractSettings, "drafter_checkpoint": TrainSettings,
-              "benchmark_report": BenchSettings}
+    stages = {
+        "raw_responses": RegenerateSettings,
+        "tokenized_dataset": TokenizeSettings,
+        "merged_train": MergeSettings,
+        "vocab_mapping": VocabSettings,
+        "extraction_plan": PlanSettings,
+        "hidden_states": ExtractSettings,
+        "drafter_checkpoint": TrainSettings,
+        "benchmark_report": BenchSettings,
+    }
     for name, target in [("micro", TinyTargetSettings), ("production", ExternalTargetSettings)]:
         profile = load_profile(name)
         defs = build_definitions(profile)
         hashed = {a: defs.resolve_asset_graph().get(dg.AssetKey(a)).code_version for a in GRAPH}
-        settings = {s.key.to_user_string(): s.metadata[SETTINGS_KEY].data for s in defs.resolve_all_asset_specs()
-                    if SETTINGS_KEY in s.metadata}
+        settings = {
+            s.key.to_user_string(): s.metadata[SETTINGS_KEY].data
+            for s in defs.resolve_all_asset_specs()
+            if SETTINGS_KEY in s.metadata
+        }
         for asset, kind in {**stages, "target_model": target}.items():
             given = kind.from_profile(profile)
             assert given.content().items() <= settings[asset].items(), (name, asset)
         for asset in set(GRAPH) - {"target_model"} if name == "production" else GRAPH:
             assert hashed[asset] == code_version(settings[asset]), (name, asset)
-    micro = {s.key.to_user_string(): s.metadata[SETTINGS_KEY].data
-             for s in build_definitions(load_profile("micro")).resolve_all_asset_specs()}
+    micro = {
+        s.key.to_user_string(): s.metadata[SETTINGS_KEY].data
+        for s in build_definitions(load_profile("micro")).resolve_all_asset_specs()
+    }
     assert "generation.concurrency" not in micro["raw_responses"]  # pacing, declared runs_with
     assert "data.bad_fraction_threshold" not in micro["raw_responses"]  # a refusal before anything is paid
     assert "data.bad_fraction_threshold" in micro["tokenized_dataset"]  # its verdict certifies the partition

@@ -76,7 +76,9 @@ def snapshot(defs: dg.Definitions) -> dict:
     for key in sorted(graph.asset_check_keys, key=lambda k: (k.asset_key.to_user_string(), k.name)):
         node = graph.get(key)
         checks[f"{key.asset_key.to_user_string()}:{key.name}"] = {
-            "blocking": node.blocking, "partitions": _partitions(node.partitions_def)}
+            "blocking": node.blocking,
+            "partitions": _partitions(node.partitions_def),
+        }
     jobs = {}
     for job in sorted(defs.resolve_all_job_defs(), key=lambda j: j.name):
         if job.name.startswith("__"):
@@ -97,10 +99,17 @@ def snapshot(defs: dg.Definitions) -> dict:
         }
         for s in sorted(repo.sensor_defs, key=lambda s: s.name)
     }
-    schedules = {s.name: {"cron": s.cron_schedule, "job": s.job_name}
-                 for s in sorted(repo.schedule_defs, key=lambda s: s.name)}
-    return {"assets": assets, "checks": checks, "jobs": jobs, "sensors": sensors, "schedules": schedules,
-            "resources": sorted(defs.resources or {})}
+    schedules = {
+        s.name: {"cron": s.cron_schedule, "job": s.job_name} for s in sorted(repo.schedule_defs, key=lambda s: s.name)
+    }
+    return {
+        "assets": assets,
+        "checks": checks,
+        "jobs": jobs,
+        "sensors": sensors,
+        "schedules": schedules,
+        "resources": sorted(defs.resources or {}),
+    }
 
 
 def test_definitions_match_the_checked_in_snapshot() -> None:
@@ -110,12 +119,16 @@ def test_definitions_match_the_checked_in_snapshot() -> None:
         SNAPSHOT.write_text(text)
     assert SNAPSHOT.exists(), f"{SNAPSHOT} missing: run with {UPDATE_ENV}=1 to write it"
     expected = json.loads(SNAPSHOT.read_text())
-    changed = sorted(f"{section}.{name}" for section in set(expected) | set(current)
-                     for name in set(_names(expected.get(section))) | set(_names(current.get(section)))
-                     if _get(expected, section, name) != _get(current, section, name))
+    changed = sorted(
+        f"{section}.{name}"
+        for section in set(expected) | set(current)
+        for name in set(_names(expected.get(section))) | set(_names(current.get(section)))
+        if _get(expected, section, name) != _get(current, section, name)
+    )
     assert current == expected, (
         f"the Definitions differ from {SNAPSHOT.name} at {changed}; if intended, regenerate it with "
-        f"{UPDATE_ENV}=1 and commit the diff")
+        f"{UPDATE_ENV}=1 and commit the diff"
+    )
 
 
 def _names(section) -> list:
@@ -125,4 +138,3 @@ def _names(section) -> list:
 def _get(snap: dict, section: str, name: str):
     value = snap.get(section)
     return value.get(name) if isinstance(value, dict) else value
-

@@ -34,16 +34,21 @@ class TrainedElsewhere:
         yield
 
 
-def test_an_export_missing_a_weight_fails_the_blocking_check_and_is_never_benchmarked(tmp_path, micro_target,
-                                                                                     monkeypatch):
+def test_an_export_missing_a_weight_fails_the_blocking_check_and_is_never_benchmarked(
+    tmp_path, micro_target, monkeypatch
+):
     import assets.drafter_checkpoint as module
     import eagle3_dagster.stages.train as train_stage
     import eagle3_dagster.train.nodes as nodes
     from definitions import build_definitions
 
     profile, layout = _merged_corpus(tmp_path, micro_target)
-    runs = iter([_finished_run(profile, layout, "run-good"),
-                 _finished_run(profile, layout, "run-bad", drop="midlayer.mlp.down_proj.weight")])
+    runs = iter(
+        [
+            _finished_run(profile, layout, "run-good"),
+            _finished_run(profile, layout, "run-bad", drop="midlayer.mlp.down_proj.weight"),
+        ]
+    )
     monkeypatch.setattr(train_stage, "prepare_training", lambda *a, **k: next(runs))
     monkeypatch.setattr(nodes, "node_commands", lambda *a, **k: [])
     monkeypatch.setattr(module, "plan_path_of", lambda plan: None)
@@ -51,11 +56,18 @@ def test_an_export_missing_a_weight_fails_the_blocking_check_and_is_never_benchm
     defs = build_definitions(profile)
 
     def materialize(instance, selection):
-        return dg.materialize(list(defs.assets), instance=instance, resources={**defs.resources, "gpu_host": TrainedElsewhere()},
-                              selection=selection, raise_on_error=False)
+        return dg.materialize(
+            list(defs.assets),
+            instance=instance,
+            resources={**defs.resources, "gpu_host": TrainedElsewhere()},
+            selection=selection,
+            raise_on_error=False,
+        )
 
     def latest_meta(instance) -> dict:
-        return instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")).asset_materialization.metadata
+        return instance.get_latest_materialization_event(
+            dg.AssetKey("drafter_checkpoint")
+        ).asset_materialization.metadata
 
     with dg.instance_for_test() as instance:
         good = materialize(instance, ["drafter_checkpoint"])
@@ -76,5 +88,7 @@ def test_an_export_missing_a_weight_fails_the_blocking_check_and_is_never_benchm
         # nor later, on the refused export or the older one it replaced, and before leasing a host
         later = materialize(instance, ["benchmark_report"])
         (failure,) = [e for e in later.all_events if e.is_step_failure]
-        assert "failed its export_matches_sglang check and is not benchmarked" in \
-            failure.step_failure_data.error.to_string()
+        assert (
+            "failed its export_matches_sglang check and is not benchmarked"
+            in failure.step_failure_data.error.to_string()
+        )

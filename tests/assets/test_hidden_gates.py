@@ -39,15 +39,25 @@ class SmallDiskHost(GpuHostResource):
 
 @pytest.fixture
 def setup(tmp_path, micro_target):
-    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
-                                               "hidden": {"root": str(tmp_path / "hidden")}})
+    profile = load_profile(
+        "micro", overrides={"run_root": str(tmp_path / "run"), "hidden": {"root": str(tmp_path / "hidden")}}
+    )
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)
     g = torch.Generator().manual_seed(0)
     layout.merged_train.parent.mkdir(parents=True)
-    write_jsonl(layout.merged_train, [
-        {"id": f"sharegpt/{i}", "dataset": "sharegpt", "input_ids": torch.randint(0, 512, (n,), generator=g).tolist(),
-         "loss_mask": [int(j >= n // 2) for j in range(n)]} for i, n in enumerate(LENGTHS)])
+    write_jsonl(
+        layout.merged_train,
+        [
+            {
+                "id": f"sharegpt/{i}",
+                "dataset": "sharegpt",
+                "input_ids": torch.randint(0, 512, (n,), generator=g).tolist(),
+                "loss_mask": [int(j >= n // 2) for j in range(n)],
+            }
+            for i, n in enumerate(LENGTHS)
+        ],
+    )
     defs = build_definitions(profile)
     with dg.instance_for_test() as instance:
         yield profile, layout, defs, instance
@@ -55,10 +65,17 @@ def setup(tmp_path, micro_target):
 
 def _plan(profile, instance: dg.DagsterInstance, gpu_host: GpuHostResource) -> dg.ExecuteInProcessResult:
     """extraction_plan as the code location builds it, materialized with `gpu_host` as its resource."""
-    [plan] = [a for a in build_definitions(profile).assets if isinstance(a, dg.AssetsDefinition)
-              and a.key == dg.AssetKey("extraction_plan")]
-    return dg.materialize([plan], instance=instance, raise_on_error=False,
-                          resources={"gpu_host": gpu_host, "profile": ProfileResource.of(profile)})
+    [plan] = [
+        a
+        for a in build_definitions(profile).assets
+        if isinstance(a, dg.AssetsDefinition) and a.key == dg.AssetKey("extraction_plan")
+    ]
+    return dg.materialize(
+        [plan],
+        instance=instance,
+        raise_on_error=False,
+        resources={"gpu_host": gpu_host, "profile": ProfileResource.of(profile)},
+    )
 
 
 def test_a_plan_larger_than_the_free_space_fails_its_blocking_check_and_no_shard_runs(setup):
@@ -75,8 +92,9 @@ def test_a_plan_larger_than_the_free_space_fails_its_blocking_check_and_no_shard
     assert meta["remaining_bytes"].value > 1024
     keys = [f"shard-{i:05d}" for i in range(meta["num_shards"].value)]
     instance.add_dynamic_partitions("hidden_state_shards", keys)
-    run = defs.resolve_job_def("extract_job").execute_in_process(instance=instance, partition_key=keys[0],
-                                                                 raise_on_error=False)
+    run = defs.resolve_job_def("extract_job").execute_in_process(
+        instance=instance, partition_key=keys[0], raise_on_error=False
+    )
     assert not run.success
     [failure] = [e for e in run.all_events if e.event_type_value == "STEP_FAILURE"]
     message = failure.step_failure_data.error.message + str(failure.step_failure_data.user_failure_data)
@@ -107,8 +125,9 @@ def test_cleanup_job_lists_superseded_versions_in_a_dry_run_and_deletes_only_the
     job = defs.resolve_job_def("cleanup_hidden_states")
 
     def cleanup(dry_run: bool) -> dict:
-        result = job.execute_in_process(instance=instance, run_config={
-            "ops": {CLEANUP_OP: {"config": {"dry_run": dry_run}}}})
+        result = job.execute_in_process(
+            instance=instance, run_config={"ops": {CLEANUP_OP: {"config": {"dry_run": dry_run}}}}
+        )
         assert result.success
         [observation] = result.asset_observations_for_node(CLEANUP_OP)
         assert observation.asset_key == dg.AssetKey("extraction_plan")

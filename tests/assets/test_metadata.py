@@ -9,21 +9,28 @@ from eagle3_dagster.stages import StageReport
 
 
 def test_rows_with_missing_values_become_a_table_with_typed_columns():
-    value = table([{"method": "no_spec", "acceptance_length": None, "num_prompts": 4},
-                   {"method": "eagle3", "acceptance_length": 2.318712, "num_prompts": 4}],
-                  {"acceptance_length": "tokens per verify step"})
+    value = table(
+        [
+            {"method": "no_spec", "acceptance_length": None, "num_prompts": 4},
+            {"method": "eagle3", "acceptance_length": 2.318712, "num_prompts": 4},
+        ],
+        {"acceptance_length": "tokens per verify step"},
+    )
     assert [(c.name, c.type) for c in value.schema.columns] == [
-        ("method", "string"), ("acceptance_length", "float"), ("num_prompts", "int")]
+        ("method", "string"),
+        ("acceptance_length", "float"),
+        ("num_prompts", "int"),
+    ]
     assert [r.data for r in value.records] == [
         {"method": "no_spec", "acceptance_length": None, "num_prompts": 4},
-        {"method": "eagle3", "acceptance_length": 2.319, "num_prompts": 4}]
+        {"method": "eagle3", "acceptance_length": 2.319, "num_prompts": 4},
+    ]
 
 
 def test_floats_are_rounded_to_four_significant_digits_and_stay_numbers():
     assert round_value(4.319930195808411) == 4.32 and round_value(12345.6789) == 12345.7
     typed = table([{"a": 1}])
-    meta = report_metadata(StageReport(metadata={"final_loss": 4.319930195808411, "rows": [{"a": 1}],
-                                                 "typed": typed}))
+    meta = report_metadata(StageReport(metadata={"final_loss": 4.319930195808411, "rows": [{"a": 1}], "typed": typed}))
     assert meta["typed"] is typed
     assert meta["final_loss"] == dg.MetadataValue.float(4.32)
     assert isinstance(meta["rows"], dg.TableMetadataValue)
@@ -65,9 +72,21 @@ def test_the_trained_drafters_figures_are_described_with_what_they_were_measured
     from assets.metadata_legend import describe, undescribed
     from eagle3_dagster.train.outputs import summary_metadata
 
-    metrics = {"steps": 3, "tokens_per_s": 10.0, "curves": {"loss": [2.0, 1.5]}, "initial_eval": {"acc_0": 0.1},
-               "final_eval": {"scope": "heldout", "loss": 1.2, "sim_accept_length": 1.7, "acc_0": 0.5, "acc_1": 0.3,
-                              "num_samples": 4, "num_scored_tokens": 40}}
+    metrics = {
+        "steps": 3,
+        "tokens_per_s": 10.0,
+        "curves": {"loss": [2.0, 1.5]},
+        "initial_eval": {"acc_0": 0.1},
+        "final_eval": {
+            "scope": "heldout",
+            "loss": 1.2,
+            "sim_accept_length": 1.7,
+            "acc_0": 0.5,
+            "acc_1": 0.3,
+            "num_samples": 4,
+            "num_scored_tokens": 40,
+        },
+    }
     keys = summary_metadata(metrics)
     assert not undescribed("drafter_checkpoint", keys)
     assert "held-out samples never trained on" in describe("drafter_checkpoint", "heldout_acc_1")
@@ -83,12 +102,28 @@ def test_the_data_assets_describe_every_key_their_stages_emit():
 
     # the stats' own keys and those eagle3_dagster/stages/data.py adds beside them
     emitted = {
-        "raw_responses": [*RegenerationStats(dataset="d").as_dict(), "path", "source", "num_source_lines_quarantined",
-                          "source_quarantine_path", "num_conversations_quarantined_chat_template",
-                          "chat_template_quarantine_path", "regenerated", "sha256", "bytes", "settings"],
+        "raw_responses": [
+            *RegenerationStats(dataset="d").as_dict(),
+            "path",
+            "source",
+            "num_source_lines_quarantined",
+            "source_quarantine_path",
+            "num_conversations_quarantined_chat_template",
+            "chat_template_quarantine_path",
+            "regenerated",
+            "sha256",
+            "bytes",
+            "settings",
+        ],
         "tokenized_dataset": [*TokenizeStats(dataset="d").as_dict(), "path", "quarantine_path", "source"],
-        "merged_train": [*MergeStats().as_dict(), "path", "sha256", "num_shards", "sequence_lengths",
-                         "records_by_length"],
+        "merged_train": [
+            *MergeStats().as_dict(),
+            "path",
+            "sha256",
+            "num_shards",
+            "sequence_lengths",
+            "records_by_length",
+        ],
         "vocab_mapping": ["note"],
         # the headline keys eagle3_dagster/stages/bench.py and bench/report.py add (test_ui checks every real key)
         "benchmark_report": ["untrained_acceptance_length", "ngram_acceptance_length", "speedup_min", "speedup_max"],

@@ -20,8 +20,10 @@ import pytest
 
 from tests.micro_run import ROOT, MicroRun, private_copy
 
-pytestmark = [pytest.mark.slow,  # the demo pipeline end to end in a subprocess
-              pytest.mark.xdist_group("micro_run")]  # one worker builds the session's micro run (tests/conftest.py)
+pytestmark = [
+    pytest.mark.slow,  # the demo pipeline end to end in a subprocess
+    pytest.mark.xdist_group("micro_run"),
+]  # one worker builds the session's micro run (tests/conftest.py)
 
 ASSETS = [
     "target_model",
@@ -63,8 +65,12 @@ def test_checks_pass_and_figures_are_within_bounds(micro_run: MicroRun) -> None:
             event = instance.get_latest_materialization_event(dg.AssetKey(name))
             return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
 
-        for check in [("extraction_plan", "fits_on_disk"), ("hidden_states", "bytes_match_plan"),
-                      ("hidden_states", "manifest_checksums"), ("drafter_checkpoint", "export_matches_sglang")]:
+        for check in [
+            ("extraction_plan", "fits_on_disk"),
+            ("hidden_states", "bytes_match_plan"),
+            ("hidden_states", "manifest_checksums"),
+            ("drafter_checkpoint", "export_matches_sglang"),
+        ]:
             record = instance.get_latest_asset_check_evaluation_record(
                 dg.AssetCheckKey(dg.AssetKey(check[0]), check[1])
             )
@@ -120,8 +126,12 @@ PROGRESS = re.compile(r"^(\S+): ([\d,]+)/([\d,]+) (\w+) \((\d+\.\d)%\), ([\d.,]+
 
 def test_long_stages_log_progress_by_the_contract(micro_run: MicroRun) -> None:
     with micro_run.instance() as instance:
-        for job, unit in [("target_job", "steps"), ("data_job", "conversations"), ("extract_job", "tokens"),
-                          ("train_job", "steps")]:
+        for job, unit in [
+            ("target_job", "steps"),
+            ("data_job", "conversations"),
+            ("extract_job", "tokens"),
+            ("train_job", "steps"),
+        ]:
             runs = [r for r in instance.get_runs() if r.job_name == job and r.status == dg.DagsterRunStatus.SUCCESS]
             assert runs, job
             measured = 0
@@ -144,7 +154,9 @@ def test_a_drafter_is_audited_from_its_materialization_alone(micro_run: MicroRun
 
         def latest(asset: str, partition: str | None = None):
             records = instance.fetch_materializations(
-                dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None),
+                dg.AssetRecordsFilter(
+                    asset_key=dg.AssetKey(asset), asset_partitions=[partition] if partition else None
+                ),
                 limit=1,
             ).records
             return records[0].asset_materialization
@@ -181,7 +193,8 @@ def test_a_shard_run_is_refused_when_the_plan_was_evaluated_for_another_root(edi
     defs = build_definitions(moved)
     with edited_run.instance() as instance:
         result = defs.resolve_job_def("extract_job").execute_in_process(
-            instance=instance, partition_key="shard-00000", raise_on_error=False)
+            instance=instance, partition_key="shard-00000", raise_on_error=False
+        )
     assert not result.success
     [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     message = failure.step_failure_data.error.message + str(failure.step_failure_data.user_failure_data)
@@ -203,8 +216,11 @@ def test_a_shard_failing_its_checksum_never_passes_as_extracted(edited_run: Micr
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with edited_run.instance() as instance:
-        result = build_definitions(profile).resolve_job_def("extract_job").execute_in_process(
-            instance=instance, partition_key="shard-00001", raise_on_error=False)
+        result = (
+            build_definitions(profile)
+            .resolve_job_def("extract_job")
+            .execute_in_process(instance=instance, partition_key="shard-00001", raise_on_error=False)
+        )
     checks = {c.check_name: c.passed for c in result.get_asset_check_evaluations()}
     if result.success:
         verify_shard(path, load_manifest(version_dir)["shard-00001"])

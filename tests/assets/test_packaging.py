@@ -24,12 +24,19 @@ def test_the_wheel_holds_only_the_engine_package(tmp_path):
         shutil.copy(ROOT / name, src / name)
     for name in ["eagle3_dagster", "assets", "resources"]:
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
-                          str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     [wheel] = tmp_path.glob("eagle3_dagster-*.whl")
-    top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist() if not name.split("/")[0].endswith(
-        (".dist-info", ".data"))}
+    top = {
+        name.split("/")[0]
+        for name in zipfile.ZipFile(wheel).namelist()
+        if not name.split("/")[0].endswith((".dist-info", ".data"))
+    }
     assert top == {"eagle3_dagster"}
 
 

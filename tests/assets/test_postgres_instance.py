@@ -27,8 +27,10 @@ import yaml
 from tests.micro_run import MicroRun
 from tests.sshd_server import free_port
 
-pytestmark = [pytest.mark.slow,  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
-              pytest.mark.xdist_group("micro_run")]  # one worker builds the session's micro run (tests/conftest.py)
+pytestmark = [
+    pytest.mark.slow,  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
+    pytest.mark.xdist_group("micro_run"),
+]  # one worker builds the session's micro run (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,11 +54,20 @@ def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, mic
         assert set(rows) == run_ids and set(rows.values()) == {"SUCCESS"}
         cur.execute("SELECT DISTINCT asset_key FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'")
         materialized = {row[0] for row in cur.fetchall()}
-        for name in ["target_model", "raw_responses", "tokenized_dataset", "merged_train", "vocab_mapping",
-                     "extraction_plan", "hidden_states"]:
+        for name in [
+            "target_model",
+            "raw_responses",
+            "tokenized_dataset",
+            "merged_train",
+            "vocab_mapping",
+            "extraction_plan",
+            "hidden_states",
+        ]:
             assert f'["{name}"]' in materialized, name
-        cur.execute("SELECT DISTINCT partition FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
-                    " AND asset_key = '[\"hidden_states\"]'")
+        cur.execute(
+            "SELECT DISTINCT partition FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
+            " AND asset_key = '[\"hidden_states\"]'"
+        )
         assert {row[0] for row in cur.fetchall()} == shards
         cur.execute("SELECT partition FROM dynamic_partitions WHERE partitions_def_name = 'hidden_state_shards'")
         assert {row[0] for row in cur.fetchall()} == shards
@@ -135,11 +146,17 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micr
     env = micro_run.env
     bin_dir = Path(sys.executable).parent
     # What scripts/ui.sh sets on the local instance: the profile's pool limits, and raw_responses 1.
-    implied = subprocess.run([str(bin_dir / "eagle3"), "pool-limits"], env=env, check=True, capture_output=True,
-                             text=True, timeout=300).stdout.split("\n")
+    implied = subprocess.run(
+        [str(bin_dir / "eagle3"), "pool-limits"], env=env, check=True, capture_output=True, text=True, timeout=300
+    ).stdout.split("\n")
     for pool, limit in [line.split() for line in implied if line.strip()] + [["raw_responses", "1"]]:
-        subprocess.run([str(bin_dir / "dagster"), "instance", "concurrency", "set", pool, limit],
-                       env=env, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [str(bin_dir / "dagster"), "instance", "concurrency", "set", pool, limit],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     with postgres.connect(user="postgres", dbname="eagle3") as conn, conn.cursor() as cur:
         cur.execute('SELECT concurrency_key, "limit" FROM concurrency_limits')
         assert dict(cur.fetchall()) == {"gpu_host": 1, "raw_responses": 1}  # the micro profile has one GPU host
@@ -148,18 +165,38 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micr
     workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=port)
     (tmp_path / "workspace.yaml").write_text(yaml.safe_dump(workspace))
     logs = [tmp_path / "code_server.log", tmp_path / "daemon.log"]
-    code_server = [str(bin_dir / "dagster"), "code-server", "start", "-h", "127.0.0.1", "-p", str(port),
-                   "-f", "definitions.py", "-d", str(ROOT), "--location-name", "eagle3_dagster"]
+    code_server = [
+        str(bin_dir / "dagster"),
+        "code-server",
+        "start",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "-f",
+        "definitions.py",
+        "-d",
+        str(ROOT),
+        "--location-name",
+        "eagle3_dagster",
+    ]
     job = build_definitions(load_profile_file(Path(env["EAGLE3_PROFILE"]))).resolve_job_def("extract_job")
     with process_group(code_server, env, logs[0]):
         wait_until("the code server", lambda: code_server_serves(port), 300, logs)
         with micro_run.instance() as instance:
-            runs = [instance.create_run_for_job(job, status=dg.DagsterRunStatus.QUEUED,
-                                                tags={"dagster/partition": key},
-                                                remote_job_origin=workspace_origin(job.name))
-                    for key in ["shard-00000", "shard-00001"]]
-            with process_group([str(bin_dir / "dagster-daemon"), "run", "-w", str(tmp_path / "workspace.yaml")],
-                               env, logs[1]):
+            runs = [
+                instance.create_run_for_job(
+                    job,
+                    status=dg.DagsterRunStatus.QUEUED,
+                    tags={"dagster/partition": key},
+                    remote_job_origin=workspace_origin(job.name),
+                )
+                for key in ["shard-00000", "shard-00001"]
+            ]
+            with process_group(
+                [str(bin_dir / "dagster-daemon"), "run", "-w", str(tmp_path / "workspace.yaml")], env, logs[1]
+            ):
+
                 def finished():
                     records = [instance.get_run_record_by_id(r.run_id) for r in runs]
                     return records if all(r.dagster_run.is_finished for r in records) else None

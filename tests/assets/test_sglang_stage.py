@@ -47,12 +47,21 @@ def setup(tmp_path_factory, micro_target):
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: stand-in (UUID: GPU-0)'\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp / "run"),
-        "hidden": {"backend": "sglang", "root": str(tmp / "hidden"), "tp_size": 1, "sglang_port": free_port(),
-                   "samples_per_shard": 4, "sglang_concurrency": 2},
-        "gpu_host": {"hosts": [{"transport": "local", "python": str(python), "workdir": str(tmp / "work")}]},
-    })
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp / "run"),
+            "hidden": {
+                "backend": "sglang",
+                "root": str(tmp / "hidden"),
+                "tp_size": 1,
+                "sglang_port": free_port(),
+                "samples_per_shard": 4,
+                "sglang_concurrency": 2,
+            },
+            "gpu_host": {"hosts": [{"transport": "local", "python": str(python), "workdir": str(tmp / "work")}]},
+        },
+    )
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)  # the session's micro target: this profile's target.tiny
     vocab = json.loads((layout.target_dir / "config.json").read_text())["vocab_size"]
@@ -61,15 +70,30 @@ def setup(tmp_path_factory, micro_target):
     with open(layout.merged_train, "wb") as f:
         for k, n in enumerate([7, 19, 3, 11, 5, 13]):
             ids = torch.randint(1, vocab, (n,), generator=g).tolist()
-            f.write(orjson.dumps({"id": f"B1/conv{k}/0", "dataset": "B1", "input_ids": ids,
-                                  "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}) + b"\n")
+            f.write(
+                orjson.dumps(
+                    {
+                        "id": f"B1/conv{k}/0",
+                        "dataset": "B1",
+                        "input_ids": ids,
+                        "loss_mask": [0] * (n // 2) + [1] * (n - n // 2),
+                    }
+                )
+                + b"\n"
+            )
     return tmp, profile, layout, bin_dir
 
 
 def _materialize(defs, instance, selection, partition_key=None):
     assets = list(defs.assets or [])
-    return dg.materialize(assets, selection=selection, instance=instance, resources=defs.resources,
-                          partition_key=partition_key, raise_on_error=False)
+    return dg.materialize(
+        assets,
+        selection=selection,
+        instance=instance,
+        resources=defs.resources,
+        partition_key=partition_key,
+        raise_on_error=False,
+    )
 
 
 def test_sglang_stage_extracts_shards_with_the_plans_bytes_through_dagster(setup, monkeypatch):
@@ -124,13 +148,20 @@ def test_driver_failure_brings_sglang_log_tail_and_traceback(setup, monkeypatch)
     from eagle3_dagster.stages import hidden as hidden_stage
 
     plan = build_plan(profile, layout)
-    wrong = dataclasses.replace(plan, version_dir=tmp / "broken",
-                                target=dataclasses.replace(plan.target, hidden_size=plan.target.hidden_size + 1),
-                                fmt=dataclasses.replace(plan.fmt, hidden_size=plan.fmt.hidden_size + 1))
+    wrong = dataclasses.replace(
+        plan,
+        version_dir=tmp / "broken",
+        target=dataclasses.replace(plan.target, hidden_size=plan.target.hidden_size + 1),
+        fmt=dataclasses.replace(plan.fmt, hidden_size=plan.fmt.hidden_size + 1),
+    )
     plan_path = write_plan(wrong)
     with pytest.raises(RuntimeError) as err:
-        hidden_stage.extract_stage(ExtractSettings.from_profile(profile), plan_path, ["shard-00000"],
-                                   gpu_host=build_definitions(profile).resources["gpu_host"].host())
+        hidden_stage.extract_stage(
+            ExtractSettings.from_profile(profile),
+            plan_path,
+            ["shard-00000"],
+            gpu_host=build_definitions(profile).resources["gpu_host"].host(),
+        )
     text = str(err.value)
     assert "the SGLang driver exited" in text and "Traceback" in text and "DumpError" in text
     assert "stand-in sglang: ready" in text and "--- SGLang log" in text

@@ -32,13 +32,19 @@ def upstream(instance, **versions: str) -> None:
 
 def code_version(profile) -> str:
     """hidden_states' code version in the profile's built graph."""
-    return build_definitions(profile).resolve_assets_def("hidden_states").code_versions_by_key[
-        dg.AssetKey("hidden_states")]
+    return (
+        build_definitions(profile)
+        .resolve_assets_def("hidden_states")
+        .code_versions_by_key[dg.AssetKey("hidden_states")]
+    )
 
 
 def shard(instance, key: str, profile, inputs: dict[str, str] = INPUTS) -> None:
-    tags = {"dagster/code_version": code_version(profile), "dagster/data_version": f"sha-{key}",
-            **{f"dagster/input_data_version/{k}": v for k, v in inputs.items()}}
+    tags = {
+        "dagster/code_version": code_version(profile),
+        "dagster/data_version": f"sha-{key}",
+        **{f"dagster/input_data_version/{k}": v for k, v in inputs.items()},
+    }
     instance.report_runless_asset_event(dg.AssetMaterialization("hidden_states", partition=key, tags=tags))
 
 
@@ -79,12 +85,15 @@ def test_each_shard_not_current_is_listed_with_its_status_and_cause(instance):
     shard(instance, "shard-00001", profile, inputs={**INPUTS, "merged_train": "m0"})
     failed_run(instance, "shard-00002")
     evaluation, rows = verdict(tick(profile, instance))
-    assert rows == {"shard-00001": ("stale", "merged_train has a new data version"),
-                    "shard-00002": ("failed", "its latest run failed"),
-                    "shard-00003": ("missing", "never materialized")}
+    assert rows == {
+        "shard-00001": ("stale", "merged_train has a new data version"),
+        "shard-00002": ("failed", "its latest run failed"),
+        "shard-00003": ("missing", "never materialized"),
+    }
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-    counts = {k: evaluation.metadata[k].value for k in ("num_shards", "num_current", "num_stale", "num_missing",
-                                                         "num_failed")}
+    counts = {
+        k: evaluation.metadata[k].value for k in ("num_shards", "num_current", "num_stale", "num_missing", "num_failed")
+    }
     assert counts == {"num_shards": 4, "num_current": 1, "num_stale": 1, "num_missing": 1, "num_failed": 1}
     assert evaluation.description.startswith("3 of 4 shards are not current")
 
@@ -128,9 +137,11 @@ def test_the_check_executed_from_the_asset_page_gives_the_sensors_verdict(instan
     result = job.get_subset(asset_check_selection={key}, asset_selection=set()).execute_in_process(instance=instance)
     [evaluation] = result.get_asset_check_evaluations()
     _, sensor_rows = verdict(tick(profile, instance))
-    assert {r.data["shard"]: (r.data["status"], r.data["cause"])
-            for r in evaluation.metadata["not_current"].records} == sensor_rows == {
-        "shard-00001": ("missing", "never materialized")}
+    assert (
+        {r.data["shard"]: (r.data["status"], r.data["cause"]) for r in evaluation.metadata["not_current"].records}
+        == sensor_rows
+        == {"shard-00001": ("missing", "never materialized")}
+    )
 
 
 def test_shard_runs_do_not_carry_the_whole_asset_check():

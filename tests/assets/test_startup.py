@@ -24,8 +24,11 @@ def test_loading_the_code_location_raises_no_beta_or_preview_warning(profile):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # pyproject's filterwarnings hides these from every other test
         build_definitions(loaded)
-    noisy = [f"{w.category.__name__}: {w.message}" for w in caught
-             if issubclass(w.category, (dg.BetaWarning, dg.PreviewWarning))]
+    noisy = [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (dg.BetaWarning, dg.PreviewWarning))
+    ]
     assert noisy == []
 
 

@@ -21,8 +21,11 @@ def _observe(model_dir, tmp_path, instance):
     asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
     # observed as a job selecting it observes it (Dagster's public API for what dagster._core's observe() does)
-    defs = dg.Definitions(assets=[asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
-                          jobs=[dg.define_asset_job("observe_target", selection=[asset.key])])
+    defs = dg.Definitions(
+        assets=[asset],
+        resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
+        jobs=[dg.define_asset_job("observe_target", selection=[asset.key])],
+    )
     result = defs.resolve_job_def("observe_target").execute_in_process(instance=instance)
     assert result.success
     (event,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]

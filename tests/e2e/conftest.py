@@ -208,15 +208,27 @@ def dagster_dev(
     dagster = Path(sys.executable).with_name("dagster")
     # What scripts/ui.sh does before `dagster dev`: the pool limits the profile implies (one gpu_host slot
     # per GPU host) must exist before runs queue.
-    limits = subprocess.run([sys.executable, "-m", "eagle3_dagster.cli", "pool-limits"], env=full_env, cwd=REPO,
-                            check=True, capture_output=True, text=True).stdout.split()
+    limits = subprocess.run(
+        [sys.executable, "-m", "eagle3_dagster.cli", "pool-limits"],
+        env=full_env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for pool, limit in zip(limits[::2], limits[1::2]):
-        subprocess.run([str(dagster), "instance", "concurrency", "set", pool, limit], env=full_env, cwd=REPO,
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(dagster), "instance", "concurrency", "set", pool, limit],
+            env=full_env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
     cmd = [str(dagster), "dev", "-w", str(workspace), "-h", "127.0.0.1", "-p", str(port)]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     dep = DagsterDeployment(home=home, port=port, location_name=location_name, proc=proc, log_path=log_path)
     try:
         deadline = time.monotonic() + startup_s

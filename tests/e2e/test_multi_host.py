@@ -104,8 +104,11 @@ def kill_host(sshd_proc: subprocess.Popen) -> None:
 
 
 def sha256s(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-            if p.name.startswith("shard-")}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.name.startswith("shard-")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +131,22 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
     python_a.write_text(WRAPPER.format(python=sys.executable, driver=driver))
     python_a.chmod(0o755)
     hosts = [
-        {"name": "host-a", "transport": "ssh", "ssh_target": sshd_a.target, "ssh_options": list(sshd_a.options),
-         "python": str(python_a), "workdir": str(root / "work_a")},
-        {"name": "host-b", "transport": "ssh", "ssh_target": sshd_b.target, "ssh_options": list(sshd_b.options),
-         "python": sys.executable, "workdir": str(root / "work_b")},
+        {
+            "name": "host-a",
+            "transport": "ssh",
+            "ssh_target": sshd_a.target,
+            "ssh_options": list(sshd_a.options),
+            "python": str(python_a),
+            "workdir": str(root / "work_a"),
+        },
+        {
+            "name": "host-b",
+            "transport": "ssh",
+            "ssh_target": sshd_b.target,
+            "ssh_options": list(sshd_b.options),
+            "python": sys.executable,
+            "workdir": str(root / "work_b"),
+        },
     ]
     raw = yaml.safe_load((REPO / "configs" / "micro.yaml").read_text())
     raw["run_root"] = str(root / "run")
@@ -146,15 +161,27 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
     profile.write_text(yaml.safe_dump(raw, sort_keys=False))
     home = root / "dagster_home"
     write_instance_yaml(home)
-    env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "EAGLE3_PROFILE": str(profile),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
     try:
         # Data, corpus and extraction_plan through the instance, shard partitions registered. The target is the
         # session's micro target (tests/conftest.py), what target_job builds for this profile's target settings:
         # the hosts are what this test is about, and a build is ~25 s of CPU.
         shutil.copytree(micro_target, root / "run" / "target")
-        built = subprocess.run([sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--from", "data",
-                                "--until", "corpus"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+        built = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--from", "data", "--until", "corpus"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
         with dg.DagsterInstance.from_config(str(home)) as instance:
             registered = sorted(instance.get_dynamic_partitions("hidden_state_shards"))
@@ -169,9 +196,19 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
         reference.mkdir()
         (reference / "plan.json").write_text(json.dumps(plan))
         host_b = GpuHost(HostConfig(**hosts[1]))
-        host_b.run([sys.executable, "-m", "eagle3_dagster.hidden.hf_driver", "--plan", str(reference / "plan.json"),
-                    "--batch-tokens", str(raw["hidden"]["batch_tokens"]),
-                    *(a for k in keys for a in ("--shard", k))], timeout=900)
+        host_b.run(
+            [
+                sys.executable,
+                "-m",
+                "eagle3_dagster.hidden.hf_driver",
+                "--plan",
+                str(reference / "plan.json"),
+                "--batch-tokens",
+                str(raw["hidden"]["batch_tokens"]),
+                *(a for k in keys for a in ("--shard", k)),
+            ],
+            timeout=900,
+        )
 
         with dagster_dev(REPO / "workspace.yaml", home, "eagle3_dagster", env={"EAGLE3_PROFILE": str(profile)}) as dep:
             tags = {"dagster/max_retries": "0"}  # the next run of a failed shard is the test's, not a retry's
@@ -188,9 +225,18 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
             done = instance.get_materialized_partitions(dg.AssetKey("hidden_states"))
             pool_slots = instance.event_log_storage.get_concurrency_info("gpu_host").slot_count
         return {
-            "keys": keys, "paused": paused, "runs": runs, "failed": failed, "failed_logs": logs, "reruns": reruns,
-            "rerun_logs": rerun_logs, "done": done, "pool_slots": pool_slots, "version_dir": plan.parent,
-            "reference": reference, "holders": {h: who_holds(root / "leases", h) for h in ("host-a", "host-b")},
+            "keys": keys,
+            "paused": paused,
+            "runs": runs,
+            "failed": failed,
+            "failed_logs": logs,
+            "reruns": reruns,
+            "rerun_logs": rerun_logs,
+            "done": done,
+            "pool_slots": pool_slots,
+            "version_dir": plan.parent,
+            "reference": reference,
+            "holders": {h: who_holds(root / "leases", h) for h in ("host-a", "host-b")},
             "history": history(root / "leases"),
         }
     finally:

@@ -126,9 +126,18 @@ def killed_and_resumed(tmp_path_factory, micro_target) -> dict:
         logs = {run.run_id: hosts.stderr_of(run.run_id) for run in (killed, resumed)}
         with hosts.instance() as instance:
             tags = instance.get_run_by_id(killed.run_id).tags
-        return {"reference": root / "reference", "run_dir": run_dir, "paused": paused, "killed": killed,
-                "left_running": left_running, "latest_at_kill": latest, "resumed": resumed, "logs": logs,
-                "tags": tags, "pid_files": sorted(p.name for w in hosts.workdirs.values() for p in w.glob("train-*.pid"))}
+        return {
+            "reference": root / "reference",
+            "run_dir": run_dir,
+            "paused": paused,
+            "killed": killed,
+            "left_running": left_running,
+            "latest_at_kill": latest,
+            "resumed": resumed,
+            "logs": logs,
+            "tags": tags,
+            "pid_files": sorted(p.name for w in hosts.workdirs.values() for p in w.glob("train-*.pid")),
+        }
 
 
 def test_a_host_whose_trainer_is_killed_fails_the_run_naming_it_and_leaves_nothing_running(killed_and_resumed):

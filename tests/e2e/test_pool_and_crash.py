@@ -92,8 +92,9 @@ def killed_run(fixture_deployment, tmp_path_factory) -> dict:
     """A GPU run whose Dagster processes are SIGKILLed mid-step, and what became of it and of the queue."""
     dep, scratch = fixture_deployment, tmp_path_factory.mktemp("killed_run")
     # No run retry: a retry's launch would stop the stale child and hide whether the death of the worker did.
-    victim = dep.submit("gpu_a_job", run_config=sleep_config("gpu_a", 600, scratch / "victim.json"),
-                        tags={"dagster/max_retries": "0"})
+    victim = dep.submit(
+        "gpu_a_job", run_config=sleep_config("gpu_a", 600, scratch / "victim.json"), tags={"dagster/max_retries": "0"}
+    )
     child = wait_for_file(scratch / "victim.json", 120, "the GPU child of the victim run")
     worker = wait_for_file(scratch / "victim.worker", 5, "the step worker of the victim run")
     assert alive(child["pid"])

@@ -102,13 +102,20 @@ def stages_done(micro_deployment) -> list[dict]:
     dep = micro_deployment
     (dep.home / UI_URL_FILE).write_text(dep.url)
     env = {**os.environ, "DAGSTER_HOME": str(dep.home), "EAGLE3_PROFILE": str(dep.home.parent / "micro.yaml")}
-    proc = subprocess.run([sys.executable, "scripts/run_pipeline.py", "--until", "corpus"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S * len(STAGE_RUNS))
+    proc = subprocess.run(
+        [sys.executable, "scripts/run_pipeline.py", "--until", "corpus"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S * len(STAGE_RUNS),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"submitting through the UI at {dep.url}" in proc.stdout
     runs = list(reversed(dep.graphql(RUNS)["runsOrError"]["results"]))  # oldest first
-    assert [(r["jobName"], {t["key"]: t["value"] for t in r["tags"]}.get("dagster/partition"))
-            for r in runs] == STAGE_RUNS
+    assert [
+        (r["jobName"], {t["key"]: t["value"] for t in r["tags"]}.get("dagster/partition")) for r in runs
+    ] == STAGE_RUNS
     return runs
 
 
@@ -134,8 +141,9 @@ def backfill(micro_deployment, stages_done) -> dict:
     deadline = time.monotonic() + RUN_TIMEOUT_S * BACKFILL_SHARDS
     while True:
         result = dep.graphql(BACKFILL, {"id": launched["backfillId"]})["partitionBackfillOrError"]
-        if result["status"] in BACKFILL_DONE and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED")
-                                                       for r in result["runs"]):
+        if result["status"] in BACKFILL_DONE and all(
+            r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in result["runs"]
+        ):
             break
         assert time.monotonic() < deadline, f"backfill not done after {RUN_TIMEOUT_S * BACKFILL_SHARDS} s: {result}"
         time.sleep(2)
@@ -149,8 +157,9 @@ def test_the_demo_command_submits_every_stage_job_and_each_run_succeeds(stages_d
         assert tags.get("eagle3/profile") == "micro"
 
 
-def test_the_jobs_and_overview_pages_list_the_demo_commands_runs(micro_deployment, stages_done, browser_page,
-                                                                  artifacts_dir):
+def test_the_jobs_and_overview_pages_list_the_demo_commands_runs(
+    micro_deployment, stages_done, browser_page, artifacts_dir
+):
     """Runs submitted through the code location are linked to their jobs: each job's Runs tab lists them, and
     the Overview's timeline shows them (in-process runs showed "No runs found" and "No runs or scheduled ticks")."""
     dep, page = micro_deployment, browser_page
@@ -174,8 +183,9 @@ def test_sensor_registers_one_partition_per_merged_train_shard(micro_deployment,
 def test_partition_backfill_over_shards_runs_one_successful_run_per_shard(micro_deployment, backfill):
     result = backfill["result"]
     assert result["numPartitions"] == BACKFILL_SHARDS
-    by_partition = {next(t["value"] for t in r["tags"] if t["key"] == "dagster/partition"): r["status"]
-                    for r in result["runs"]}
+    by_partition = {
+        next(t["value"] for t in r["tags"] if t["key"] == "dagster/partition"): r["status"] for r in result["runs"]
+    }
     assert by_partition == {key: "SUCCESS" for key in backfill["chosen"]}, result
 
 
@@ -253,16 +263,18 @@ def test_shard_checks_are_shown_per_partition_with_numbers(micro_deployment, bac
         assert {e["partition"] for e in executions} >= set(backfill["chosen"]), check
         assert all(e["status"] == "SUCCEEDED" and e["evaluation"]["severity"] == "ERROR" for e in executions)
         if check == "bytes_match_plan":
-            numbers = [m for e in executions for m in e["evaluation"]["metadataEntries"]
-                       if m["label"] == "bytes_written"]
+            numbers = [
+                m for e in executions for m in e["evaluation"]["metadataEntries"] if m["label"] == "bytes_written"
+            ]
             assert numbers and all(m["__typename"] == "IntMetadataEntry" and m["intValue"] > 0 for m in numbers)
 
 
 def test_a_shard_launched_from_the_asset_page_runs_with_the_assets_limits_and_tags(micro_deployment, backfill):
     """The asset page launches `__ASSET_JOB`, which has no job tags: the asset puts its own on the run."""
     dep = micro_deployment
-    run_id = dep.submit("__ASSET_JOB", asset_selection=["hidden_states"],
-                        tags={"dagster/partition": backfill["chosen"][0]})
+    run_id = dep.submit(
+        "__ASSET_JOB", asset_selection=["hidden_states"], tags={"dagster/partition": backfill["chosen"][0]}
+    )
     run = dep.wait_for_run(run_id, timeout_s=RUN_TIMEOUT_S)
     assert run["status"] == "SUCCESS", dep.run_log(run_id)[-4000:]
     tags = {t["key"]: t["value"] for t in run["tags"]}
@@ -273,8 +285,16 @@ def test_a_shard_launched_from_the_asset_page_runs_with_the_assets_limits_and_ta
 def test_the_drafter_page_names_everything_that_produced_it(micro_deployment, trained, browser_page, artifacts_dir):
     dep, page = micro_deployment, browser_page
     meta = latest_metadata(dep, "drafter_checkpoint")
-    audit = ["target_identity", "merged_train_sha256", "hidden_version", "shards", "git_sha", "code_version",
-             "packages", "settings"]
+    audit = [
+        "target_identity",
+        "merged_train_sha256",
+        "hidden_version",
+        "shards",
+        "git_sha",
+        "code_version",
+        "packages",
+        "settings",
+    ]
     assert [k for k in audit if k not in meta] == []
     text = open_page(page, f"{dep.url}/assets/drafter_checkpoint", "merged_train_sha256")
     page.screenshot(path=str(artifacts_dir / "ui_drafter_provenance.png"), full_page=True)
@@ -300,7 +320,8 @@ def shard_verdict(dep, wanted, timeout_s: float = 180) -> tuple[dict, dict[str, 
 
 
 def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting(
-        micro_deployment, trained, backfill, browser_page, artifacts_dir):
+    micro_deployment, trained, backfill, browser_page, artifacts_dir
+):
     dep, page = micro_deployment, browser_page
     evaluation, _ = shard_verdict(dep, lambda e, rows: e["success"])
     assert evaluation["description"] == f"all {len(backfill['keys'])} shards are current"
@@ -347,8 +368,9 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
         found = dep.graphql(STALE_PARTITIONS, {"path": ["hidden_states"], "partitions": keys})["assetNodeOrError"]
         stale = {k for k, s in zip(keys, found["staleStatusByPartition"]) if s == "STALE"}
         assert {k for k, r in rows.items() if r["status"] == "stale"} == stale == set(keys)
-        assert evaluation["severity"] == "WARN" and all("a setting it reads changed" in r["cause"]
-                                                           for r in rows.values())
+        assert evaluation["severity"] == "WARN" and all(
+            "a setting it reads changed" in r["cause"] for r in rows.values()
+        )
         open_page(page, f"{dep.url}/assets/hidden_states?view=checks", "shards_current")
         page.get_by_text("shards_current", exact=True).first.click()  # as a user picks it from the list
         wait_for_text(page, evaluation["description"])
@@ -377,11 +399,22 @@ def browser_page(micro_deployment, tmp_path_factory):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "the UI test needs Debian's chromium (apt-get install chromium); scripts/test.sh installs it"
     profile_dir = tmp_path_factory.mktemp("chromium-profile")
-    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+    args = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+    ]
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            str(profile_dir), executable_path=chromium, headless=True, args=args,
+            str(profile_dir),
+            executable_path=chromium,
+            headless=True,
+            args=args,
             viewport={"width": 1600, "height": 1000},
         )
         page = context.new_page()
@@ -424,12 +457,16 @@ def test_ui_asset_catalog_and_graph_show_every_asset(micro_deployment, target_bu
         assert [n for n in members if n not in graph] == [], f"graph of group {group} is missing assets"
 
 
-def test_ui_asset_page_shows_latest_materialization_metadata(micro_deployment, target_built, browser_page,
-                                                              artifacts_dir):
+def test_ui_asset_page_shows_latest_materialization_metadata(
+    micro_deployment, target_built, browser_page, artifacts_dir
+):
     dep, page = micro_deployment, browser_page
     meta = latest_metadata(dep, "target_model")
-    numeric = {k: e.get("intValue", e.get("floatValue")) for k, e in meta.items()
-               if e["__typename"] in ("IntMetadataEntry", "FloatMetadataEntry")}
+    numeric = {
+        k: e.get("intValue", e.get("floatValue"))
+        for k, e in meta.items()
+        if e["__typename"] in ("IntMetadataEntry", "FloatMetadataEntry")
+    }
     assert numeric, f"target_model's materialization carries no numeric metadata: {sorted(meta)}"
 
     text = open_page(page, f"{dep.url}/assets/target_model", next(iter(numeric)))

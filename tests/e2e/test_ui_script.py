@@ -92,15 +92,22 @@ def test_ui_sh_stops_with_every_process_it_started(signo, tmp_path) -> None:
     env = {**os.environ, "EAGLE3_DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(profile), "PORT": str(port)}
     log_path = tmp_path / "ui.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(REPO / "scripts" / "ui.sh")], cwd=tmp_path, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, preexec_fn=_ignore_sigint)
+        proc = subprocess.Popen(
+            [str(REPO / "scripts" / "ui.sh")],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_ignore_sigint,
+        )
     started: dict[int, str] = {}
     try:
         deadline = time.monotonic() + STARTUP_S
         while not ui_ready(f"http://127.0.0.1:{port}"):
             assert proc.poll() is None, f"ui.sh exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"the UI did not answer in {STARTUP_S} s:\n" + \
-                log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, (
+                f"the UI did not answer in {STARTUP_S} s:\n" + log_path.read_text()[-3000:]
+            )
             time.sleep(0.5)
         started = descendants(proc.pid)
         commands = " ".join(Path(f"/proc/{p}/cmdline").read_text() for p in started)
@@ -142,8 +149,9 @@ def test_dagster_dev_stops_when_the_process_that_started_it_is_killed(tmp_path) 
     shutil.copy(REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(home), "EAGLE3_PROFILE": str(write_profile(tmp_path, "micro"))}
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(port)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     started: dict[int, str] = {}
     try:
         dev = int(parent.stdout.readline())

@@ -36,7 +36,6 @@ def sglang_python(sglang_pythons) -> Path:
     return sglang_pythons(VERSION)
 
 
-
 @pytest.fixture(scope="session")
 def plain_server(sglang_python, micro_target, tmp_path_factory):
     """VERSION's patched server in extraction mode on the micro target as DeepseekV3ForCausalLM, shared by

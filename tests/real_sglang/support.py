@@ -78,16 +78,25 @@ def _model(model_dir: str, dtype: torch.dtype):
 
 
 @contextmanager
-def extraction_server(python: Path, model_dir: Path, tmp: Path, *, trust_remote_code: bool = False,
-                      version: str = VERSION) -> Iterator:
+def extraction_server(
+    python: Path, model_dir: Path, tmp: Path, *, trust_remote_code: bool = False, version: str = VERSION
+) -> Iterator:
     """The patched release server (`version`, the one `python` has installed) in extraction mode, started by
     the project's launcher (the release's extraction options from releases.json, the tier's CPU options,
     `--chunked-prefill-size CHUNK`);
     yields (the running server, its dump folder, its log file)."""
     host = GpuHost(HostConfig(transport="local", python=str(python), workdir=str(tmp / "host")))
-    spec = ServerSpec(model_path=str(model_dir), port=free_port(), dump_dir=str(tmp / "dumps"), dump_layers=AUX,
-                      sglang_version=version, extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
-                      env=server_env(python), health_timeout_s=1200, trust_remote_code=trust_remote_code)
+    spec = ServerSpec(
+        model_path=str(model_dir),
+        port=free_port(),
+        dump_dir=str(tmp / "dumps"),
+        dump_layers=AUX,
+        sglang_version=version,
+        extra_args=(*SERVER_ARGS, "--chunked-prefill-size", str(CHUNK)),
+        env=server_env(python),
+        health_timeout_s=1200,
+        trust_remote_code=trust_remote_code,
+    )
     log = LogTail(tmp / "sglang.log")
     try:
         with sglang_server(host, spec, on_log=log) as running:
@@ -105,7 +114,9 @@ def extraction_samples(vocab: int, lengths: list[int], shared_prefix: int, seed:
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
         if k < 2:
             ids[:shared_prefix] = prefix
-        out.append({"id": f"B1/conv{k}/0", "dataset": "B1", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
+        out.append(
+            {"id": f"B1/conv{k}/0", "dataset": "B1", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}
+        )
     return out
 
 
@@ -117,20 +128,33 @@ class Extracted:
     result: ShardResult
 
 
-def extract_samples(base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path,
-                    concurrency: int | None = None) -> Extracted:
+def extract_samples(
+    base_url: str, dump_dir: Path, tmp: Path, samples: list[dict], model_dir: Path, concurrency: int | None = None
+) -> Extracted:
     """One shard of `samples` through the project's driver, committed under tmp/version: `concurrency` requests
     in flight (default: all of them at once)."""
     hidden = load_target_config(model_dir)["hidden_size"]
     merged = tmp / "merged_train.jsonl"
     merged.write_bytes(b"".join(orjson.dumps(s) + b"\n" for s in samples))
     (spec,) = plan_shards(merged, len(samples))
-    fmt = ShardFormat(hidden_size=hidden, dtype="float32", aux_layers=AUX,
-                      target_identity=target_identity(model_dir), code_version=SGLANG_BACKEND_CODE_VERSION)
+    fmt = ShardFormat(
+        hidden_size=hidden,
+        dtype="float32",
+        aux_layers=AUX,
+        target_identity=target_identity(model_dir),
+        code_version=SGLANG_BACKEND_CODE_VERSION,
+    )
     version_dir = tmp / "version"
-    result = extract_shard_sglang(DriverSettings(base_url, dump_dir, concurrency=concurrency or len(samples)), merged, spec,
-                                  version_dir, aux_layers=list(AUX), hidden_size=hidden, dtype="float32",
-                                  target_identity=fmt.target_identity)
+    result = extract_shard_sglang(
+        DriverSettings(base_url, dump_dir, concurrency=concurrency or len(samples)),
+        merged,
+        spec,
+        version_dir,
+        aux_layers=list(AUX),
+        hidden_size=hidden,
+        dtype="float32",
+        target_identity=fmt.target_identity,
+    )
     return Extracted(version_dir, spec, fmt, result)
 
 
@@ -166,20 +190,27 @@ def compare_with_hf(version_dir: Path, samples: list[dict], hf_dir: Path) -> tup
             dist = [rel_err(g, h).median().item() for h in fp32]
             if (nearest := min(range(len(dist)), key=dist.__getitem__)) != i:
                 failures.append(f"{ds.sample_ids[k]}: aux {i} is nearest to HF state {nearest}")
-    lines = ["| tensor | SGLang vs HF fp32: median | max | off | HF bf16 vs HF fp32: median | max | off | "
-             "HF fp16 vs HF fp32: median | max | off | SGLang / fp16: median |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tensor | SGLang vs HF fp32: median | max | off | HF bf16 vs HF fp32: median | max | off | "
+        "HF fp16 vs HF fp32: median | max | off | SGLang / fp16: median |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in names:
         (sm, sx, so), (bm, bx, bo), (fm, fx, fo) = (
             (t.median().item(), t.max().item(), int((t > OFF).sum()))
-            for t in (torch.cat(errs[n][k]) for k in ("sglang", "bf16", "fp16")))
+            for t in (torch.cat(errs[n][k]) for k in ("sglang", "bf16", "fp16"))
+        )
         tokens = sum(len(e) for e in errs[n]["sglang"])
-        lines.append(f"| {n} | {sm:.3%} | {sx:.3%} | {so} | {bm:.3%} | {bx:.3%} | {bo} | {fm:.3%} | {fx:.3%} | {fo} | "
-                     f"{sm / fm:.2f} |")
+        lines.append(
+            f"| {n} | {sm:.3%} | {sx:.3%} | {so} | {bm:.3%} | {bx:.3%} | {bo} | {fm:.3%} | {fx:.3%} | {fo} | "
+            f"{sm / fm:.2f} |"
+        )
         if sm > ENVELOPE_FACTOR * fm:
             failures.append(f"{n}: median {sm:.3%}, over {ENVELOPE_FACTOR} x the fp16 envelope's {fm:.3%}")
         if so > OFF_SHARE * tokens:
             failures.append(f"{n}: {so} of {tokens} tokens over {OFF:.0%} off, more than {OFF_SHARE:.0%}")
-    table = (f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens, per-token relative L2 "
-             f"error (off: tokens over {OFF:.0%}):\n" + "\n".join(lines))
+    table = (
+        f"{len(ds)} samples, {sum(len(s['input_ids']) for s in samples)} tokens, per-token relative L2 "
+        f"error (off: tokens over {OFF:.0%}):\n" + "\n".join(lines)
+    )
     return table, failures

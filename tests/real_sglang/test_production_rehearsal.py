@@ -45,8 +45,11 @@ from tests.real_sglang.support import VERSION
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 from tests.sshd_server import free_port, start_sshd
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e,  # SGLang's own release server on CPU (tests/sglang_cpu), two sshd
-              pytest.mark.sglang]  # hosts, moto, PostgreSQL and `dagster dev`: the whole production graph
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.e2e,  # SGLang's own release server on CPU (tests/sglang_cpu), two sshd
+    pytest.mark.sglang,
+]  # hosts, moto, PostgreSQL and `dagster dev`: the whole production graph
 
 API_KEY_ENV = "OPENROUTER_API_KEY"  # production's generation.api_key_env, unchanged
 API_KEY = "sk-rehearsal-0123456789abcdef"
@@ -57,8 +60,17 @@ PRICE = {"prompt": 1.0e-6, "completion": 3.0e-6}  # production's prices, unchang
 # backend on CPU) and float32, so that served and simulated drafts are compared on the same floats.
 # A prefill chunk as the tier's extraction tests take it: without one SGLang sizes its CPU memory for whole prompts
 # of the full context and leaves none for the KV cache.
-CPU_SERVER_ARGS = [*SERVER_ARGS, "--prefill-attention-backend", "intel_amx", "--decode-attention-backend",
-                   "intel_amx", "--dtype", "float32", "--chunked-prefill-size", "64"]
+CPU_SERVER_ARGS = [
+    *SERVER_ARGS,
+    "--prefill-attention-backend",
+    "intel_amx",
+    "--decode-attention-backend",
+    "intel_amx",
+    "--dtype",
+    "float32",
+    "--chunked-prefill-size",
+    "64",
+]
 PROMPT_DATASETS = [f"B{i}" for i in range(1, 9)]
 HIDDEN = "hidden_states"
 PROMPTS_PER_DATASET = 3
@@ -67,25 +79,40 @@ PROMPTS_PER_DATASET = 3
 def overrides(ctx: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     """Every key of configs/production.yaml the rehearsal changes: dotted path (`datasets[NAME].field` for a
     dataset) → (value, why). Anything not listed is production's own value."""
-    hosts = [{"name": f"gpu-{i}", "transport": "ssh", "ssh_target": s.target, "ssh_options": list(s.options),
-              "python": str(ctx["host_python"]), "workdir": str(ctx["root"] / f"work_{i}"), "num_gpus": 0,
-              "sglang_port": port} for i, (s, port) in enumerate(zip(ctx["sshd"], ctx["ports"]))]
+    hosts = [
+        {
+            "name": f"gpu-{i}",
+            "transport": "ssh",
+            "ssh_target": s.target,
+            "ssh_options": list(s.options),
+            "python": str(ctx["host_python"]),
+            "workdir": str(ctx["root"] / f"work_{i}"),
+            "num_gpus": 0,
+            "sglang_port": port,
+        }
+        for i, (s, port) in enumerate(zip(ctx["sshd"], ctx["ports"]))
+    ]
     o: dict[str, tuple[Any, str]] = {
         "run_root": (str(ctx["root"] / "run"), "path: a temp folder"),
         "target.path": (str(ctx["target"]), "path: the tiny Kimi-K2.5-class target built here"),
         "target.serving_context": (512, "size: the tiny target's context"),
         "generation.base_url": (ctx["generation_url"], "endpoint: SGLang's server on loopback, not OpenRouter"),
         "generation.model": (ctx["served_model"], "endpoint: the name that server serves"),
-        "generation.reasoning_style": ("chat_template",
-                                       "endpoint: SGLang takes thinking as a chat-template kwarg, not `reasoning`"),
+        "generation.reasoning_style": (
+            "chat_template",
+            "endpoint: SGLang takes thinking as a chat-template kwarg, not `reasoning`",
+        ),
         # the tiny target's answers at production's temperature run to the limit often enough that two prompts
         # of a dataset both did, at 48
         "generation.max_new_tokens": (128, "size"),
         "generation.concurrency": (4, "size"),
         "data.max_seq_len": (192, "size: the tiny target's training length"),
         "data.draft_vocab_size": (256, "size: the tiny target's vocabulary is 512"),
-        "gpu_host.hosts": (hosts, "endpoints: two sshd hosts on loopback (one machine: a port each), the SGLang "
-                                  "venv's interpreter; GPU count: none (num_gpus 0)"),
+        "gpu_host.hosts": (
+            hosts,
+            "endpoints: two sshd hosts on loopback (one machine: a port each), the SGLang "
+            "venv's interpreter; GPU count: none (num_gpus 0)",
+        ),
         "gpu_host.lease_dir": (str(ctx["root"] / "leases"), "path"),
         "hidden.root": (f"s3://{BUCKET}/hidden_states", "path: moto's S3 server instead of local NVMe"),
         "hidden.aux_layers": ([2, 3, 4], "size: [2, L//2, L-3] of 61 layers is [2, 3, 4] of the tiny target's 6"),
@@ -105,8 +132,11 @@ def overrides(ctx: dict[str, Any]) -> dict[str, tuple[Any, str]]:
         "bench.num_prompts": (3, "size"),
         "bench.max_new_tokens": (24, "size"),
         "bench.spec_configs": ([[3, 1, 4]], "size: one configuration (a server start apiece)"),
-        "bench.concurrency": (1, "size: one request at a time, so that no batch of others moves a float of the "
-                                 "served drafts compared with the simulator's"),
+        "bench.concurrency": (
+            1,
+            "size: one request at a time, so that no batch of others moves a float of the "
+            "served drafts compared with the simulator's",
+        ),
         "bench.set_paths": (ctx["bench_sets"], "paths: local copies of the sets (no hub here)"),
     }
     for name, path in ctx["datasets"].items():
@@ -147,9 +177,16 @@ def _short_prompts(n: int, tokenizer) -> list[str]:
     raise AssertionError("not enough short ShareGPT prompts")
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _datasets(root: Path, tokenizer, production: dict) -> dict[str, Path]:
@@ -172,10 +209,25 @@ def _datasets(root: Path, tokenizer, production: dict) -> dict[str, Path]:
             for j in range(20):
                 question = prompts[n * len(PROMPT_DATASETS) + j]
                 messages = [{"role": "user", "content": question}]
-                calls = [{"id": "functions.get_weather:0", "type": "function",
-                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}] if j % 2 else None
-                ids, mask, _ = build_turn_sample(tokenizer, messages, f"The user asks: {question[:40]}",
-                                                 None if calls else f"Answer {j}.", calls, tools=TOOLS)
+                calls = (
+                    [
+                        {
+                            "id": "functions.get_weather:0",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ]
+                    if j % 2
+                    else None
+                )
+                ids, mask, _ = build_turn_sample(
+                    tokenizer,
+                    messages,
+                    f"The user asks: {question[:40]}",
+                    None if calls else f"Answer {j}.",
+                    calls,
+                    tools=TOOLS,
+                )
                 lines.append({"id": f"{name}-{j}", "input_ids": ids, "loss_mask": mask})
         path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in lines))
         files[ds["name"]] = path
@@ -188,10 +240,14 @@ def _bench_sets(root: Path, prompts: list[str], production: dict) -> dict[str, s
         path = root / "bench_sets" / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         if name == "humaneval":
-            records = [{"task_id": f"he/{i}", "prompt": f"def f{i}(x):\n    # {p[:30]}\n"} for i, p in enumerate(prompts)]
+            records = [
+                {"task_id": f"he/{i}", "prompt": f"def f{i}(x):\n    # {p[:30]}\n"} for i, p in enumerate(prompts)
+            ]
         elif name == "tool_use":
-            records = [{"id": f"tu{i}", "messages": [{"role": "user", "content": p}], "tools": TOOLS}
-                       for i, p in enumerate(prompts)]
+            records = [
+                {"id": f"tu{i}", "messages": [{"role": "user", "content": p}], "tools": TOOLS}
+                for i, p in enumerate(prompts)
+            ]
         else:
             records = [{"id": f"{name}{i}", "prompt": p} for i, p in enumerate(prompts)]
         path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
@@ -215,8 +271,11 @@ exec {python} "$@"
 
 def _metric(base_url: str, name: str) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and not line.startswith("#")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    ]
     assert values, f"no {name} in {base_url}/metrics"
     return sum(values)
 
@@ -260,49 +319,104 @@ def _rehearse(tmp_path_factory, sglang_python, postgres, mp: pytest.MonkeyPatch)
     s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     s3.start()
     host, port = s3.get_host_and_port()
-    store_env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    store_env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     httpx.put(f"{store_env['AWS_ENDPOINT_URL']}/{BUCKET}", timeout=30).raise_for_status()
     # the store's endpoint and keys are in the GPU hosts' login environment, as a production host's credentials are
     sshd = [start_sshd(root / f"sshd_{i}", env=store_env) for i in range(2)]
     host_python = root / "host_python"
-    host_python.write_text(HOST_PYTHON.format(archs=server_env(sglang_python)["SGLANG_DISABLED_MODEL_ARCHS"],
-                                              python=sglang_python))
+    host_python.write_text(
+        HOST_PYTHON.format(archs=server_env(sglang_python)["SGLANG_DISABLED_MODEL_ARCHS"], python=sglang_python)
+    )
     host_python.chmod(0o755)
     generation_log = LogTail(root / "generation_server.log")
     local = GpuHost(HostConfig(transport="local", python=str(host_python), workdir=str(root / "generation_host")))
-    spec = ServerSpec(model_path=str(target), port=free_port(), extra_args=(
-        *CPU_SERVER_ARGS, "--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2", "--enable-metrics"),
-        trust_remote_code=True, health_timeout_s=1800, sglang_version=VERSION)
+    spec = ServerSpec(
+        model_path=str(target),
+        port=free_port(),
+        extra_args=(
+            *CPU_SERVER_ARGS,
+            "--reasoning-parser",
+            "kimi_k2",
+            "--tool-call-parser",
+            "kimi_k2",
+            "--enable-metrics",
+        ),
+        trust_remote_code=True,
+        health_timeout_s=1800,
+        sglang_version=VERSION,
+    )
     try:
         with sglang_server(local, spec, on_log=generation_log) as served:
-            ctx = {"root": root, "target": target, "sshd": sshd, "host_python": host_python, "ports": _ports(2),
-                   "generation_url": f"{served.base_url}/v1",
-                   "served_model": served.served_model_name,
-                   "datasets": _datasets(root, tokenizer, production),
-                   "bench_sets": _bench_sets(root, _short_prompts(3, tokenizer), production)}
+            ctx = {
+                "root": root,
+                "target": target,
+                "sshd": sshd,
+                "host_python": host_python,
+                "ports": _ports(2),
+                "generation_url": f"{served.base_url}/v1",
+                "served_model": served.served_model_name,
+                "datasets": _datasets(root, tokenizer, production),
+                "bench_sets": _bench_sets(root, _short_prompts(3, tokenizer), production),
+            }
             changes = overrides(ctx)
             profile_path = root / "production_rehearsal.yaml"
             profile_path.write_text(yaml.safe_dump(derive(production, changes), sort_keys=False))
             home = root / "dagster_home"
             home.mkdir()
             shutil.copy(REPO / "deploy" / "postgres" / "dagster.yaml", home / "dagster.yaml")
-            env = {**os.environ, **postgres.env, "DAGSTER_PG_DB": database, **store_env, "DAGSTER_HOME": str(home),
-                   "EAGLE3_PROFILE": str(profile_path), API_KEY_ENV: API_KEY, "HF_HUB_OFFLINE": "1",
-                   "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-            for name in ("DAGSTER_PG_HOST", "DAGSTER_PG_PORT", "DAGSTER_PG_USER", "DAGSTER_PG_PASSWORD", "DAGSTER_PG_DB"):
+            env = {
+                **os.environ,
+                **postgres.env,
+                "DAGSTER_PG_DB": database,
+                **store_env,
+                "DAGSTER_HOME": str(home),
+                "EAGLE3_PROFILE": str(profile_path),
+                API_KEY_ENV: API_KEY,
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1",
+            }
+            for name in (
+                "DAGSTER_PG_HOST",
+                "DAGSTER_PG_PORT",
+                "DAGSTER_PG_USER",
+                "DAGSTER_PG_PASSWORD",
+                "DAGSTER_PG_DB",
+            ):
                 mp.setenv(name, env[name])  # for the instance this process opens
             # the server's own count from here on (its health checks at start-up generate too)
-            usage_before = {kind: _metric(served.base_url, f"sglang:{kind}_tokens_total")
-                            for kind in ("prompt", "generation")}
-            corpus = subprocess.run([sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--until", "corpus"],
-                                    cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+            usage_before = {
+                kind: _metric(served.base_url, f"sglang:{kind}_tokens_total") for kind in ("prompt", "generation")
+            }
+            corpus = subprocess.run(
+                [sys.executable, str(REPO / "scripts" / "run_pipeline.py"), "--until", "corpus"],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             (root / "pipeline.log").write_text(corpus.stdout + corpus.stderr)
             assert corpus.returncode == 0, corpus.stdout[-4000:] + corpus.stderr[-4000:]
-            usage = {kind: _metric(served.base_url, f"sglang:{kind}_tokens_total") - usage_before[kind]
-                     for kind in ("prompt", "generation")}
-        result = {"ctx": ctx, "changes": changes, "profile": profile_path, "env": env, "home": home,
-                  "corpus_log": corpus.stdout, "usage": usage, "untracked_before": untracked_before}
+            usage = {
+                kind: _metric(served.base_url, f"sglang:{kind}_tokens_total") - usage_before[kind]
+                for kind in ("prompt", "generation")
+            }
+        result = {
+            "ctx": ctx,
+            "changes": changes,
+            "profile": profile_path,
+            "env": env,
+            "home": home,
+            "corpus_log": corpus.stdout,
+            "usage": usage,
+            "untracked_before": untracked_before,
+        }
         with dagster_dev(REPO / "workspace.yaml", home, "eagle3_dagster", env=env, startup_s=300) as dep:
             result["shards"] = _wait_for_automation(dep, env, timeout_s=1500)
             run_id = dep.submit("train_job")
@@ -356,10 +470,14 @@ def test_the_rehearsal_profile_is_production_but_for_sizes_paths_endpoints_and_t
     before, after = flat(production), flat(derived)
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
     listed = set(rehearsal["changes"])
-    covered = {k for k in before.keys() | after.keys() if any(k == p or k.startswith((p + ".", p + "[")) for p in listed)}
+    covered = {
+        k for k in before.keys() | after.keys() if any(k == p or k.startswith((p + ".", p + "[")) for p in listed)
+    }
     assert changed and changed <= covered, sorted(changed - covered)
-    assert all(why.split(":")[0] in {"size", "path", "paths", "endpoint", "endpoints", "GPU count", "time"}
-               for _, why in rehearsal["changes"].values())
+    assert all(
+        why.split(":")[0] in {"size", "path", "paths", "endpoint", "endpoints", "GPU count", "time"}
+        for _, why in rehearsal["changes"].values()
+    )
 
 
 def test_every_asset_materialized_through_the_instance(rehearsal):
@@ -374,14 +492,16 @@ def test_every_asset_materialized_through_the_instance(rehearsal):
         for asset in ("raw_responses", "tokenized_dataset"):
             assert instance.get_materialized_partitions(dg.AssetKey(asset)) == set(names), asset
         checks = instance.event_log_storage.get_latest_asset_check_execution_by_key(
-            [dg.AssetCheckKey(dg.AssetKey("hidden_states"), n) for n in ("bytes_match_plan", "manifest_checksums")])
+            [dg.AssetCheckKey(dg.AssetKey("hidden_states"), n) for n in ("bytes_match_plan", "manifest_checksums")]
+        )
         assert checks and all(c.status.value == "SUCCEEDED" for c in checks.values()), checks
 
 
 def test_the_shards_were_extracted_on_both_hosts_by_the_automation(rehearsal):
     runs = rehearsal["shards"]["runs"]
-    assert runs and all("dagster/automation_condition" in r["tags"] or r["tags"].get("dagster/sensor_name")
-                        for r in runs), runs
+    assert runs and all(
+        "dagster/automation_condition" in r["tags"] or r["tags"].get("dagster/sensor_name") for r in runs
+    ), runs
     assert {r["tags"].get("eagle3/gpu_host") for r in runs} == {"gpu-0", "gpu-1"}
 
 
@@ -401,8 +521,11 @@ def test_the_money_booked_is_what_the_servers_usage_says(rehearsal):
     billed = usage["prompt"] * PRICE["prompt"] + usage["generation"] * PRICE["completion"]
     with dg.DagsterInstance.from_config(str(rehearsal["home"])) as instance:
         records = instance.fetch_materializations(dg.AssetKey("raw_responses"), limit=100).records
-    booked = {r.partition_key: r.asset_materialization.metadata["recorded_cost_usd"].value for r in records
-              if "recorded_cost_usd" in r.asset_materialization.metadata}
+    booked = {
+        r.partition_key: r.asset_materialization.metadata["recorded_cost_usd"].value
+        for r in records
+        if "recorded_cost_usd" in r.asset_materialization.metadata
+    }
     assert sorted(k[:2] for k in booked) == PROMPT_DATASETS  # one materialization each: nothing paid twice
     assert sum(booked.values()) == pytest.approx(billed, rel=1e-9), (booked, billed, usage)
 
@@ -421,11 +544,19 @@ def test_the_served_drafter_takes_the_simulators_verify_steps(rehearsal):
 
     ctx = rehearsal["ctx"]
     with dg.DagsterInstance.from_config(str(rehearsal["home"])) as instance:
-        export = instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint")) \
-            .asset_materialization.metadata["export_dir"].value
-        results = instance.get_latest_materialization_event(dg.AssetKey("benchmark_report")) \
-            .asset_materialization.metadata["results_json"].value
-    served = {r["set"]: r["verify_ct"] for r in json.loads(Path(results).read_text())["rows"] if r["method"] == "eagle3"}
+        export = (
+            instance.get_latest_materialization_event(dg.AssetKey("drafter_checkpoint"))
+            .asset_materialization.metadata["export_dir"]
+            .value
+        )
+        results = (
+            instance.get_latest_materialization_event(dg.AssetKey("benchmark_report"))
+            .asset_materialization.metadata["results_json"]
+            .value
+        )
+    served = {
+        r["set"]: r["verify_ct"] for r in json.loads(Path(results).read_text())["rows"] if r["method"] == "eagle3"
+    }
     prompt_files = sorted((ctx["root"]).glob("work_*/bench/prompts-*.jsonl"))
     assert prompt_files, "the benchmark client's prompt file is on a host"
     prompts = [orjson.loads(line) for line in prompt_files[-1].read_bytes().splitlines()]
@@ -438,15 +569,17 @@ def test_the_served_drafter_takes_the_simulators_verify_steps(rehearsal):
     simulated: dict[str, int] = {}
     with torch.inference_mode():
         for p in prompts:
-            out = generate_speculative(target, proposer, p["input_ids"], spec,
-                                       rehearsal["changes"]["bench.max_new_tokens"][0], eos)
+            out = generate_speculative(
+                target, proposer, p["input_ids"], spec, rehearsal["changes"]["bench.max_new_tokens"][0], eos
+            )
             simulated[p["set"]] = simulated.get(p["set"], 0) + out.verify_ct
     assert served == simulated
 
 
 def _untracked() -> set[str]:
-    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     return {line[3:] for line in out.splitlines() if line.startswith("??")}
 
 
@@ -454,9 +587,14 @@ def test_nothing_was_written_outside_the_roots(rehearsal):
     """No production path was touched (the derived profile left none in use), nothing new in the checkout, and
     the store holds nothing but hidden.root."""
     production = yaml.safe_load((REPO / "configs" / "production.yaml").read_text())
-    paths = [production["run_root"], production["hidden"]["root"], production["target"]["path"],
-             *(d["path"] for d in production["datasets"]), *production["bench"]["set_paths"].values(),
-             *(h["workdir"] for h in production["gpu_host"]["hosts"])]
+    paths = [
+        production["run_root"],
+        production["hidden"]["root"],
+        production["target"]["path"],
+        *(d["path"] for d in production["datasets"]),
+        *production["bench"]["set_paths"].values(),
+        *(h["workdir"] for h in production["gpu_host"]["hosts"]),
+    ]
     assert [p for p in paths if Path(p).exists()] == []
     assert _untracked() <= rehearsal["untracked_before"]
     assert rehearsal["store_top"] == [f"{BUCKET}/hidden_states"]

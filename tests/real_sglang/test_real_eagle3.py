@@ -44,7 +44,10 @@ from tests.sshd_server import free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 from eagle3_dagster.stages.bench import BenchSettings
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,
+]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 NUM_TRAIN_PROMPTS = 48
 # 100: the simulator's acceptance on the held-out prompts is what 300 steps give (244 drafts accepted in 85 verify
@@ -61,8 +64,14 @@ MAX_NEW_TOKENS = 48
 # `convert_weight_packed`, which the shim leaves unregistered so that every other layer stays on native torch);
 # the split `--prefill-attention-backend`/`--decode-attention-backend` win over `attention_backend` and are not
 # reset. float32: see above.
-EAGLE3_CPU_ARGS = ("--prefill-attention-backend", "intel_amx", "--decode-attention-backend", "intel_amx",
-                   "--dtype", "float32")
+EAGLE3_CPU_ARGS = (
+    "--prefill-attention-backend",
+    "intel_amx",
+    "--decode-attention-backend",
+    "intel_amx",
+    "--dtype",
+    "float32",
+)
 
 
 def _greedy_corpus(model, aux: tuple[int, ...], prompts: list[list[int]], new_tokens: int) -> list[dict]:
@@ -75,8 +84,14 @@ def _greedy_corpus(model, aux: tuple[int, ...], prompts: list[list[int]], new_to
         full = torch.tensor([ids + answer])
         with torch.inference_mode():
             states = model(input_ids=full, output_hidden_states=True).hidden_states
-        out.append({"input_ids": full[0], "loss_mask": torch.tensor([0] * len(ids) + [1] * len(answer)),
-                    "aux_hidden": torch.cat([states[i][0] for i in aux], -1), "last_hidden": states[-1][0]})
+        out.append(
+            {
+                "input_ids": full[0],
+                "loss_mask": torch.tensor([0] * len(ids) + [1] * len(answer)),
+                "aux_hidden": torch.cat([states[i][0] for i in aux], -1),
+                "last_hidden": states[-1][0],
+            }
+        )
     return out
 
 
@@ -113,13 +128,24 @@ def _train_and_export(target_dir: Path, profile, out: Path) -> Path:
     target = load_target_tensors(target_dir, want=("embed", "lm_head"))
     a = target.arch
     if profile.drafter.attention == "mla":  # the MLA drafter the training worker builds (test_real_eagle3_mla.py)
-        cfg = DrafterConfig.from_profile(profile.drafter, a, draft_vocab_size=len(d2t), aux_layers=aux,
-                                         serving_context=profile.target.serving_context)
+        cfg = DrafterConfig.from_profile(
+            profile.drafter,
+            a,
+            draft_vocab_size=len(d2t),
+            aux_layers=aux,
+            serving_context=profile.target.serving_context,
+        )
     else:
-        cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
-                                       vocab_size=a.vocab_size, draft_vocab_size=len(d2t), aux_layers=aux,
-                                       rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-                                       max_position_embeddings=profile.target.serving_context)
+        cfg = DrafterConfig.for_target(
+            target_hidden_size=a.hidden_size,
+            target_intermediate_size=a.intermediate_size,
+            vocab_size=a.vocab_size,
+            draft_vocab_size=len(d2t),
+            aux_layers=aux,
+            rms_norm_eps=a.rms_norm_eps,
+            rope_theta=a.rope_theta,
+            max_position_embeddings=profile.target.serving_context,
+        )
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), d2t, t2d)
     objective = TTTObjective(drafter, target.lm_head.float(), profile.train.ttt_steps)
@@ -135,8 +161,7 @@ def _train_and_export(target_dir: Path, profile, out: Path) -> Path:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return export_drafter(drafter.eval(), out, profile.target.serving_context, torch.float32,
-                          sglang_versions=[VERSION])
+    return export_drafter(drafter.eval(), out, profile.target.serving_context, torch.float32, sglang_versions=[VERSION])
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +177,14 @@ def eagle3_profile():
     """
     from eagle3_dagster.config import load_profile
 
-    return load_profile("micro", overrides={"target": {"tiny": {"num_hidden_layers": 6}},
-                                            "hidden": {"aux_layers": [2, 3, 4]},
-                                            "gpu_host": {"sglang_version": VERSION}})
+    return load_profile(
+        "micro",
+        overrides={
+            "target": {"tiny": {"num_hidden_layers": 6}},
+            "hidden": {"aux_layers": [2, 3, 4]},
+            "gpu_host": {"sglang_version": VERSION},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -168,16 +198,26 @@ def eagle3_target(tmp_path_factory, eagle3_profile) -> Path:
 
 @pytest.mark.timeout(3600)
 def test_served_eagle3_output_is_the_targets_greedy_output_and_its_acceptance_is_the_simulators(
-        sglang_python, eagle3_target, eagle3_profile, tmp_path):
+    sglang_python, eagle3_target, eagle3_profile, tmp_path
+):
     export = _train_and_export(eagle3_target, eagle3_profile, tmp_path / "export")
     rows = served_against_simulated(sglang_python, eagle3_target, eagle3_profile, export, tmp_path)
     table = "\n".join(json.dumps(r) for r in rows)
     assert [r["sglang_verify_ct"] for r in rows] == [r["sim_verify_ct"] for r in rows], table
 
 
-def served_against_simulated(sglang_python, target_dir: Path, profile, export: Path, tmp_path: Path, *,
-                             served_target: Path | None = None, trust_remote_code: bool = False,
-                             env: dict[str, str] | None = None, on_log=None) -> list[dict]:
+def served_against_simulated(
+    sglang_python,
+    target_dir: Path,
+    profile,
+    export: Path,
+    tmp_path: Path,
+    *,
+    served_target: Path | None = None,
+    trust_remote_code: bool = False,
+    env: dict[str, str] | None = None,
+    on_log=None,
+) -> list[dict]:
     """The export served by VERSION's server (the served benchmark's launch with the tier's CPU options) on the
     held-out prompts, one request at a time, against the simulator on the same prompts: asserts that every served
     output is the target's greedy output and that the drafter does accept; returns per prompt SGLang's and the
@@ -212,19 +252,31 @@ def served_against_simulated(sglang_python, target_dir: Path, profile, export: P
             greedy[pid] = generate_greedy(plain, ids, MAX_NEW_TOKENS, eos).output_ids
             simulated[pid] = generate_speculative(target, proposer, ids, spec_cfg, MAX_NEW_TOKENS, eos)
 
-    served_spec = serving_spec(BenchSettings.from_profile(profile), served_target or target_dir, export, VERSION, spec_cfg)
-    served_spec = dataclasses.replace(served_spec, port=free_port(), health_timeout_s=1800,
-                                      extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
-                                      env={**served_spec.env, **(env or server_env(sglang_python))},
-                                      trust_remote_code=served_spec.trust_remote_code or trust_remote_code)
+    served_spec = serving_spec(
+        BenchSettings.from_profile(profile), served_target or target_dir, export, VERSION, spec_cfg
+    )
+    served_spec = dataclasses.replace(
+        served_spec,
+        port=free_port(),
+        health_timeout_s=1800,
+        extra_args=(*served_spec.extra_args, *SERVER_ARGS, *EAGLE3_CPU_ARGS),
+        env={**served_spec.env, **(env or server_env(sglang_python))},
+        trust_remote_code=served_spec.trust_remote_code or trust_remote_code,
+    )
     host = GpuHost(HostConfig(transport="local", python=str(sglang_python), workdir=str(tmp_path / "host")))
     log = LogTail(tmp_path / "sglang.log")
     served = {}
     try:
         with sglang_server(host, served_spec, on_log=log) as running:
             for pid, ids in prompts:  # one at a time: no batch of others moves a float
-                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0,
-                                                              "stop_token_ids": sorted(eos)}}
+                body = {
+                    "input_ids": ids,
+                    "sampling_params": {
+                        "max_new_tokens": MAX_NEW_TOKENS,
+                        "temperature": 0.0,
+                        "stop_token_ids": sorted(eos),
+                    },
+                }
                 r = httpx.post(f"{running.base_url}/generate", json=body, timeout=600)
                 assert r.status_code == 200, r.text
                 served[pid] = r.json()
@@ -237,18 +289,27 @@ def served_against_simulated(sglang_python, target_dir: Path, profile, export: P
     for pid, _ids in prompts:
         out, meta, sim = served[pid]["output_ids"], served[pid]["meta_info"], simulated[pid]
         assert out == greedy[pid] == sim.output_ids, (pid, out, greedy[pid], sim.output_ids)
-        rows.append({"prompt": pid, "tokens": len(out), "sglang_verify_ct": meta["spec_verify_ct"],
-                     "sim_verify_ct": sim.verify_ct, "sglang_correct_drafts": meta["spec_num_correct_drafts"],
-                     "sim_accepted_drafts": sum(sim.accepted_by_position),
-                     "sglang_accept_length": meta["spec_accept_length"],
-                     "sim_accept_length_with_prefill_token": len(sim.output_ids) / sim.verify_ct})
+        rows.append(
+            {
+                "prompt": pid,
+                "tokens": len(out),
+                "sglang_verify_ct": meta["spec_verify_ct"],
+                "sim_verify_ct": sim.verify_ct,
+                "sglang_correct_drafts": meta["spec_num_correct_drafts"],
+                "sim_accepted_drafts": sum(sim.accepted_by_position),
+                "sglang_accept_length": meta["spec_accept_length"],
+                "sim_accept_length_with_prefill_token": len(sim.output_ids) / sim.verify_ct,
+            }
+        )
     table = "\n".join(json.dumps(r) for r in rows)
     print(f"\nSGLang {VERSION} (CPU, float32) EAGLE-3 {spec_cfg.label} vs the simulator, {len(rows)} prompts:\n{table}")
     (tmp_path / "acceptance.jsonl").write_text(table + "\n")
     sglang_ct = sum(r["sglang_verify_ct"] for r in rows)
     sim_ct = sum(r["sim_verify_ct"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
-    print(f"served accept length {tokens / sglang_ct:.4f}, simulated {tokens / sim_ct:.4f} "
-          f"(completion tokens / verify steps over all prompts)")
+    print(
+        f"served accept length {tokens / sglang_ct:.4f}, simulated {tokens / sim_ct:.4f} "
+        f"(completion tokens / verify steps over all prompts)"
+    )
     assert sim_ct > len(rows) and sum(r["sim_accepted_drafts"] for r in rows) > 0  # the drafter does accept
     return rows

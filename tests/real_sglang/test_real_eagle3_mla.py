@@ -23,10 +23,17 @@ from pathlib import Path
 import pytest
 
 from tests.real_sglang.test_real_eagle3 import (  # noqa: F401 (eagle3_profile, eagle3_target: its fixtures)
-    _train_and_export, eagle3_profile, eagle3_target, served_against_simulated)
+    _train_and_export,
+    eagle3_profile,
+    eagle3_target,
+    served_against_simulated,
+)
 from tests.sglang_cpu.venv import server_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,
+]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 
@@ -37,10 +44,15 @@ def eagle3_mla_profile(eagle3_profile):
     from eagle3_dagster.config import load_profile
     from tests.real_sglang.support import VERSION
 
-    return load_profile("micro", overrides={"target": {"tiny": {"num_hidden_layers": 6}},
-                                            "hidden": {"aux_layers": [2, 3, 4]},
-                                            "gpu_host": {"sglang_version": VERSION},
-                                            "drafter": {"attention": "mla"}})
+    return load_profile(
+        "micro",
+        overrides={
+            "target": {"tiny": {"num_hidden_layers": 6}},
+            "hidden": {"aux_layers": [2, 3, 4]},
+            "gpu_host": {"sglang_version": VERSION},
+            "drafter": {"attention": "mla"},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +66,18 @@ def mla_export(tmp_path_factory, eagle3_target, eagle3_mla_profile) -> Path:
 
 @pytest.mark.timeout(3600)
 def test_served_mla_drafter_output_is_the_targets_greedy_output_and_its_verify_steps_the_simulators(
-        sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path):
+    sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path
+):
     logs = []
-    rows = served_against_simulated(sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path,
-                                    env=server_env(sglang_python, cuda_sync=True), on_log=logs.append)
+    rows = served_against_simulated(
+        sglang_python,
+        eagle3_target,
+        eagle3_mla_profile,
+        mla_export,
+        tmp_path,
+        env=server_env(sglang_python, cuda_sync=True),
+        on_log=logs.append,
+    )
     assert f"type={MLA_ARCHITECTURE}" in logs[0], logs[0][-3000:]  # SGLang's "Load weight end" line: the drafter
     table = "\n".join(json.dumps(r) for r in rows)
     assert [r["sglang_verify_ct"] for r in rows] == [r["sim_verify_ct"] for r in rows], table
@@ -65,7 +85,8 @@ def test_served_mla_drafter_output_is_the_targets_greedy_output_and_its_verify_s
 
 @pytest.mark.timeout(3600)
 def test_served_mla_drafter_through_kimi_k25s_class_is_the_simulators(
-        sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path):
+    sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path
+):
     """The same export drafting for the same target wrapped in Kimi-K2.5's checkpoint layout
     (`tiny.kimi_k25.wrap_as_kimi_k25`, served with `--trust-remote-code` as `KimiK25ForConditionalGeneration`, the
     class production serves: test_real_kimi_k25.py), against the simulator on the unwrapped target."""
@@ -73,9 +94,17 @@ def test_served_mla_drafter_through_kimi_k25s_class_is_the_simulators(
 
     kimi = wrap_as_kimi_k25(eagle3_target, tmp_path / "kimi_k25")
     logs = []
-    rows = served_against_simulated(sglang_python, eagle3_target, eagle3_mla_profile, mla_export, tmp_path,
-                                    served_target=kimi, trust_remote_code=True,
-                                    env=server_env(sglang_python, cuda_sync=True), on_log=logs.append)
+    rows = served_against_simulated(
+        sglang_python,
+        eagle3_target,
+        eagle3_mla_profile,
+        mla_export,
+        tmp_path,
+        served_target=kimi,
+        trust_remote_code=True,
+        env=server_env(sglang_python, cuda_sync=True),
+        on_log=logs.append,
+    )
     for cls in ("KimiK25ForConditionalGeneration", MLA_ARCHITECTURE):  # SGLang's "Load weight end" lines
         assert f"type={cls}" in logs[0], logs[0][-3000:]
     table = "\n".join(json.dumps(r) for r in rows)

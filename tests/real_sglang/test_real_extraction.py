@@ -22,10 +22,22 @@ import pytest
 
 from eagle3_dagster.hidden.estimate import shard_bytes
 from eagle3_dagster.hidden.shards import load_manifest
-from tests.real_sglang.support import CHUNK, OLD_VERSION, PLAIN_SERVER_GROUP, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
+from tests.real_sglang.support import (
+    CHUNK,
+    OLD_VERSION,
+    PLAIN_SERVER_GROUP,
+    VERSION,
+    compare_with_hf,
+    extract_samples,
+    extraction_samples,
+    extraction_server,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang,  # SGLang's own release server on CPU, in a venv built from PyPI
-              pytest.mark.xdist_group(PLAIN_SERVER_GROUP)]  # (tests/sglang_cpu); VERSION's server is the session's
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,  # SGLang's own release server on CPU, in a venv built from PyPI
+    pytest.mark.xdist_group(PLAIN_SERVER_GROUP),
+]  # (tests/sglang_cpu); VERSION's server is the session's
 
 LENGTHS = [150, 97, 64, 40, 23, 130]
 SHARED_PREFIX = 40  # samples 0 and 1 begin with the same 40 tokens
@@ -46,8 +58,9 @@ def server(request, sglang_pythons, micro_target, tmp_path_factory):
 @pytest.mark.timeout(3600)  # the first test of the session builds the venv (minutes)
 def test_stored_states_equal_hf_within_the_fp16_envelope_and_the_shard_has_the_plans_bytes(server, micro_target):
     running, dump_dir, tmp, version = server
-    samples = extraction_samples(json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS,
-                                 SHARED_PREFIX)
+    samples = extraction_samples(
+        json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS, SHARED_PREFIX
+    )
     assert sum(n > CHUNK for n in LENGTHS) >= 3
     out = extract_samples(running.base_url, dump_dir, tmp, samples, micro_target)
     assert out.result.num_samples == len(samples) and out.result.num_tokens == sum(LENGTHS)

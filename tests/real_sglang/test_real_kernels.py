@@ -15,7 +15,10 @@ import subprocess
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release code on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,
+]  # SGLang's own release code on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 SCRIPT = r"""
 import torch
@@ -45,8 +48,14 @@ for name, (tgt, src) in cases.items():
 
 
 def test_sglangs_kv_pool_moves_rows_through_the_shim_op_exactly_as_its_native_torch_move(sglang_python):
-    proc = subprocess.run([str(sglang_python), "-c", SCRIPT], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
+    proc = subprocess.run(
+        [str(sglang_python), "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:3] == ["overlapping shift equal", "swap equal", "more rows than one chunk equal"], \
+    assert proc.stdout.split("\n")[:3] == ["overlapping shift equal", "swap equal", "more rows than one chunk equal"], (
         proc.stdout + proc.stderr[-2000:]
+    )

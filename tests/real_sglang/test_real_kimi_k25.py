@@ -24,10 +24,21 @@ import torch
 
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.tiny.kimi_k25 import wrap_as_kimi_k25
-from tests.real_sglang.support import CHUNK, PLAIN_SERVER_GROUP, VERSION, compare_with_hf, extract_samples, extraction_samples, extraction_server
+from tests.real_sglang.support import (
+    CHUNK,
+    PLAIN_SERVER_GROUP,
+    VERSION,
+    compare_with_hf,
+    extract_samples,
+    extraction_samples,
+    extraction_server,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang,  # SGLang's own release server on CPU, in a venv built from PyPI
-              pytest.mark.xdist_group(PLAIN_SERVER_GROUP)]  # (tests/sglang_cpu); the plain server is the session's
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,  # SGLang's own release server on CPU, in a venv built from PyPI
+    pytest.mark.xdist_group(PLAIN_SERVER_GROUP),
+]  # (tests/sglang_cpu); the plain server is the session's
 
 LENGTHS = [140, 90, 33, 75]
 SHARED_PREFIX = 20
@@ -49,10 +60,12 @@ def _served(python, model_dir, tmp, samples, *, trust_remote_code: bool):
 
 @pytest.mark.timeout(3600)  # the first test of the session builds the venv (minutes)
 def test_kimi_k25_class_stores_the_text_models_states_bit_for_bit_and_within_the_fp16_envelope(
-        sglang_python, plain_server, micro_target, tmp_path):
+    sglang_python, plain_server, micro_target, tmp_path
+):
     kimi = wrap_as_kimi_k25(micro_target, tmp_path / "kimi_k25")
-    samples = extraction_samples(json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS,
-                                 SHARED_PREFIX, seed=25)
+    samples = extraction_samples(
+        json.loads((micro_target / "config.json").read_text())["vocab_size"], LENGTHS, SHARED_PREFIX, seed=25
+    )
     assert sum(n > CHUNK for n in LENGTHS) >= 2
     wrapped_dir, log = _served(sglang_python, kimi, tmp_path / "kimi", samples, trust_remote_code=True)
     assert "type=KimiK25ForConditionalGeneration" in log, log[-3000:]  # SGLang's "Load weight end" line

@@ -27,25 +27,38 @@ from tests.real_sglang.support import compare_with_hf
 from tests.sshd_server import free_port
 from tests.sglang_cpu.venv import SERVER_ARGS, server_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,
+]  # SGLang's own release server on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 LENGTHS = [90, 17, 130, 66]
 
 
 @pytest.mark.timeout(3600)
-def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sglang_python, micro_target, tmp_path,
-                                                                          monkeypatch):
+def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(
+    sglang_python, micro_target, tmp_path, monkeypatch
+):
     for name, value in server_env(sglang_python).items():  # the launcher's server inherits this environment
         monkeypatch.setenv(name, value)
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"),
-        "hidden": {"backend": "sglang", "root": str(tmp_path / "hidden"), "tp_size": 1, "sglang_port": free_port(),
-                   "samples_per_shard": len(LENGTHS), "sglang_concurrency": len(LENGTHS),
-                   "sglang_server_args": [*SERVER_ARGS, "--chunked-prefill-size", "64"]},
-        # no gpu_host.sglang_version: the micro aux layers [1, 2, 3] are no draft config's on 0.5.23 (the export's
-        # concern); extraction reads the release from the host's preflight
-        "gpu_host": {"hosts": [{"python": str(sglang_python), "workdir": str(tmp_path / "work")}]},
-    })
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "hidden": {
+                "backend": "sglang",
+                "root": str(tmp_path / "hidden"),
+                "tp_size": 1,
+                "sglang_port": free_port(),
+                "samples_per_shard": len(LENGTHS),
+                "sglang_concurrency": len(LENGTHS),
+                "sglang_server_args": [*SERVER_ARGS, "--chunked-prefill-size", "64"],
+            },
+            # no gpu_host.sglang_version: the micro aux layers [1, 2, 3] are no draft config's on 0.5.23 (the export's
+            # concern); extraction reads the release from the host's preflight
+            "gpu_host": {"hosts": [{"python": str(sglang_python), "workdir": str(tmp_path / "work")}]},
+        },
+    )
     layout = ArtifactLayout.from_profile(profile)
     # what target_model builds for these target settings: the session's micro target (a build is ~20 s of CPU)
     shutil.copytree(micro_target, layout.target_dir)
@@ -57,15 +70,30 @@ def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sgla
         for k, n in enumerate(LENGTHS):
             ids = torch.randint(3, vocab, (n,), generator=g).tolist()
             samples[f"B1/conv{k}/0"] = ids
-            f.write(orjson.dumps({"id": f"B1/conv{k}/0", "dataset": "B1", "input_ids": ids,
-                                  "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)}) + b"\n")
+            f.write(
+                orjson.dumps(
+                    {
+                        "id": f"B1/conv{k}/0",
+                        "dataset": "B1",
+                        "input_ids": ids,
+                        "loss_mask": [0] * (n // 2) + [1] * (n - n // 2),
+                    }
+                )
+                + b"\n"
+            )
     defs = build_definitions(profile)
     assets = list(defs.assets or [])
     with dg.instance_for_test() as instance:
         plan = dg.materialize(assets, selection=["extraction_plan"], instance=instance, resources=defs.resources)
         instance.add_dynamic_partitions("hidden_state_shards", ["shard-00000"])
-        result = dg.materialize(assets, selection=["hidden_states"], instance=instance, resources=defs.resources,
-                                partition_key="shard-00000", raise_on_error=False)
+        result = dg.materialize(
+            assets,
+            selection=["hidden_states"],
+            instance=instance,
+            resources=defs.resources,
+            partition_key="shard-00000",
+            raise_on_error=False,
+        )
         assert result.success, [e.message for e in result.all_events if e.is_failure]
         checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
         assert checks == {"bytes_match_plan": True, "manifest_checksums": True}
@@ -75,7 +103,8 @@ def test_hidden_states_materializes_on_the_real_server_with_the_plans_bytes(sgla
     version_dir = Path(plan.asset_materializations_for_node("extraction_plan")[0].metadata["version_dir"].value)
     manifest = load_manifest(version_dir)
     assert [s["id"] for s in manifest["shard-00000"]["samples"]] == list(samples)
-    table, failures = compare_with_hf(version_dir, [{"id": k, "input_ids": v} for k, v in samples.items()],
-                                      layout.target_dir)
+    table, failures = compare_with_hf(
+        version_dir, [{"id": k, "input_ids": v} for k, v in samples.items()], layout.target_dir
+    )
     assert not failures, f"{failures}\n{table}"
     assert not any((Path(layout.hidden_root) / ".dumps").rglob("*.safetensors"))

@@ -6,7 +6,10 @@ import pytest
 
 from tests.sglang_cpu import venv as sglang_venv
 
-pytestmark = [pytest.mark.slow, pytest.mark.sglang]  # SGLang's own release code on CPU, in a venv built from PyPI (tests/sglang_cpu)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.sglang,
+]  # SGLang's own release code on CPU, in a venv built from PyPI (tests/sglang_cpu)
 
 
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.12"])

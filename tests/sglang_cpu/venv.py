@@ -71,8 +71,19 @@ PATCHES = {
 # server is up ("each GPU would otherwise pin one thread at 100% CPU usage", sglang/srt/managers/
 # scheduler_components/idle_sleeper.py), which on this 2-core machine is half of it, taken from the test that is
 # comparing the server's output and from the other worker; with it, the scheduler waits on its sockets.
-SERVER_ARGS = ("--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-               "--max-running-requests", "16", "--watchdog-timeout", "3600", "--sleep-on-idle")
+SERVER_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--max-total-tokens",
+    "4096",
+    "--max-running-requests",
+    "16",
+    "--watchdog-timeout",
+    "3600",
+    "--sleep-on-idle",
+)
 # The model modules SGLang's server must import for the tier: the DeepSeek-V3 target, Kimi-K2.5's class
 # around it, and the EAGLE-3 drafters (Llama's, and `Eagle3DeepseekV2ForCausalLM`, the MLA one). SGLang imports
 # every module of `sglang.srt.models` at start-up to build its registry unless SGLANG_DISABLED_MODEL_ARCHS names
@@ -144,7 +155,9 @@ def _run(argv: list[str], what: str, log) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
-        raise RuntimeError(f"SGLang CPU venv: {what} failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}")
+        raise RuntimeError(
+            f"SGLang CPU venv: {what} failed ({proc.returncode}):\n{(proc.stderr or proc.stdout)[-4000:]}"
+        )
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     log(f"{what}: {time.monotonic() - started:.0f} s ({cpu:.0f} s CPU)")
 
@@ -190,12 +203,17 @@ def build(version: str, log=print, variant: str = "") -> Path:
         _run(_pip(python, "install", *constrained, "-r", str(requirements(version))), "runtime packages", log)
         hashed = target / "sglang-wheel.txt"  # pip's hash-checking mode: the file must have PyPI's sha256
         hashed.write_text(hashed_requirement("sglang", version, spec=str(wheel)) + "\n")
-        _run(_pip(python, "install", *constrained, "--no-deps", "--require-hashes", "-r", str(hashed)),
-             f"sglang {version} wheel", log)
+        _run(
+            _pip(python, "install", *constrained, "--no-deps", "--require-hashes", "-r", str(hashed)),
+            f"sglang {version} wheel",
+            log,
+        )
         apply_cpu_patch(version, python)
         if unmet := unmet_release_pins(python):
-            raise RuntimeError(f"SGLang {version} CPU venv: packages it can import are not at SGLang's own pins; pin "
-                               f"them in {requirements(version)}: " + "; ".join(unmet))
+            raise RuntimeError(
+                f"SGLang {version} CPU venv: packages it can import are not at SGLang's own pins; pin "
+                f"them in {requirements(version)}: " + "; ".join(unmet)
+            )
         stamp.write_text(digest)
         log(f"SGLang {version} CPU venv built in {time.monotonic() - started:.0f} s at {target}")
     return python
@@ -207,8 +225,11 @@ def unmet_release_pins(python: Path) -> list[str]:
     from packaging.utils import canonicalize_name
 
     out = subprocess.run([str(python), "-c", _UNMET_PINS], capture_output=True, text=True, check=True).stdout
-    return [f"{name} {version} from {where} (SGLang pins {spec})" for name, version, spec, where in json.loads(out)
-            if canonicalize_name(name) not in PIN_DEVIATIONS]
+    return [
+        f"{name} {version} from {where} (SGLang pins {spec})"
+        for name, version, spec, where in json.loads(out)
+        if canonicalize_name(name) not in PIN_DEVIATIONS
+    ]
 
 
 def dump_patch(python: Path, action: str) -> str:
@@ -217,8 +238,9 @@ def dump_patch(python: Path, action: str) -> str:
     eagle3 = Path(sys.executable).parent / "eagle3"
     proc = subprocess.run([str(eagle3), "patch", action, "--python", str(python)], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"eagle3 patch {action} --python {python} exited {proc.returncode}: "
-                           f"{proc.stdout}{proc.stderr}")
+        raise RuntimeError(
+            f"eagle3 patch {action} --python {python} exited {proc.returncode}: {proc.stdout}{proc.stderr}"
+        )
     return proc.stdout.strip()
 
 

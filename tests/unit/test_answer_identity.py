@@ -40,15 +40,19 @@ def _setup(tmp_path: Path, micro_target: Path, generation: dict | None = None):
     target = tmp_path / "target"
     shutil.copytree(micro_target, target)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_bytes(b"".join(orjson.dumps({"id": f"p{i}", "prompt": f"Tell me about topic {i}."}) + b"\n"
-                                 for i in range(4)))
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"),
-        "target": {"kind": "external", "path": str(target)},
-        "datasets": [{"name": "p", "source": "prompts_jsonl", "path": str(prompts)}],
-        "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
-        "generation": {"backend": "local", "max_new_tokens": 8, **(generation or {})},
-    })
+    prompts.write_bytes(
+        b"".join(orjson.dumps({"id": f"p{i}", "prompt": f"Tell me about topic {i}."}) + b"\n" for i in range(4))
+    )
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "target": {"kind": "external", "path": str(target)},
+            "datasets": [{"name": "p", "source": "prompts_jsonl", "path": str(prompts)}],
+            "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
+            "generation": {"backend": "local", "max_new_tokens": 8, **(generation or {})},
+        },
+    )
     return profile, ArtifactLayout.from_profile(profile), target
 
 
@@ -62,8 +66,11 @@ def test_a_replaced_tokenizer_never_reuses_nor_tokenizes_the_answers_of_the_old_
     first = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=None).metadata
     assert first["num_requests"] == 4 and first["num_turns_set_aside"] == 0
     old_turns = list(iter_turns(layout.raw_responses("p")))
-    assert all(t["producer"] == {"backend": "local", "target": target_identity(target),
-                                 "tokenizer": tokenizer_identity(target)} for t in old_turns)
+    assert all(
+        t["producer"]
+        == {"backend": "local", "target": target_identity(target), "tokenizer": tokenizer_identity(target)}
+        for t in old_turns
+    )
 
     _permute_token_ids(target)
     second = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=None).metadata
@@ -72,15 +79,24 @@ def test_a_replaced_tokenizer_never_reuses_nor_tokenizes_the_answers_of_the_old_
 
     # tokenized with the new tokenizer: only the new answers (the old ones' ids would be other tokens now);
     # how many of them were cut off depends on the model, so the engine's counts are read, not the stage's
-    stats = tokenize_regenerated(layout.raw_responses("p"), load_tokenizer(target, trust_remote_code=False),
-                                 tmp_path / "tokenized.jsonl", tmp_path / "quarantine.jsonl", dataset="p",
-                                 producer=answer_producer_of(profile.generation.backend, profile.generation.model,
-                                                             TargetFiles.from_profile(profile), layout))
+    stats = tokenize_regenerated(
+        layout.raw_responses("p"),
+        load_tokenizer(target, trust_remote_code=False),
+        tmp_path / "tokenized.jsonl",
+        tmp_path / "quarantine.jsonl",
+        dataset="p",
+        producer=answer_producer_of(
+            profile.generation.backend, profile.generation.model, TargetFiles.from_profile(profile), layout
+        ),
+    )
     assert stats.num_inputs == 4 and stats.num_quarantined == 0
     assert stats.num_set_aside == 4 and stats.set_aside_by_reason == {"another tokenizer": 4}
     assert stats.num_records + stats.num_dropped_length == 4
-    new_turns = {t["request_id"]: t for t in iter_turns(layout.raw_responses("p"))
-                 if t["producer"]["tokenizer"] == tokenizer_identity(target)}
+    new_turns = {
+        t["request_id"]: t
+        for t in iter_turns(layout.raw_responses("p"))
+        if t["producer"]["tokenizer"] == tokenizer_identity(target)
+    }
     assert len(new_turns) == 4 and not set(new_turns) & {t["request_id"] for t in old_turns}
     for record in iter_jsonl(tmp_path / "tokenized.jsonl"):
         supervised = [t for t, m in zip(record["input_ids"], record["loss_mask"]) if m]
@@ -91,8 +107,11 @@ def test_an_api_answer_is_reused_only_under_the_same_served_model_and_tokenizer(
     from eagle3_dagster.stages.data import regenerate_partition, tokenize_partition
 
     with FakeOpenRouter() as server:
-        profile, layout, target = _setup(tmp_path, micro_target, {
-            "backend": "openai", "base_url": server.url, "model": "moonshotai/kimi-k2.5", "timeout_s": 5})
+        profile, layout, target = _setup(
+            tmp_path,
+            micro_target,
+            {"backend": "openai", "base_url": server.url, "model": "moonshotai/kimi-k2.5", "timeout_s": 5},
+        )
         first = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=SECRET).metadata
         again = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=SECRET).metadata
         assert first["num_requests"] == 4 and again["num_requests"] == 0
@@ -101,8 +120,11 @@ def test_an_api_answer_is_reused_only_under_the_same_served_model_and_tokenizer(
         changed = regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key=SECRET).metadata
     assert changed["num_requests"] == 4 and changed["set_aside_by_reason"] == {"another tokenizer": 4}
     turns = list(iter_turns(layout.raw_responses("p")))
-    assert turns[-1]["producer"] == {"backend": "openai", "model": "moonshotai/kimi-k2.5",
-                                     "tokenizer": tokenizer_identity(target)}
+    assert turns[-1]["producer"] == {
+        "backend": "openai",
+        "model": "moonshotai/kimi-k2.5",
+        "tokenizer": tokenizer_identity(target),
+    }
     report = tokenize_partition(TokenizeSettings.from_profile(profile), "p", layout).metadata
     assert report["num_records"] == 4 and report["num_set_aside"] == 4
 
@@ -113,10 +135,22 @@ def test_answers_written_before_answers_carried_a_producer_are_set_aside(tmp_pat
     profile, layout, target = _setup(tmp_path, micro_target)
     store = layout.raw_responses("p")
     store.parent.mkdir(parents=True, exist_ok=True)
-    store.write_bytes(orjson.dumps({
-        "type": "turn", "request_id": "r0", "dataset": "p", "conversation_id": "p0", "turn": 0,
-        "messages": [{"role": "user", "content": "hi"}], "usage": {}, "cost_usd": 0.0,
-        "response": {"reasoning": "", "content": "hello", "tool_calls": [], "finish_reason": "stop"}}) + b"\n")
+    store.write_bytes(
+        orjson.dumps(
+            {
+                "type": "turn",
+                "request_id": "r0",
+                "dataset": "p",
+                "conversation_id": "p0",
+                "turn": 0,
+                "messages": [{"role": "user", "content": "hi"}],
+                "usage": {},
+                "cost_usd": 0.0,
+                "response": {"reasoning": "", "content": "hello", "tool_calls": [], "finish_reason": "stop"},
+            }
+        )
+        + b"\n"
+    )
     with pytest.raises(ValueError, match="no usable record") as err:
         tokenize_partition(TokenizeSettings.from_profile(profile), "p", layout)
     message = str(err.value)

@@ -33,10 +33,18 @@ def test_the_code_location_uses_only_dagsters_public_api() -> None:
     offenders = []
     for path in [*ROOT.glob("assets/*.py"), *ROOT.glob("resources/*.py"), ROOT / "definitions.py"]:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
-                          if n.split(".")[0] == "dagster" and any(p.startswith("_") for p in n.split(".")[1:])]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {n}"
+                for n in names
+                if n.split(".")[0] == "dagster" and any(p.startswith("_") for p in n.split(".")[1:])
+            ]
     assert offenders == []
 
 
@@ -55,7 +63,8 @@ def test_no_engine_string_names_a_module_of_the_code_location() -> None:
                 continue
             words = [w.strip("`'\"(),:;") for w in node.value.split()]
             if CODE_LOCATION_MODULE.fullmatch(node.value.strip()) or any(
-                    "." in w and CODE_LOCATION_MODULE.fullmatch(w) for w in words):
+                "." in w and CODE_LOCATION_MODULE.fullmatch(w) for w in words
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value[:80]!r}")
     assert offenders == []
 
@@ -109,8 +118,11 @@ def test_stages_depend_on_the_engine_not_on_each_other() -> None:
     crossing = {m: sorted(d for d in graph[m] if d.startswith("eagle3_dagster.stages.")) for m in stage_modules}
     assert {m: d for m, d in crossing.items() if d} == {}
     engine = [m for m in graph if not m.startswith(("eagle3_dagster.stages", "eagle3_dagster.cli"))]
-    assert {m: sorted(d for d in graph[m] if d.startswith("eagle3_dagster.stages")) for m in engine
-            if any(d.startswith("eagle3_dagster.stages") for d in graph[m])} == {}
+    assert {
+        m: sorted(d for d in graph[m] if d.startswith("eagle3_dagster.stages"))
+        for m in engine
+        if any(d.startswith("eagle3_dagster.stages") for d in graph[m])
+    } == {}
 
 
 def test_no_import_cycle_in_the_engine() -> None:
@@ -124,7 +136,7 @@ def test_no_import_cycle_in_the_engine() -> None:
             if d.startswith(m + "."):
                 continue  # a package importing its own submodule is not a cycle
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d] if d in stack else [m, d])
+                cycles.append(stack[stack.index(d) :] + [d] if d in stack else [m, d])
             elif d not in state:
                 visit(d, stack + [d])
         state[m] = 2
@@ -150,7 +162,12 @@ def test_the_hidden_states_steps_and_the_shard_format_import_no_torch() -> None:
         assert schedule.num_train_samples + schedule.num_heldout_samples == 40 and schedule.total_steps > 0
         print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))
     """)
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "EAGLE3_PROFILE": "micro"})
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "EAGLE3_PROFILE": "micro"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"

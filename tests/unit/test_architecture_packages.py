@@ -50,7 +50,9 @@ def _top_level_names(module: str) -> set[str]:
         names |= {t.id for t in targets if isinstance(t, ast.Name)}
         if isinstance(n, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in n.names}
-    submodules = {m.rsplit(".", 1)[1] for m in MODULES if m.startswith(module + ".") and m.count(".") == module.count(".") + 1}
+    submodules = {
+        m.rsplit(".", 1)[1] for m in MODULES if m.startswith(module + ".") and m.count(".") == module.count(".") + 1
+    }
     return names | submodules
 
 
@@ -120,8 +122,9 @@ def _cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
 def test_no_import_cycle_between_the_engines_packages() -> None:
     edges = _package_graph(MODULES)
     cycles = _cycles(edges)
-    where = {" <-> ".join(c): [w for (a, b), ws in sorted(edges.items()) if a in c and b in c for w in ws]
-             for c in cycles}
+    where = {
+        " <-> ".join(c): [w for (a, b), ws in sorted(edges.items()) if a in c and b in c for w in ws] for c in cycles
+    }
     assert where == {}
 
 
@@ -143,14 +146,19 @@ def test_every_engine_module_named_in_a_string_exists() -> None:
     """A module run (`-m`), imported or patched by name, or named in a docstring, must exist, and a name after
     it must be defined there: a rename that leaves the old name in a string breaks only at run time (on a GPU
     host, for a driver) or misleads the reader."""
-    sources = [*ENGINE.rglob("*.py"), *ROOT.glob("assets/*.py"), *ROOT.glob("resources/*.py"),
-               ROOT / "definitions.py", *ROOT.glob("scripts/*.py")]
+    sources = [
+        *ENGINE.rglob("*.py"),
+        *ROOT.glob("assets/*.py"),
+        *ROOT.glob("resources/*.py"),
+        ROOT / "definitions.py",
+        *ROOT.glob("scripts/*.py"),
+    ]
     missing = []
     for path in sources:
         for node in _strings(ast.parse(path.read_text(), filename=str(path))):
             for name in ENGINE_NAME.findall(node.value):
                 module = _module_of(name)
-                rest = name[len(module) + 1:].split(".") if module and name != module else []
+                rest = name[len(module) + 1 :].split(".") if module and name != module else []
                 if module is None or (rest and rest[0] not in _top_level_names(module)):
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
     assert missing == []

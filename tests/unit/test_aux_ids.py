@@ -41,20 +41,33 @@ RUN_ON = {
     "DeepseekV3ForCausalLM": ["0.5.10", "0.5.12.post1", "0.5.13", "0.5.23"],
     "LlamaForCausalLM": ["0.5.10", "0.5.23"],
 }
-DEFAULT_AUX = {"KimiK25ForConditionalGeneration": (2, 30, 58), "DeepseekV3ForCausalLM": (2, 30, 58),
-               "LlamaForCausalLM": (3, 16, 29)}
+DEFAULT_AUX = {
+    "KimiK25ForConditionalGeneration": (2, 30, 58),
+    "DeepseekV3ForCausalLM": (2, 30, 58),
+    "LlamaForCausalLM": (3, 16, 29),
+}
 
 
 def _config(aux: tuple[int, ...], arch: str, versions=None) -> dict:
-    cfg = DrafterConfig(target_hidden_size=16, hidden_size=16, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=10, aux_layers=aux)
+    cfg = DrafterConfig(
+        target_hidden_size=16,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=40,
+        draft_vocab_size=10,
+        aux_layers=aux,
+    )
     return export_config(cfg, 4096, torch.bfloat16, target_architecture=arch, sglang_versions=versions)
 
 
 def _captured_by_release(version: str, arch: str, ids: list[int], num_layers: int = 61) -> list[int]:
     if arch == "LlamaForCausalLM":
         return sglang_wheels.run_set_eagle3_layers_to_capture(
-            sglang_wheels.read_file(version, LLAMA), "LlamaForCausalLM", ids, num_layers)
+            sglang_wheels.read_file(version, LLAMA), "LlamaForCausalLM", ids, num_layers
+        )
     deepseek = sglang_wheels.read_file(version, DEEPSEEK)
     if arch == "DeepseekV3ForCausalLM":
         return sglang_wheels.run_set_eagle3_layers_to_capture(deepseek, "DeepseekV2ForCausalLM", ids, num_layers)
@@ -70,25 +83,31 @@ def _captured_by_release(version: str, arch: str, ids: list[int], num_layers: in
 
     def language_model_method(layer_ids=None):
         captured["layers"] = sglang_wheels.run_set_eagle3_layers_to_capture(
-            deepseek, "DeepseekV2ForCausalLM", layer_ids, num_layers)
+            deepseek, "DeepseekV2ForCausalLM", layer_ids, num_layers
+        )
 
-    ns["set_eagle3_layers_to_capture"](SimpleNamespace(
-        language_model=SimpleNamespace(set_eagle3_layers_to_capture=language_model_method)), ids)
+    ns["set_eagle3_layers_to_capture"](
+        SimpleNamespace(language_model=SimpleNamespace(set_eagle3_layers_to_capture=language_model_method)), ids
+    )
     return captured["layers"]
 
 
 @cache
 def _method_source(version: str, path: str, cls: str) -> str:
-    return ast.unparse(sglang_wheels.find_method(sglang_wheels.read_file(version, path), cls,
-                                                 "set_eagle3_layers_to_capture"))
+    return ast.unparse(
+        sglang_wheels.find_method(sglang_wheels.read_file(version, path), cls, "set_eagle3_layers_to_capture")
+    )
 
 
 def _stretch_ends(arch: str) -> list[str]:
     """The supported releases whose capture-method source differs from the previous or the next release's."""
     versions = list(sglang_releases.supported())
     sources = [tuple(_method_source(v, path, cls) for path, cls in CAPTURE_METHODS[arch]) for v in versions]
-    return [v for i, v in enumerate(versions)
-            if i in (0, len(versions) - 1) or sources[i] != sources[i - 1] or sources[i] != sources[i + 1]]
+    return [
+        v
+        for i, v in enumerate(versions)
+        if i in (0, len(versions) - 1) or sources[i] != sources[i - 1] or sources[i] != sources[i + 1]
+    ]
 
 
 @pytest.mark.slow  # parses three model files of every supported release (CI runs the full tier)
@@ -111,8 +130,9 @@ def test_default_export_ids_capture_the_canonical_layers_on_every_release(arch, 
 def test_non_default_aux_layers_are_written_for_the_named_release(version):
     """[3, 30, 58] is `[2, 29, 57]` up to 0.5.12.post1 and `[3, 30, 58]` from 0.5.13: canonical - 1 was wrong there."""
     cfg = _config((3, 30, 58), "KimiK25ForConditionalGeneration", [version])
-    assert _captured_by_release(version, "KimiK25ForConditionalGeneration",
-                                cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == [3, 30, 58]
+    assert _captured_by_release(
+        version, "KimiK25ForConditionalGeneration", cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ) == [3, 30, 58]
     assert cfg["eagle3_dagster_sglang"]["releases"] == [version]
 
 
@@ -128,8 +148,9 @@ def test_aux_set_no_named_release_can_express_is_refused_at_profile_load():
     with pytest.raises(ProfileError, match=r"hidden\.aux_layers.*0\.5\.23"):
         load_profile("production", {"hidden": {"aux_layers": [1, 30, 58]}, "gpu_host": {"sglang_version": "0.5.23"}})
     # canonical 1 is SGLang id 0, which only the releases that always add 1 can express
-    assert load_profile("production", {"hidden": {"aux_layers": [1, 30, 58]},
-                                       "gpu_host": {"sglang_version": "0.5.12"}}).hidden.aux_layers == [1, 30, 58]
+    assert load_profile(
+        "production", {"hidden": {"aux_layers": [1, 30, 58]}, "gpu_host": {"sglang_version": "0.5.12"}}
+    ).hidden.aux_layers == [1, 30, 58]
     assert _captured_by_release("0.5.12", "DeepseekV3ForCausalLM", [0, 29, 57]) == [1, 30, 58]
     with pytest.raises(ProfileError, match="gpu_host.sglang_version"):
         load_profile("production", {"gpu_host": {"sglang_version": "0.5.9"}})

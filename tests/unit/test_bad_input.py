@@ -48,15 +48,27 @@ def test_every_rejected_line_is_handed_over_with_its_reason_and_line(tmp_path):
 def test_a_conversation_ending_with_a_user_turn_is_not_quarantined(tmp_path, micro_target):
     from transformers import AutoTokenizer
 
-    record = {"id": "ends_with_user", "messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "thanks, bye"}]}
+    record = {
+        "id": "ends_with_user",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "thanks, bye"},
+        ],
+    }
     path = _file(tmp_path, [orjson.dumps(record)])
     convs = list(load_conversations(path, answer_slots=False))
     assert convs[0].messages[-1] == {"role": "user", "content": "thanks, bye"}
     tokenizer = AutoTokenizer.from_pretrained(micro_target)
-    stats = tokenize_conversations(convs, tokenizer, tmp_path / "out.jsonl", tmp_path / "q.jsonl", dataset="ds",
-                                   source="conversations_jsonl", bad_fraction_threshold=0.0)
+    stats = tokenize_conversations(
+        convs,
+        tokenizer,
+        tmp_path / "out.jsonl",
+        tmp_path / "q.jsonl",
+        dataset="ds",
+        source="conversations_jsonl",
+        bad_fraction_threshold=0.0,
+    )
     assert stats.num_records == 1 and stats.num_quarantined == 0
 
 
@@ -69,8 +81,16 @@ def test_rejected_lines_are_quarantined_and_fail_the_threshold(tmp_path, micro_t
     tokenizer = AutoTokenizer.from_pretrained(micro_target)
     quarantine = tmp_path / "q.jsonl"
     with pytest.raises(BadDataError, match="5/7 inputs are bad"):
-        tokenize_conversations(convs, tokenizer, tmp_path / "out.jsonl", quarantine, dataset="ds",
-                               source="conversations_jsonl", bad_fraction_threshold=0.5, source_rejects=rejects)
+        tokenize_conversations(
+            convs,
+            tokenizer,
+            tmp_path / "out.jsonl",
+            quarantine,
+            dataset="ds",
+            source="conversations_jsonl",
+            bad_fraction_threshold=0.5,
+            source_rejects=rejects,
+        )
     quarantined = [orjson.loads(line) for line in quarantine.read_bytes().splitlines()]
     assert [q["reason"].split(":")[0] for q in quarantined] == list(BAD_LINES)
     assert all(q["where"].startswith(f"{path}:") for q in quarantined)
@@ -85,8 +105,10 @@ def test_turns_cut_to_fit_the_context_are_counted(micro_target, micro_profile):
     tokenizer = AutoTokenizer.from_pretrained(micro_target)
     messages = []
     for t in range(30):
-        messages += [{"role": "user", "content": f"question number {t} about things"},
-                     {"role": "assistant", "content": f"answer number {t}"}]
+        messages += [
+            {"role": "user", "content": f"question number {t} about things"},
+            {"role": "assistant", "content": f"answer number {t}"},
+        ]
     fitted, num_cut = _fit_to_context(Conversation(id="long", messages=tuple(messages)), tokenizer, budget=120)
     kept = sum(m["role"] == "assistant" for m in fitted.messages)
     assert 1 <= kept < 30 and num_cut == 30 - kept
@@ -100,12 +122,16 @@ def test_raw_responses_quarantines_bad_prompt_lines_and_spends_nothing_above_the
 
     prompts = _file(tmp_path, [orjson.dumps({"id": "p0", "prompt": "hi"})] + list(BAD_LINES.values()))
     with FakeOpenRouter() as server:
-        profile = load_profile("micro", overrides={
-            "run_root": str(tmp_path / "run"),
-            "target": {"kind": "external", "path": str(micro_target)},
-            "datasets": [{"name": "p", "source": "prompts_jsonl", "path": str(prompts)}],
-            "generation": {"backend": "openai", "base_url": server.url, "model": "m"},
-            "data": {"bad_fraction_threshold": 0.5}})
+        profile = load_profile(
+            "micro",
+            overrides={
+                "run_root": str(tmp_path / "run"),
+                "target": {"kind": "external", "path": str(micro_target)},
+                "datasets": [{"name": "p", "source": "prompts_jsonl", "path": str(prompts)}],
+                "generation": {"backend": "openai", "base_url": server.url, "model": "m"},
+                "data": {"bad_fraction_threshold": 0.5},
+            },
+        )
         layout = ArtifactLayout.from_profile(profile)
         with pytest.raises(BadDataError, match="5/6") as err:
             regenerate_partition(RegenerateSettings.from_profile(profile), "p", layout, api_key="sk-test")

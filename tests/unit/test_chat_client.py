@@ -23,8 +23,16 @@ class FakeOpenRouter(LoopbackHTTPServer):
     Authorization header). `report_usage=False` leaves `usage` out of every answer.
     Requests after the `block_after`-th block until `release` is set (to kill a client mid-flight)."""
 
-    def __init__(self, faults: list[str] | None = None, *, delay_s: float = 0.0, cost: float = 0.001,
-                 block_after: int | None = None, timeout_sleep_s: float = 1.0, report_usage: bool = True) -> None:
+    def __init__(
+        self,
+        faults: list[str] | None = None,
+        *,
+        delay_s: float = 0.0,
+        cost: float = 0.001,
+        block_after: int | None = None,
+        timeout_sleep_s: float = 1.0,
+        report_usage: bool = True,
+    ) -> None:
         self.faults = list(faults or [])
         self.delay_s, self.cost, self.block_after, self.timeout_sleep_s = delay_s, cost, block_after, timeout_sleep_s
         self.report_usage = report_usage
@@ -45,12 +53,20 @@ class FakeOpenRouter(LoopbackHTTPServer):
     def answer(body: dict) -> dict:
         last_user = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
         n_assistant = sum(m["role"] == "assistant" for m in body["messages"])
-        message = {"role": "assistant", "content": f"answer {n_assistant} to {last_user}",
-                   "reasoning": f"thinking about {last_user}"}
+        message = {
+            "role": "assistant",
+            "content": f"answer {n_assistant} to {last_user}",
+            "reasoning": f"thinking about {last_user}",
+        }
         finish = "stop"
         if "weather" in last_user:
-            message["tool_calls"] = [{"id": "functions.get_weather:0", "type": "function",
-                                      "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]
+            message["tool_calls"] = [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ]
             finish = "tool_calls"
         return message, finish
 
@@ -111,11 +127,20 @@ class FakeOpenRouter(LoopbackHTTPServer):
                     return self._send(400, json.dumps({"error": self.headers.get("Authorization")}).encode())
                 message, finish = fake.answer(body)
                 payload = {
-                    "id": f"gen-{rid}", "object": "chat.completion", "model": body["model"], "provider": "Moonshot AI",
-                    "choices": [{"index": 0, "finish_reason": finish, "native_finish_reason": finish,
-                                 "message": message}],
-                    "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
-                              "completion_tokens_details": {"reasoning_tokens": 3}, "cost": fake.cost},
+                    "id": f"gen-{rid}",
+                    "object": "chat.completion",
+                    "model": body["model"],
+                    "provider": "Moonshot AI",
+                    "choices": [
+                        {"index": 0, "finish_reason": finish, "native_finish_reason": finish, "message": message}
+                    ],
+                    "usage": {
+                        "prompt_tokens": 11,
+                        "completion_tokens": 7,
+                        "total_tokens": 18,
+                        "completion_tokens_details": {"reasoning_tokens": 3},
+                        "cost": fake.cost,
+                    },
                 }
                 if not fake.report_usage:
                     del payload["usage"]
@@ -136,8 +161,9 @@ def _backend(server: FakeOpenRouter, **kw) -> OpenAIChatBackend:
 def _complete(backend: OpenAIChatBackend, content: str = "hi", rid: str = "r1"):
     async def go():
         try:
-            return await backend.complete([{"role": "user", "content": content}], request_id=rid, max_tokens=16,
-                                          temperature=0.0, reasoning=True)
+            return await backend.complete(
+                [{"role": "user", "content": content}], request_id=rid, max_tokens=16, temperature=0.0, reasoning=True
+            )
         finally:
             await backend.aclose()
 
@@ -149,8 +175,13 @@ def test_response_keeps_reasoning_tool_calls_usage_cost_and_provider():
         result = _complete(_backend(server), "what is the weather in Paris")
     assert result.reasoning == "thinking about what is the weather in Paris"
     assert result.content == "answer 0 to what is the weather in Paris"
-    assert result.tool_calls == [{"id": "functions.get_weather:0", "type": "function",
-                                  "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]
+    assert result.tool_calls == [
+        {
+            "id": "functions.get_weather:0",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+        }
+    ]
     assert result.finish_reason == "tool_calls"
     assert result.usage == {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18, "reasoning_tokens": 3}
     assert result.cost == 0.001 and result.provider == "Moonshot AI"

@@ -9,7 +9,11 @@ from eagle3_dagster.chat import kimi
 from eagle3_dagster.chat.kimi import parse_completion, render_completion, stop_token_ids
 
 SYS = ""  # Kimi-K2.5's template adds no system turn when the conversation has none (K2-Thinking's did)
-CALL = {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 CALL_TEXT = (
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
     '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
@@ -26,7 +30,9 @@ def render(tok, messages, **kw) -> str:
 
 
 def test_system_and_user_with_generation_prompt_opens_think(tok):
-    got = render(tok, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    got = render(
+        tok, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}], add_generation_prompt=True
+    )
     assert got == (
         "<|im_system|>system<|im_middle|>Be terse.<|im_end|>"
         "<|im_user|>user<|im_middle|>Hi<|im_end|>"
@@ -70,7 +76,7 @@ def test_tool_call_turn_after_last_plain_answer_keeps_reasoning_and_tool_result_
         "<|im_assistant|>assistant<|im_middle|><think></think>old answer<|im_end|>"
         "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think>need tool</think>Let me check." + CALL_TEXT + "<|im_end|>"
-        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{\"temp\": 21}<|im_end|>"
+        '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{"temp": 21}<|im_end|>'
         "<|im_assistant|>assistant<|im_middle|><think>"
     )
 
@@ -101,9 +107,16 @@ def test_render_completion_is_exactly_what_follows_the_generation_prompt():
 
 def test_prompt_plus_completion_tokenizes_like_the_full_rendering_of_a_kept_reasoning_turn(tok):
     prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "Weather in Paris?"}]
-    turn = {"role": "assistant", "content": "Let me check.", "reasoning_content": "I should call the tool.", "tool_calls": [CALL]}
+    turn = {
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": "I should call the tool.",
+        "tool_calls": [CALL],
+    }
     prompt_ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
-    completion_ids = tok.encode(render_completion(turn["reasoning_content"], turn["content"], turn["tool_calls"]), add_special_tokens=False)
+    completion_ids = tok.encode(
+        render_completion(turn["reasoning_content"], turn["content"], turn["tool_calls"]), add_special_tokens=False
+    )
     full_ids = tok.apply_chat_template(prompt + [turn], tokenize=True)["input_ids"]
     assert prompt_ids + completion_ids == full_ids
 

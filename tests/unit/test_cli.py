@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def eagle3(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "eagle3_dagster.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3_dagster.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def profile_in(tmp: Path, **overrides) -> Path:

@@ -53,5 +53,3 @@ def test_profile_is_chosen_by_environment_variable(monkeypatch) -> None:
     monkeypatch.setenv("EAGLE3_PROFILE", "no_such_profile")
     with pytest.raises(ProfileError, match="known profiles"):
         load_profile()
-
-

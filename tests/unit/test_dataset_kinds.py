@@ -48,36 +48,58 @@ def _source_file(tmp_path: Path, source: str, tokenizer) -> str | None:
         i = len(lines)
         if source == "pretokenized_jsonl":
             ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-            prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-            lines.append(orjson.dumps({"id": f"t{i}", "input_ids": list(ids),
-                                       "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt))}))
+            prompt = tokenizer.apply_chat_template(
+                messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            lines.append(
+                orjson.dumps(
+                    {
+                        "id": f"t{i}",
+                        "input_ids": list(ids),
+                        "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+                    }
+                )
+            )
         else:
             lines.append(orjson.dumps({"id": f"c{i}", "messages": messages}))
     path.write_bytes(b"\n".join(lines) + b"\n")
     return str(path)
 
 
-@pytest.mark.parametrize("source,regenerate,backend", COMBINATIONS,
-                         ids=[f"{s}-{'regen' if r else 'as_is'}-{b}" for s, r, b in COMBINATIONS])
+@pytest.mark.parametrize(
+    "source,regenerate,backend", COMBINATIONS, ids=[f"{s}-{'regen' if r else 'as_is'}-{b}" for s, r, b in COMBINATIONS]
+)
 def test_every_dataset_kind_runs_every_stage_to_the_plan_under_what_its_asset_gives_it(
-        tmp_path, micro_target, source, regenerate, backend) -> None:
+    tmp_path, micro_target, source, regenerate, backend
+) -> None:
     from eagle3_dagster.stages.data import build_vocab, merge_partitions, regenerate_partition, tokenize_partition
     from eagle3_dagster.stages.hidden import plan_stage
     from eagle3_dagster.target import load_tokenizer
 
     path = _source_file(tmp_path, source, load_tokenizer(micro_target, trust_remote_code=False))
-    dataset = {"name": "d", "source": source, "regenerate": regenerate, "max_conversations": N, "max_turns": 1,
-               **({"path": path} if path else {})}
+    dataset = {
+        "name": "d",
+        "source": source,
+        "regenerate": regenerate,
+        "max_conversations": N,
+        "max_turns": 1,
+        **({"path": path} if path else {}),
+    }
     with FakeOpenRouter() as server:
         generation = {"backend": backend, "max_new_tokens": 96, "concurrency": 3}
         if backend == "openai":
             generation |= {"base_url": server.url, "model": "m", "timeout_s": 5}
-        profile = load_profile("micro", overrides={
-            "run_root": str(tmp_path / "run"), "target": {"kind": "external", "path": str(micro_target)},
-            "datasets": [dataset], "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
-            "generation": generation, "data": {"heldout_fraction": 0.0, "draft_vocab_size": 64},
-        })
+        profile = load_profile(
+            "micro",
+            overrides={
+                "run_root": str(tmp_path / "run"),
+                "target": {"kind": "external", "path": str(micro_target)},
+                "datasets": [dataset],
+                "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
+                "generation": generation,
+                "data": {"heldout_fraction": 0.0, "draft_vocab_size": 64},
+            },
+        )
         layout = ArtifactLayout.from_profile(profile)
         raw = regenerate_partition(RegenerateSettings.from_profile(profile), "d", layout, api_key=SECRET).metadata
         regenerated = regenerate and source != "pretokenized_jsonl"
@@ -107,16 +129,24 @@ def test_a_finished_conversation_keeps_the_generation_length_for_its_answer(tmp_
     tokenizer = load_tokenizer(micro_target, trust_remote_code=False)
     question = "Tell me about the river " * 12
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "It flows."}]
-    prompt_len = len(tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False))
+    prompt_len = len(
+        tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
     path = tmp_path / "c.jsonl"
     path.write_bytes(orjson.dumps({"id": "c0", "messages": messages}) + b"\n")
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"), "target": {"kind": "external", "path": str(micro_target)},
-        "datasets": [{"name": "c", "source": "conversations_jsonl", "path": str(path), "regenerate": False}],
-        "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
-        # the prompt fits the sequence length, but not beside a generation budget nothing will use
-        "data": {"max_seq_len": prompt_len + 16}, "generation": {"max_new_tokens": 64},
-    })
-    meta = tokenize_partition(TokenizeSettings.from_profile(profile), "c", ArtifactLayout.from_profile(profile)).metadata
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "target": {"kind": "external", "path": str(micro_target)},
+            "datasets": [{"name": "c", "source": "conversations_jsonl", "path": str(path), "regenerate": False}],
+            "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
+            # the prompt fits the sequence length, but not beside a generation budget nothing will use
+            "data": {"max_seq_len": prompt_len + 16},
+            "generation": {"max_new_tokens": 64},
+        },
+    )
+    meta = tokenize_partition(
+        TokenizeSettings.from_profile(profile), "c", ArtifactLayout.from_profile(profile)
+    ).metadata
     assert meta["num_records"] == 1

@@ -27,10 +27,17 @@ from dagster._core.storage.config import pg_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "postgres"
-LAUNCHERS = {"run_launcher.k8s.yaml": ("dagster_k8s", "K8sRunLauncher"),
-             "run_launcher.docker.yaml": ("dagster_docker", "DockerRunLauncher")}
-CONNECTION = {"DAGSTER_PG_HOST": "db.internal", "DAGSTER_PG_PORT": "6543", "DAGSTER_PG_USER": "eagle3",
-              "DAGSTER_PG_PASSWORD": "not-in-any-file", "DAGSTER_PG_DB": "eagle3_prod"}
+LAUNCHERS = {
+    "run_launcher.k8s.yaml": ("dagster_k8s", "K8sRunLauncher"),
+    "run_launcher.docker.yaml": ("dagster_docker", "DockerRunLauncher"),
+}
+CONNECTION = {
+    "DAGSTER_PG_HOST": "db.internal",
+    "DAGSTER_PG_PORT": "6543",
+    "DAGSTER_PG_USER": "eagle3",
+    "DAGSTER_PG_PASSWORD": "not-in-any-file",
+    "DAGSTER_PG_DB": "eagle3_prod",
+}
 
 
 def home_with(tmp_path: Path, *parts: str) -> Path:
@@ -56,7 +63,8 @@ def test_postgres_instance_reads_its_connection_and_password_from_the_environmen
     storage_config = process_config(pg_config(), ref.storage_data.config_dict)
     assert storage_config.success, storage_config.errors
     assert pg_url_from_config(storage_config.value) == (
-        "postgresql+psycopg2://eagle3:not-in-any-file@db.internal:6543/eagle3_prod")
+        "postgresql+psycopg2://eagle3:not-in-any-file@db.internal:6543/eagle3_prod"
+    )
     assert "not-in-any-file" not in "".join(p.read_text() for p in DEPLOY.iterdir())
 
 
@@ -119,8 +127,9 @@ print(json.dumps(out))
 
 
 def validate_launchers(configs: dict[str, tuple[str, str, dict]]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", VALIDATE, json.dumps(configs)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", VALIDATE, json.dumps(configs)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -147,9 +156,19 @@ def test_the_dagster_family_is_one_release_and_no_library_warns_of_a_mismatch() 
     (dagster-postgres 0.29.27 beside dagster 1.13.28 did, in every Dagster process)."""
     from importlib.metadata import version
 
-    proc = subprocess.run([sys.executable, "-W", "error", "-c",
-                           "import dagster, dagster_webserver, dagster_graphql, dagster_pipes, dagster_postgres, "
-                           "dagster_k8s, dagster_docker"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-c",
+            "import dagster, dagster_webserver, dagster_graphql, dagster_pipes, dagster_postgres, "
+            "dagster_k8s, dagster_docker",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     core = {version(p) for p in ["dagster", "dagster-webserver", "dagster-graphql", "dagster-pipes"]}
     libraries = {version(p) for p in ["dagster-postgres", "dagster-k8s", "dagster-docker"]}

@@ -33,8 +33,20 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 YAML_LANGS = {"yaml", "yml"}
 # Top-level folders whose paths an inline code span may name; each must exist.
-TREE_DIRS = ("assets", "benchmarks", "configs", "deploy", "docs", "eagle3_dagster", "patches", "resources",
-             "scripts", "tests", "dagster_home", ".ci")
+TREE_DIRS = (
+    "assets",
+    "benchmarks",
+    "configs",
+    "deploy",
+    "docs",
+    "eagle3_dagster",
+    "patches",
+    "resources",
+    "scripts",
+    "tests",
+    "dagster_home",
+    ".ci",
+)
 PYTHON = re.compile(r"(^|/)python(3(\.\d+)?)?$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 OPERATORS = {"|", "||", "&&", ";", "&", "(", ")", ";;", "|&"}
@@ -48,6 +60,7 @@ def rel(path: Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------- reading pages
+
 
 @dataclass
 class Page:
@@ -114,6 +127,7 @@ def read_page(path: Path) -> Page:
 
 # ------------------------------------------------------------------------------------------------ links
 
+
 def broken_links(page: Page, pages: dict[Path, Page], root: Path = ROOT) -> list[str]:
     problems = []
     for number, target in page.links:
@@ -134,12 +148,14 @@ def broken_links(page: Page, pages: dict[Path, Page], root: Path = ROOT) -> list
                 continue
             linked = pages.get(dest) or read_page(dest)
             if anchor not in linked.slugs:
-                problems.append(f"{where}: no heading of {rel(dest)} has the slug #{anchor} "
-                                f"(it has {sorted(linked.slugs)})")
+                problems.append(
+                    f"{where}: no heading of {rel(dest)} has the slug #{anchor} (it has {sorted(linked.slugs)})"
+                )
     return problems
 
 
 # --------------------------------------------------------------------------------------------- commands
+
 
 @dataclass(frozen=True)
 class Command:
@@ -176,7 +192,7 @@ def simple_commands(line: str) -> list[list[str]]:
     for words in commands:
         for i, word in enumerate(words):  # `cmd ... > file`, `cmd 2>&1`: the arguments end at a redirection
             if word[:1] in ("<", ">") or word in {"&>", ">&"}:
-                words = words[:i - 1] if i and words[i - 1].isdigit() else words[:i]
+                words = words[: i - 1] if i and words[i - 1].isdigit() else words[:i]
                 break
         while words and (ENV_ASSIGNMENT.match(words[0]) or words[0] in {"exec", "time", "do", "then", "else"}):
             words = words[1:]
@@ -289,12 +305,23 @@ with open(out_path, "w") as f:
             runs = {(target, args)} | {(t, a) for t, argses in self.wanted.items() for a in argses}
             self.wanted = {}
             out = tmp_dir / f"help-{len(self.results)}.json"
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run([sys.executable, "-c", self.DRIVER, str(out), json.dumps(sorted(runs))],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0 and out.exists(), \
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+            proc = subprocess.run(
+                [sys.executable, "-c", self.DRIVER, str(out), json.dumps(sorted(runs))],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0 and out.exists(), (
                 f"the --help driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
             for r in json.loads(out.read_text()):
                 self.results[(r["target"], tuple(r["args"]))] = r
         return self.results[(target, args)]
@@ -323,7 +350,7 @@ def command_problems(command: Command, help_runs: HelpRuns, tmp_dir: Path) -> li
         problems.append(f"bash -n {command.target}: {syntax.stderr}")
     forward = _bash_forward(script)
     if forward is None:
-        if command.args and not re.search(r'\$\{?[1-9@*]', script.read_text()):
+        if command.args and not re.search(r"\$\{?[1-9@*]", script.read_text()):
             problems.append(f"{command.target} takes no arguments, but is shown with {' '.join(command.args)}")
     elif forward == ("module", "pytest"):
         problems += pytest_arg_problems(command.args)
@@ -348,9 +375,11 @@ def pytest_arg_problems(args: tuple[str, ...]) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- profiles
 
-PROFILE_NAMES = [re.compile(r"(?<![\w./-])configs/([\w-]+)\.ya?ml\b"),
-                 re.compile(r"--profile[= ]+([\w./-]*\w)"),
-                 re.compile(r"\bEAGLE3_PROFILE=([\w./-]*\w)")]
+PROFILE_NAMES = [
+    re.compile(r"(?<![\w./-])configs/([\w-]+)\.ya?ml\b"),
+    re.compile(r"--profile[= ]+([\w./-]*\w)"),
+    re.compile(r"\bEAGLE3_PROFILE=([\w./-]*\w)"),
+]
 
 
 def profiles_named(page: Page) -> list[tuple[str, str]]:
@@ -453,6 +482,7 @@ def test_every_repository_path_a_page_shows_exists(page: Path) -> None:
 
 # --------------------------------------------------------------------------------- the check checks itself
 
+
 def test_the_pages_show_what_the_check_looks_for() -> None:
     """A parser that found nothing would pass every page: the README's own commands must be seen."""
     shown = {str(c) for c in SHOWN}
@@ -466,21 +496,27 @@ def test_slugs_are_githubs() -> None:
     assert slug("The `eagle3` command") == "the-eagle3-command"
     assert slug("Device check (one CUDA GPU)") == "device-check-one-cuda-gpu"
     assert slug("run_root is local") == "run_root-is-local"
-    assert slug("Production instance: PostgreSQL, separate processes") == \
-        "production-instance-postgresql-separate-processes"
+    assert (
+        slug("Production instance: PostgreSQL, separate processes")
+        == "production-instance-postgresql-separate-processes"
+    )
     assert slug("[storage](docs/storage.md) on S3") == "storage-on-s3"
 
 
 def test_a_broken_link_anchor_command_or_profile_is_reported(tmp_path) -> None:
     page_path = tmp_path / "page.md"
-    page_path.write_text("# Title\n\n[ok](#title) [gone](#nowhere) [lost](no_such_file.md)\n\n"
-                         "```bash\neagle3 export-shards --format nope --out DIR\nscripts/no_such.sh\n```\n")
+    page_path.write_text(
+        "# Title\n\n[ok](#title) [gone](#nowhere) [lost](no_such_file.md)\n\n"
+        "```bash\neagle3 export-shards --format nope --out DIR\nscripts/no_such.sh\n```\n"
+    )
     page = read_page(page_path)
     problems = broken_links(page, {page_path.resolve(): page}, root=tmp_path)
     assert [p.split(": (")[1].split(")")[0] for p in problems] == ["#nowhere", "no_such_file.md"]
     commands = [c for _, c in commands_shown(page)]
-    assert commands == [Command("help", "eagle3_dagster.cli", ("export-shards", "--format", "nope", "--out", "DIR")),
-                        Command("bash", "scripts/no_such.sh", ())]
+    assert commands == [
+        Command("help", "eagle3_dagster.cli", ("export-shards", "--format", "nope", "--out", "DIR")),
+        Command("bash", "scripts/no_such.sh", ()),
+    ]
     bad_choice = command_problems(commands[0], HelpRuns({}), tmp_path)
     assert len(bad_choice) == 1 and "invalid choice: 'nope'" in bad_choice[0]
     assert command_problems(commands[1], HelpRuns({}), tmp_path) == ["scripts/no_such.sh does not exist"]

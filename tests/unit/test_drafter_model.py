@@ -7,8 +7,17 @@ import torch
 
 from eagle3_dagster.drafter.model import DraftKVCache, DrafterConfig, Eagle3Drafter
 
-CFG = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=10, aux_layers=(2, 3, 5))
+CFG = DrafterConfig(
+    target_hidden_size=12,
+    hidden_size=16,
+    intermediate_size=24,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    vocab_size=40,
+    draft_vocab_size=10,
+    aux_layers=(2, 3, 5),
+)
 
 
 def _mapping():
@@ -28,7 +37,11 @@ def test_parameter_names_are_the_sglang_names_and_embedding_is_frozen_and_not_ex
     model = make_drafter()
     names = set(model.trainable_state_dict())
     assert names == {
-        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
         *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
         *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
         *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
@@ -76,7 +89,12 @@ def test_cached_stepping_equals_one_full_causal_pass_and_crop_rolls_back():
 
 
 def test_config_defaults_follow_public_deepseek_v3_drafters():
-    cfg = DrafterConfig.for_target(target_hidden_size=7168, target_intermediate_size=18432, vocab_size=163840,
-                                   draft_vocab_size=32000, aux_layers=[2, 30, 58])
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=7168,
+        target_intermediate_size=18432,
+        vocab_size=163840,
+        draft_vocab_size=32000,
+        aux_layers=[2, 30, 58],
+    )
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (56, 8, 128)
     assert cfg.hidden_size == 7168 and cfg.intermediate_size == 18432

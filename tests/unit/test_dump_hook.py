@@ -40,7 +40,9 @@ class TinyLoopModel(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.embed = torch.nn.Parameter(torch.randn(vocab, hidden, generator=g))
         self.pos = torch.nn.Parameter(torch.randn(256, hidden, generator=g))
-        self.mlps = torch.nn.ParameterList(torch.randn(hidden, hidden, generator=g) / hidden**0.5 for _ in range(num_layers))
+        self.mlps = torch.nn.ParameterList(
+            torch.randn(hidden, hidden, generator=g) / hidden**0.5 for _ in range(num_layers)
+        )
         self.num_layers = num_layers
 
     @staticmethod
@@ -69,7 +71,6 @@ class TinyLoopModel(torch.nn.Module):
         final = self._norm(hidden + residual)
         hook.capture_final(final, forward_batch)
         return final
-
 
     @torch.no_grad()
     def reference_states(self, input_ids: list[int]) -> list[torch.Tensor]:
@@ -294,8 +295,10 @@ def _sglang_aux_module(version: str):
     from tests import sglang_wheels
 
     module = types.ModuleType(f"sglang_aux_{version}")
-    exec(compile(sglang_wheels.read_file(version, "sglang/srt/layers/aux_hidden_states.py"), module.__name__, "exec"),
-         module.__dict__)
+    exec(
+        compile(sglang_wheels.read_file(version, "sglang/srt/layers/aux_hidden_states.py"), module.__name__, "exec"),
+        module.__dict__,
+    )
     return module
 
 
@@ -305,8 +308,9 @@ def test_dump_equals_what_sglangs_own_eagle3_collector_hands_the_draft_model(mod
     collector tees into SGLang's real one, and both must hold the same states for the EAGLE-3 layers."""
     aux = _sglang_aux_module("0.5.23")
     eagle_layers = [1, 2, 4]
-    inner = aux.AuxHiddenStatePacker(len(eagle_layers)) if collector == "AuxHiddenStatePacker" \
-        else aux.AuxHiddenStateList()
+    inner = (
+        aux.AuxHiddenStatePacker(len(eagle_layers)) if collector == "AuxHiddenStatePacker" else aux.AuxHiddenStateList()
+    )
     dumper = HiddenStateDumper(tmp_path, LAYERS, rank_fn=lambda: 0)
     prompts = {"p": [3, 4, 5, 6], "q": [9, 8]}
     ids, pos, batch = extend_batch([(rid, p, 0) for rid, p in prompts.items()])

@@ -25,21 +25,46 @@ def target_dir(tmp_path: Path) -> Path:
     d = tmp_path / "target"
     d.mkdir()
     torch.manual_seed(1)
-    tensors = {"language_model.model.embed_tokens.weight": torch.randn(V, H),
-               "language_model.lm_head.weight": torch.randn(V, H), "language_model.model.norm.weight": torch.ones(H)}
+    tensors = {
+        "language_model.model.embed_tokens.weight": torch.randn(V, H),
+        "language_model.lm_head.weight": torch.randn(V, H),
+        "language_model.model.norm.weight": torch.ones(H),
+    }
     save_file({k: tensors[k] for k in list(tensors)[:1]}, str(d / "model-00001-of-00002.safetensors"))
     save_file({k: tensors[k] for k in list(tensors)[1:]}, str(d / "model-00002-of-00002.safetensors"))
     index = {"weight_map": {k: f"model-0000{1 if i == 0 else 2}-of-00002.safetensors" for i, k in enumerate(tensors)}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    (d / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {
-        "hidden_size": H, "intermediate_size": 32, "vocab_size": V, "num_hidden_layers": 61, "rms_norm_eps": 1e-6,
-        "rope_theta": 50000.0, "max_position_embeddings": 262144}}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": {
+                    "hidden_size": H,
+                    "intermediate_size": 32,
+                    "vocab_size": V,
+                    "num_hidden_layers": 61,
+                    "rms_norm_eps": 1e-6,
+                    "rope_theta": 50000.0,
+                    "max_position_embeddings": 262144,
+                },
+            }
+        )
+    )
     return d
 
 
 def _drafter(target_dir: Path) -> Eagle3Drafter:
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=V, draft_vocab_size=DV, aux_layers=(2, 30, 58))
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        aux_layers=(2, 30, 58),
+    )
     ids = torch.arange(0, 40, 4)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -107,8 +132,9 @@ def test_reloaded_export_gives_identical_outputs(tmp_path, target_dir):
 
 def test_an_eagle31_export_writes_its_options_and_norms_for_the_releases_that_read_them(tmp_path, target_dir):
     base = _drafter(target_dir)
-    model = Eagle3Drafter(dataclasses.replace(base.cfg, fc_norm=True, norm_output=True), base.embed_tokens.weight,
-                          base.d2t, base.t2d)
+    model = Eagle3Drafter(
+        dataclasses.replace(base.cfg, fc_norm=True, norm_output=True), base.embed_tokens.weight, base.d2t, base.t2d
+    )
     model.load_state_dict(base.state_dict(), strict=False)
     for i, norm in enumerate(model.fc_norm):
         norm.weight.data.fill_(0.5 + i)
@@ -118,7 +144,8 @@ def test_an_eagle31_export_writes_its_options_and_norms_for_the_releases_that_re
     releases = cfg["eagle3_dagster_sglang"]["releases"]
     assert releases and "0.5.11" not in releases and "0.5.12" in releases  # 0.5.12 is the first that reads them
     assert set(load_file(str(out / "model.safetensors"))) == set(SGLANG_EAGLE3_WEIGHTS) | {
-        f"fc_norm.{i}.weight" for i in range(3)}
+        f"fc_norm.{i}.weight" for i in range(3)
+    }
     reloaded = load_drafter(out, target_dir)
     assert reloaded.cfg == dataclasses.replace(model.cfg, max_position_embeddings=4096)
     ids, pos, aux = torch.randint(0, V, (1, 7)), torch.arange(7)[None], torch.randn(1, 7, 3 * H)
@@ -143,8 +170,9 @@ def test_a_profile_with_eagle31_options_for_a_release_that_ignores_them_is_refus
 
     with pytest.raises(ValueError, match=r"drafter.fc_norm: gpu_host.sglang_version 0.5.11 does not read it"):
         load_profile("micro", overrides={"drafter": {"fc_norm": True}, "gpu_host": {"sglang_version": "0.5.11"}})
-    assert load_profile("micro", overrides={"drafter": {"fc_norm": True, "norm_output": True},
-                                            "gpu_host": {"sglang_version": "0.5.12"}}).drafter.norm_output
+    assert load_profile(
+        "micro", overrides={"drafter": {"fc_norm": True, "norm_output": True}, "gpu_host": {"sglang_version": "0.5.12"}}
+    ).drafter.norm_output
 
 
 def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one_layer_off(tmp_path, target_dir):
@@ -160,8 +188,13 @@ def test_the_served_launch_refuses_an_export_whose_aux_ids_the_release_reads_one
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
     with pytest.raises(ValueError, match=r"SGLang 0\.5\.23, but the export .* right on SGLang 0\.5\.12 only"):
         serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.23", SpecConfig(3))
-    assert "--speculative-algorithm" in serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)).extra_args
-    assert serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.23", None).extra_args == ()  # no drafter, nothing to read
+    assert (
+        "--speculative-algorithm"
+        in serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    )
+    assert (
+        serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.23", None).extra_args == ()
+    )  # no drafter, nothing to read
 
 
 def test_the_served_benchmark_runs_with_the_hosts_server_options(tmp_path, target_dir):
@@ -175,6 +208,10 @@ def test_the_served_benchmark_runs_with_the_hosts_server_options(tmp_path, targe
     host_args = ["--device", "cpu", "--mem-fraction-static", "0.5"]
     profile = load_profile("micro", overrides={"hidden": {"sglang_server_args": host_args}})
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096, sglang_versions=["0.5.12"])
-    assert serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", None).extra_args == tuple(host_args)
-    with_drafter = serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)).extra_args
+    assert serving_spec(BenchSettings.from_profile(profile), target_dir, export, "0.5.12", None).extra_args == tuple(
+        host_args
+    )
+    with_drafter = serving_spec(
+        BenchSettings.from_profile(profile), target_dir, export, "0.5.12", SpecConfig(3)
+    ).extra_args
     assert with_drafter[:2] == ("--speculative-algorithm", "EAGLE3") and with_drafter[-4:] == tuple(host_args)

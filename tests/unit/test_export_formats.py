@@ -36,8 +36,13 @@ def version(tmp_path):
     with ShardWriter(version_dir, "shard-00000", fmt, list(lengths), list(lengths.values())) as w:
         for sid, n in lengths.items():
             residual = torch.randn(n, H, generator=g) * 3.0
-            w.write_sample(sid, input_ids=torch.randint(0, 50, (n,), generator=g), loss_mask=torch.randint(0, 2, (n,), generator=g),
-                           aux_hidden=torch.randn(n, 3 * H, generator=g), last_hidden=_rms_norm(residual, norm_w))
+            w.write_sample(
+                sid,
+                input_ids=torch.randint(0, 50, (n,), generator=g),
+                loss_mask=torch.randint(0, 2, (n,), generator=g),
+                aux_hidden=torch.randn(n, 3 * H, generator=g),
+                last_hidden=_rms_norm(residual, norm_w),
+            )
     return version_dir, norm_w
 
 
@@ -107,16 +112,28 @@ def float32_target(tmp_path):
     from transformers import LlamaConfig
 
     d = tmp_path / "target"
-    LlamaConfig(hidden_size=H, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
-                num_hidden_layers=4, vocab_size=50).save_pretrained(str(d))
+    LlamaConfig(
+        hidden_size=H,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=50,
+    ).save_pretrained(str(d))
     g = torch.Generator().manual_seed(3)
-    save_file({"model.embed_tokens.weight": torch.randn(50, H, generator=g),
-               "lm_head.weight": torch.randn(50, H, generator=g)}, str(d / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(50, H, generator=g),
+            "lm_head.weight": torch.randn(50, H, generator=g),
+        },
+        str(d / "model.safetensors"),
+    )
     return d
 
 
-def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_export(version, tmp_path,
-                                                                                      float32_target, monkeypatch):
+def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_export(
+    version, tmp_path, float32_target, monkeypatch
+):
     """SpecForge 0.2.0 from PyPI: its offline reader, EAGLE-3 normaliser, TargetHead and draft fc on our files."""
     from tests.specforge_release import release_dir
 
@@ -142,9 +159,17 @@ def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_ex
     target = specforge_target_dir(float32_target, tmp_path / "specforge")
     assert target == tmp_path / "specforge" / "target_model" and target_identity(float32_target) == identity
     head = TargetHead.from_pretrained(str(target))  # bfloat16, always
-    draft = LlamaForCausalLMEagle3(LlamaConfig(hidden_size=H, intermediate_size=16, num_attention_heads=2,
-                                               num_key_value_heads=2, num_hidden_layers=1, vocab_size=50,
-                                               draft_vocab_size=20)).to(torch.bfloat16)
+    draft = LlamaForCausalLMEagle3(
+        LlamaConfig(
+            hidden_size=H,
+            intermediate_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_hidden_layers=1,
+            vocab_size=50,
+            draft_vocab_size=20,
+        )
+    ).to(torch.bfloat16)
 
     old = tmp_path / "float32_features"
     export_specforge(version_dir, old, dtype=torch.float32)  # what the export wrote before it was bfloat16
@@ -161,7 +186,7 @@ def test_specforge_releases_own_reader_target_head_and_draft_take_our_float32_ex
         n = ds.lengths()[i]
         logits = head(sample["target"])  # the teacher
         assert logits.shape == (1, n, 50) and logits.dtype == torch.bfloat16
-        want = (ds[i]["last_hidden"].to(torch.bfloat16) @ head.fc.weight.T)
+        want = ds[i]["last_hidden"].to(torch.bfloat16) @ head.fc.weight.T
         assert torch.equal(logits[0], want)
         assert draft.project_hidden_states(sample["hidden_state"]).shape == (1, n, H)  # the draft's fc
         assert torch.equal(sample["input_ids"][0], ds[i]["input_ids"])

@@ -31,14 +31,19 @@ def _version(path: Path, num_samples: int, per_shard: int = 12) -> Path:
     fmt = ShardFormat(hidden_size=H, dtype="float32", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
     ids = [f"sharegpt/{i}" for i in range(num_samples)]
     for start in range(0, num_samples, per_shard):
-        chunk = ids[start:start + per_shard]
-        with ShardWriter(path, f"shard-{start // per_shard:05d}", fmt, chunk, [3 + i % 4 for i in range(len(chunk))]) \
-                as w:
+        chunk = ids[start : start + per_shard]
+        with ShardWriter(
+            path, f"shard-{start // per_shard:05d}", fmt, chunk, [3 + i % 4 for i in range(len(chunk))]
+        ) as w:
             for i, sid in enumerate(chunk):
                 n = 3 + i % 4
-                w.write_sample(sid, input_ids=torch.randint(0, 50, (n,), generator=g),
-                               loss_mask=torch.randint(0, 2, (n,), generator=g),
-                               aux_hidden=torch.randn(n, 3 * H, generator=g), last_hidden=torch.randn(n, H, generator=g))
+                w.write_sample(
+                    sid,
+                    input_ids=torch.randint(0, 50, (n,), generator=g),
+                    loss_mask=torch.randint(0, 2, (n,), generator=g),
+                    aux_hidden=torch.randn(n, 3 * H, generator=g),
+                    last_hidden=torch.randn(n, H, generator=g),
+                )
     return path
 
 
@@ -62,8 +67,11 @@ def _samples(fmt: str, out: Path) -> list[str]:
 
 
 def _tree(out: Path) -> dict[str, bytes | str]:
-    return {str(p.relative_to(out)): (os.readlink(p) if p.is_symlink() else p.read_bytes())
-            for p in sorted(out.rglob("*")) if p.is_file() or p.is_symlink()}
+    return {
+        str(p.relative_to(out)): (os.readlink(p) if p.is_symlink() else p.read_bytes())
+        for p in sorted(out.rglob("*"))
+        if p.is_file() or p.is_symlink()
+    }
 
 
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
@@ -97,8 +105,9 @@ def test_an_export_replaces_an_earlier_one_of_the_other_layout_and_one_that_was_
     export_speculators(version_dir, out, final_norm_weight=torch.ones(H))
     assert _samples("specforge", out) == [] and len(_samples("speculators", out)) == 24
     # killed midway: the marker (written before the first sample) says incomplete; a temp file is left
-    (out / "eagle3_export.json").write_text(json.dumps({"format": "eagle3-dagster-hidden-export",
-                                                        "layout": "specforge", "complete": False}))
+    (out / "eagle3_export.json").write_text(
+        json.dumps({"format": "eagle3-dagster-hidden-export", "layout": "specforge", "complete": False})
+    )
     (out / "rows_0-2000").mkdir()
     (out / "rows_0-2000" / ".data_3.ckpt.host-123.abcd.tmp").write_bytes(b"half")
     assert export_specforge(version_dir, out) == 24
@@ -121,7 +130,9 @@ def test_a_folder_holding_anything_else_is_refused_and_left_as_it_is(fmt, tmp_pa
     extra = earlier / ("rows_0-2000" if fmt == "specforge" else "hidden_states") / "mine.ckpt"
     extra.write_bytes(b"someone else's sample")
     before = _tree(earlier)
-    with pytest.raises(FileExistsError, match=r"an earlier export, but it also holds \['(rows_0-2000|hidden_states)'\]"):
+    with pytest.raises(
+        FileExistsError, match=r"an earlier export, but it also holds \['(rows_0-2000|hidden_states)'\]"
+    ):
         _export(fmt, version_dir, earlier)
     assert _tree(earlier) == before  # refused before anything is removed
 
@@ -154,11 +165,23 @@ def test_links_in_an_earlier_export_are_never_followed_when_it_is_replaced(tmp_p
 def _weights_target(d: Path, seed: int) -> Path:
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=H, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
-                num_hidden_layers=4, vocab_size=50).save_pretrained(str(d))
+    LlamaConfig(
+        hidden_size=H,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        vocab_size=50,
+    ).save_pretrained(str(d))
     g = torch.Generator().manual_seed(seed)
-    save_file({"model.embed_tokens.weight": torch.randn(50, H, generator=g), "lm_head.weight": torch.randn(50, H, generator=g),
-               "model.norm.weight": torch.rand(H, generator=g) + 0.5}, str(d / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(50, H, generator=g),
+            "lm_head.weight": torch.randn(50, H, generator=g),
+            "model.norm.weight": torch.rand(H, generator=g) + 0.5,
+        },
+        str(d / "model.safetensors"),
+    )
     return d
 
 
@@ -170,8 +193,9 @@ def test_the_specforge_target_view_is_rebuilt_for_another_target(tmp_path):
     export_specforge(_version(tmp_path / "hs", 4), out)
     specforge_target_dir(first, out)
     view = specforge_target_dir(second, out)
-    assert {p.name: p.resolve() for p in view.iterdir() if p.is_symlink()} == \
-        {p.name: p.resolve() for p in second.iterdir()}
+    assert {p.name: p.resolve() for p in view.iterdir() if p.is_symlink()} == {
+        p.name: p.resolve() for p in second.iterdir()
+    }
     export_specforge(tmp_path / "hs", out)  # the view stays through a new export, and is no sample
     assert view.exists() and _samples("specforge", out) == [f"data_{i}.ckpt" for i in range(4)]
 
@@ -187,14 +211,16 @@ def cli_export(tmp_path, monkeypatch):
     (tmp_path / "profile.yaml").write_text(yaml.safe_dump(raw))
     target = _weights_target(tmp_path / "target", 0)
     version_dir = _version(tmp_path / "hidden" / "hs-0123456789ab", 24)
-    plan = types.SimpleNamespace(version="hs-0123456789ab", version_dir=storage.location(version_dir),
-                                target=types.SimpleNamespace(path=target))
+    plan = types.SimpleNamespace(
+        version="hs-0123456789ab", version_dir=storage.location(version_dir), target=types.SimpleNamespace(path=target)
+    )
     monkeypatch.setattr("eagle3_dagster.hidden.extraction_plan.build_plan", lambda profile, layout: plan)
     return lambda *args: main(["--profile", str(tmp_path / "profile.yaml"), "export-shards", *args]), version_dir
 
 
 def test_eagle3_export_shards_fails_its_check_on_a_corrupt_shard_and_refuses_a_foreign_folder(
-        cli_export, tmp_path, capsys):
+    cli_export, tmp_path, capsys
+):
     run, version_dir = cli_export
     assert run("--format", "specforge", "--out", str(tmp_path / "sf")) == 0
     assert len(_samples("specforge", tmp_path / "sf")) == 24 and (tmp_path / "sf" / "target_model").is_dir()
@@ -225,7 +251,8 @@ def test_the_final_norm_for_speculators_is_read_only_from_inside_the_target(tmp_
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text((elsewhere / "config.json").read_text())
-    (target / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}}))
+    (target / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}})
+    )
     with pytest.raises(ValueError, match=r"weight_map\['model.norm.weight'\]: file name '../elsewhere/"):
         load_final_norm_weight(target)

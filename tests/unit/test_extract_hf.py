@@ -24,8 +24,12 @@ BATCH_TOKENS = 40  # forces multi-sample batches with padding: 17 + 12 pad to 2 
 def _merged_train(path: Path, vocab: int) -> Path:
     g = torch.Generator().manual_seed(0)
     records = [
-        {"id": f"sharegpt/{i}", "dataset": "sharegpt", "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
-         "loss_mask": [int(j >= n // 2) for j in range(n)]}
+        {
+            "id": f"sharegpt/{i}",
+            "dataset": "sharegpt",
+            "input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
+            "loss_mask": [int(j >= n // 2) for j in range(n)],
+        }
         for i, n in enumerate(LENGTHS)
     ]
     write_jsonl(path, records)
@@ -34,8 +38,16 @@ def _merged_train(path: Path, vocab: int) -> Path:
 
 def _extract(micro_target: Path, merged: Path, version_dir: Path, **kw):
     return extract_all_hf(
-        micro_target, merged, version_dir, samples_per_shard=SAMPLES_PER_SHARD, aux_layers=AUX, dtype="float32",
-        batch_tokens=BATCH_TOKENS, target_identity="micro", device="cpu", **kw,
+        micro_target,
+        merged,
+        version_dir,
+        samples_per_shard=SAMPLES_PER_SHARD,
+        aux_layers=AUX,
+        dtype="float32",
+        batch_tokens=BATCH_TOKENS,
+        target_identity="micro",
+        device="cpu",
+        **kw,
     )
 
 
@@ -89,15 +101,21 @@ def test_loss_mask_and_ids_travel_with_the_hidden_states(extracted):
 def test_plan_predicts_the_bytes_the_hf_backend_writes_exactly(micro_target, extracted):
     merged, version_dir, results = extracted
     specs = plan_shards(merged, SAMPLES_PER_SHARD)
-    fmt = ShardFormat(hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro", code_version="hf-1")
+    fmt = ShardFormat(
+        hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro", code_version="hf-1"
+    )
     fresh_root = version_dir.parent.parent / "empty_root"
-    estimate = estimate_extraction(specs, fmt, fresh_root, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=10**9)
+    estimate = estimate_extraction(
+        specs, fmt, fresh_root, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=10**9
+    )
     written = actual_bytes(version_dir, [s.key for s in specs])
     assert estimate.total_bytes == written
     assert estimate.shard_bytes == sum(r.num_bytes for r in results)
     assert estimate.estimated_hours == pytest.approx(sum(LENGTHS) / 100.0 / 3600.0)
     # against the real version folder, nothing remains to be written
-    done = estimate_extraction(specs, fmt, version_dir.parent, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=0)
+    done = estimate_extraction(
+        specs, fmt, version_dir.parent, version_dir.name, throughput_tokens_per_s=100.0, free_bytes=0
+    )
     assert done.remaining_bytes == 0 and done.fits
 
 
@@ -113,7 +131,13 @@ def test_complete_shard_is_skipped_without_loading_the_model(micro_target, extra
     merged, version_dir, _ = extracted
     spec = plan_shards(merged, SAMPLES_PER_SHARD)[0]
     result = extract_shard_hf(
-        Path("/nonexistent/model"), merged, spec, version_dir, aux_layers=AUX, dtype="float32", batch_tokens=BATCH_TOKENS,
+        Path("/nonexistent/model"),
+        merged,
+        spec,
+        version_dir,
+        aux_layers=AUX,
+        dtype="float32",
+        batch_tokens=BATCH_TOKENS,
         target_identity="micro",
     )
     assert result.skipped and result.num_tokens == sum(LENGTHS[:3])
@@ -150,8 +174,9 @@ def test_resume_after_kill_writes_identical_shards(micro_target, extracted, tmp_
     version_dir = tmp_path / "hs-000000000000"
     code = _CHILD.format(sps=SAMPLES_PER_SHARD, aux=AUX, bt=BATCH_TOKENS)
     # the child's word that shard-00001 is half-written
-    kill_when_it_says(code, [str(micro_target), str(merged), str(version_dir)], "mid-shard",
-                      "before shard-00001 started")
+    kill_when_it_says(
+        code, [str(micro_target), str(merged), str(version_dir)], "mid-shard", "before shard-00001 started"
+    )
     assert not (version_dir / "shard-00001.manifest.json").exists()
     results = _extract(micro_target, merged, version_dir)
     assert results[0].skipped and not results[1].skipped and not results[2].skipped

@@ -15,15 +15,22 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.sglang.server import ServerSpec
 from eagle3_dagster.sglang_releases import EXTRACTION_REFUSED_OPTIONS
 
-SKIPPING_ROWS = ["--enable-hierarchical-cache", "--enable-hicache", "--enable-session-radix-cache",
-                 "--radix-cache-backend=flexkv", "--enable-lmcache", "--enable-mixed-chunk",
-                 "--disaggregation-mode=prefill"]
+SKIPPING_ROWS = [
+    "--enable-hierarchical-cache",
+    "--enable-hicache",
+    "--enable-session-radix-cache",
+    "--radix-cache-backend=flexkv",
+    "--enable-lmcache",
+    "--enable-mixed-chunk",
+    "--disaggregation-mode=prefill",
+]
 
 
 @pytest.mark.parametrize("option", SKIPPING_ROWS)
 def test_the_launcher_refuses_an_option_that_skips_prefill_rows_naming_it(option):
-    spec = ServerSpec("/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version="0.5.23",
-                      extra_args=("--device", "cpu", option))
+    spec = ServerSpec(
+        "/m", dump_dir="/d", dump_layers=(2, 30, 58), sglang_version="0.5.23", extra_args=("--device", "cpu", option)
+    )
     with pytest.raises(ValueError, match=option.split("=")[0]):
         spec.argv("python")
     assert option.split("=")[0] in EXTRACTION_REFUSED_OPTIONS
@@ -42,8 +49,13 @@ def test_every_release_turns_the_radix_cache_off_for_extraction():
 
 
 def test_a_cpu_device_gets_sglangs_cpu_engine_and_other_options_pass_through():
-    spec = ServerSpec("/m", dump_dir="/d", dump_layers=(1, 2, 3), sglang_version="0.5.23",
-                      extra_args=("--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"))
+    spec = ServerSpec(
+        "/m",
+        dump_dir="/d",
+        dump_layers=(1, 2, 3),
+        sglang_version="0.5.23",
+        extra_args=("--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"),
+    )
     argv = spec.argv("python")
     assert argv[-6:] == ["--device", "cpu", "--attention-backend", "torch_native", "--chunked-prefill-size", "64"]
     assert spec.environment()["SGLANG_USE_CPU_ENGINE"] == "1"

@@ -27,14 +27,24 @@ def published(tmp_path: Path) -> Path:
     from eagle3_dagster.drafter.export import export_drafter
     from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=V, draft_vocab_size=DV, aux_layers=(2, 30, 58))
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        aux_layers=(2, 30, 58),
+    )
     ids = torch.arange(0, V, V // DV)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
     torch.manual_seed(0)
-    export = export_drafter(Eagle3Drafter(cfg, torch.randn(V, H), ids - torch.arange(DV), t2d), tmp_path / "export",
-                            serving_context=4096)
+    export = export_drafter(
+        Eagle3Drafter(cfg, torch.randn(V, H), ids - torch.arange(DV), t2d), tmp_path / "export", serving_context=4096
+    )
     store = tmp_path / "store" / "drafters" / "run-1"
     publish_export(export, store, log=lambda _line: None)
     return store
@@ -43,8 +53,9 @@ def published(tmp_path: Path) -> Path:
 def _with_entry(store: Path, name, entry=None) -> None:
     """The published manifest with one more file entry (by default: the payload's bytes and sha256)."""
     manifest = json.loads((store / EXPORT_MANIFEST).read_text())
-    manifest["files"][name] = entry if entry is not None else {
-        "bytes": len(PAYLOAD), "sha256": hashlib.sha256(PAYLOAD).hexdigest()}
+    manifest["files"][name] = (
+        entry if entry is not None else {"bytes": len(PAYLOAD), "sha256": hashlib.sha256(PAYLOAD).hexdigest()}
+    )
     (store / EXPORT_MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -57,11 +68,14 @@ def test_a_good_manifest_still_fetches(published, tmp_path):
     assert sorted(p.name for p in back.iterdir()) == ["config.json", "model.safetensors"]
 
 
-@pytest.mark.parametrize("name, payload_at", [
-    ("../../x", "store/x"),  # read from store/x, written to dest/x
-    ("sub/../../../x", "store/x"),  # `..` in a middle component
-    ("ABSOLUTE", None),  # an absolute path: read from and written to that very path
-])
+@pytest.mark.parametrize(
+    "name, payload_at",
+    [
+        ("../../x", "store/x"),  # read from store/x, written to dest/x
+        ("sub/../../../x", "store/x"),  # `..` in a middle component
+        ("ABSOLUTE", None),  # an absolute path: read from and written to that very path
+    ],
+)
 def test_a_manifest_name_leading_out_of_the_destination_writes_nothing(name, payload_at, published, tmp_path):
     absolute = tmp_path / "elsewhere" / "payload"
     absolute.parent.mkdir()
@@ -90,8 +104,16 @@ def test_a_manifest_name_that_is_not_a_published_file_name_is_refused(name, publ
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
 
 
-@pytest.mark.parametrize("entry", [{"bytes": "33", "sha256": "0" * 64}, {"bytes": True, "sha256": "0" * 64},
-                                   {"bytes": -1, "sha256": "0" * 64}, {"bytes": 33, "sha256": "../../x"}, [33, "ab"]])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"bytes": "33", "sha256": "0" * 64},
+        {"bytes": True, "sha256": "0" * 64},
+        {"bytes": -1, "sha256": "0" * 64},
+        {"bytes": 33, "sha256": "../../x"},
+        [33, "ab"],
+    ],
+)
 def test_a_manifest_entry_that_is_not_bytes_and_sha256_is_refused(entry, published, tmp_path):
     _with_entry(published, "extra.json", entry)
     with pytest.raises(ValueError, match=r"files entry 'extra.json'.*bytes: a size, sha256") as e:

@@ -20,8 +20,13 @@ H = 8
 
 def test_force_replaces_a_complete_shard_with_a_new_file_of_the_same_bytes_and_never_a_stale_manifest(tmp_path):
     merged = tmp_path / "merged_train.jsonl"
-    write_jsonl(merged, [{"id": f"s{i}", "dataset": "d", "input_ids": list(range(1, n + 1)),
-                          "loss_mask": [1] * n} for i, n in enumerate([3, 5, 4])])
+    write_jsonl(
+        merged,
+        [
+            {"id": f"s{i}", "dataset": "d", "input_ids": list(range(1, n + 1)), "loss_mask": [1] * n}
+            for i, n in enumerate([3, 5, 4])
+        ],
+    )
     [spec] = plan_shards(merged, 8)
     fmt = ShardFormat(hidden_size=H, dtype="float32", aux_layers=(0, 1, 2), target_identity="t", code_version="c")
     version_dir = tmp_path / "hs"

@@ -32,18 +32,37 @@ def target_dir(tmp_path: Path) -> Path:
     d = tmp_path / "target"
     d.mkdir()
     torch.manual_seed(1)
-    save_file({"model.embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H)},
-              str(d / WEIGHTS))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H, "intermediate_size": 32, "vocab_size": V,
-        "num_hidden_layers": L, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512}))
+    save_file({"model.embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H)}, str(d / WEIGHTS))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "hidden_size": H,
+                "intermediate_size": 32,
+                "vocab_size": V,
+                "num_hidden_layers": L,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
     return d
 
 
 def _drafter(embed: torch.Tensor, aux_layers=(2, 4, 5)) -> Eagle3Drafter:
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=V, draft_vocab_size=DV,
-                        max_position_embeddings=512, aux_layers=aux_layers)
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        max_position_embeddings=512,
+        aux_layers=aux_layers,
+    )
     ids = torch.arange(0, V, V // DV)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -84,53 +103,94 @@ def _edited(good: Path, where: Path, edit) -> Path:
 NAN, INF = float("nan"), float("inf")
 CONFIG_ATTACKS = {
     # field → value: a number out of range, or of the wrong type (a bool is an int to Python: True == 1)
-    "rope_theta_nan": ("rope_theta", NAN), "rope_theta_inf": ("rope_theta", INF), "rope_theta_zero": ("rope_theta", 0),
-    "rope_theta_negative": ("rope_theta", -10000.0), "rope_theta_string": ("rope_theta", "10000"),
-    "rms_norm_eps_negative": ("rms_norm_eps", -1), "rms_norm_eps_negative_float": ("rms_norm_eps", -1.0),
-    "rms_norm_eps_nan": ("rms_norm_eps", NAN), "rms_norm_eps_zero": ("rms_norm_eps", 0.0),
-    "heads_zero": ("num_attention_heads", 0), "heads_bool": ("num_attention_heads", True),
-    "heads_float": ("num_attention_heads", 4.0), "heads_huge": ("num_attention_heads", 10**30),
-    "heads_string": ("num_attention_heads", "4"), "kv_heads_negative": ("num_key_value_heads", -2),
-    "intermediate_huge": ("intermediate_size", 2**63), "max_positions_zero": ("max_position_embeddings", 0),
-    "layers_bool": ("num_hidden_layers", True), "tie_int": ("tie_word_embeddings", 0),
-    "fc_norm_string": ("fc_norm", "false"), "rope_parameters_list": ("rope_parameters", [10000.0]),
+    "rope_theta_nan": ("rope_theta", NAN),
+    "rope_theta_inf": ("rope_theta", INF),
+    "rope_theta_zero": ("rope_theta", 0),
+    "rope_theta_negative": ("rope_theta", -10000.0),
+    "rope_theta_string": ("rope_theta", "10000"),
+    "rms_norm_eps_negative": ("rms_norm_eps", -1),
+    "rms_norm_eps_negative_float": ("rms_norm_eps", -1.0),
+    "rms_norm_eps_nan": ("rms_norm_eps", NAN),
+    "rms_norm_eps_zero": ("rms_norm_eps", 0.0),
+    "heads_zero": ("num_attention_heads", 0),
+    "heads_bool": ("num_attention_heads", True),
+    "heads_float": ("num_attention_heads", 4.0),
+    "heads_huge": ("num_attention_heads", 10**30),
+    "heads_string": ("num_attention_heads", "4"),
+    "kv_heads_negative": ("num_key_value_heads", -2),
+    "intermediate_huge": ("intermediate_size", 2**63),
+    "max_positions_zero": ("max_position_embeddings", 0),
+    "layers_bool": ("num_hidden_layers", True),
+    "tie_int": ("tie_word_embeddings", 0),
+    "fc_norm_string": ("fc_norm", "false"),
+    "rope_parameters_list": ("rope_parameters", [10000.0]),
     "eagle_config_list": ("eagle_config", [1, 3, 4]),
 }
 
 
 @pytest.mark.parametrize("attack", sorted(CONFIG_ATTACKS))
 def test_a_config_value_out_of_range_or_of_the_wrong_type_is_refused_naming_the_file_and_field(
-        attack, tmp_path, good, target_dir):
+    attack, tmp_path, good, target_dir
+):
     key, value = CONFIG_ATTACKS[attack]
     folder = _edited(good, tmp_path / attack, lambda c: c.__setitem__(key, value))
     refused(lambda: load_any_drafter(folder, target_dir), str(folder / "config.json"), f"{key}=")
 
 
-@pytest.mark.parametrize("attack, edit, field", [
-    ("nested_rope_nan", lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": NAN}),
-     "rope_parameters.rope_theta=nan"),
-    ("heads_not_dividing_hidden", lambda c: c.update(num_attention_heads=3, num_key_value_heads=1, head_dim=None),
-     "num_attention_heads=3 does not divide hidden_size=16"),
-    ("heads_not_dividing_hidden_with_head_dim", lambda c: c.update(num_attention_heads=3, num_key_value_heads=1),
-     "LlamaConfig refuses it"),
-    ("kv_not_dividing_heads", lambda c: c.update(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
-    ("odd_head_dim", lambda c: c.update(head_dim=5), "head_dim=5"),
-    ("draft_vocab_over_vocab", lambda c: c.update(draft_vocab_size=V + 1), f"draft_vocab_size={V + 1}"),
-    ("aux_ids_strings", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=["1", "3", "x"]),
-     "eagle_config.eagle_aux_hidden_state_layer_ids="),
-    ("aux_ids_floats", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1.5, 3, 4]),
-     "eagle_config.eagle_aux_hidden_state_layer_ids="),
-    ("aux_ids_bools", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[True, 3, 4]),
-     "eagle_config.eagle_aux_hidden_state_layer_ids="),
-])
+@pytest.mark.parametrize(
+    "attack, edit, field",
+    [
+        (
+            "nested_rope_nan",
+            lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": NAN}),
+            "rope_parameters.rope_theta=nan",
+        ),
+        (
+            "heads_not_dividing_hidden",
+            lambda c: c.update(num_attention_heads=3, num_key_value_heads=1, head_dim=None),
+            "num_attention_heads=3 does not divide hidden_size=16",
+        ),
+        (
+            "heads_not_dividing_hidden_with_head_dim",
+            lambda c: c.update(num_attention_heads=3, num_key_value_heads=1),
+            "LlamaConfig refuses it",
+        ),
+        ("kv_not_dividing_heads", lambda c: c.update(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
+        ("odd_head_dim", lambda c: c.update(head_dim=5), "head_dim=5"),
+        ("draft_vocab_over_vocab", lambda c: c.update(draft_vocab_size=V + 1), f"draft_vocab_size={V + 1}"),
+        (
+            "aux_ids_strings",
+            lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=["1", "3", "x"]),
+            "eagle_config.eagle_aux_hidden_state_layer_ids=",
+        ),
+        (
+            "aux_ids_floats",
+            lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1.5, 3, 4]),
+            "eagle_config.eagle_aux_hidden_state_layer_ids=",
+        ),
+        (
+            "aux_ids_bools",
+            lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[True, 3, 4]),
+            "eagle_config.eagle_aux_hidden_state_layer_ids=",
+        ),
+    ],
+)
 def test_sizes_that_must_divide_and_layer_ids_that_must_be_integers_are_refused(
-        attack, edit, field, tmp_path, good, target_dir):
+    attack, edit, field, tmp_path, good, target_dir
+):
     folder = _edited(good, tmp_path / attack, edit)
     refused(lambda: load_any_drafter(folder, target_dir), str(folder / "config.json"), field)
 
 
-@pytest.mark.parametrize("text, says", [("[1, 2, 3]", "a JSON list"), ('"LlamaForCausalLMEagle3"', "a JSON str"),
-                                        ('{"hidden_size": 16,', "not valid JSON"), ("\xff\xfe", "not valid JSON")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("[1, 2, 3]", "a JSON list"),
+        ('"LlamaForCausalLMEagle3"', "a JSON str"),
+        ('{"hidden_size": 16,', "not valid JSON"),
+        ("\xff\xfe", "not valid JSON"),
+    ],
+)
 def test_a_config_json_that_is_not_an_object_is_refused_naming_it(text, says, tmp_path, good, target_dir):
     folder = tmp_path / "bad"
     shutil.copytree(good, folder)
@@ -141,16 +201,23 @@ def test_a_config_json_that_is_not_an_object_is_refused_naming_it(text, says, tm
 def test_aux_layer_0_is_refused_as_the_profile_refuses_it_for_the_same_target(tmp_path, good, target_dir):
     """SGLang 0.5.23 reads ids not starting at 1 as canonical: [0, 4, 5] captures the embeddings. The profile's
     hidden.aux_layers must lie in [1, L-1] (layers.validate_aux_layers, target.target_facts)."""
-    folder = _edited(good, tmp_path / "aux0", lambda c: c["eagle_config"].update(
-        eagle_aux_hidden_state_layer_ids=[0, 4, 5]))
-    refused(lambda: load_any_drafter(folder, target_dir), str(folder / "config.json"), "aux layers [0, 4, 5]",
-            "must lie in [1, 7]")
+    folder = _edited(
+        good, tmp_path / "aux0", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 4, 5])
+    )
+    refused(
+        lambda: load_any_drafter(folder, target_dir),
+        str(folder / "config.json"),
+        "aux layers [0, 4, 5]",
+        "must lie in [1, 7]",
+    )
     # 0.5.12 adds one to every id: [-1, 3, 4] is canonical [0, 4, 5] there
-    old_release = _edited(good, tmp_path / "aux0_0512", lambda c: c["eagle_config"].update(
-        eagle_aux_hidden_state_layer_ids=[-1, 3, 4]))
+    old_release = _edited(
+        good, tmp_path / "aux0_0512", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[-1, 3, 4])
+    )
     refused(lambda: load_any_drafter(old_release, target_dir, sglang_version="0.5.12"), "aux layers [0, 4, 5]")
-    beyond = _edited(good, tmp_path / "aux8", lambda c: c["eagle_config"].update(
-        eagle_aux_hidden_state_layer_ids=[1, 3, 7]))  # canonical [2, 4, 8]: 8 is the post-norm output
+    beyond = _edited(
+        good, tmp_path / "aux8", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3, 7])
+    )  # canonical [2, 4, 8]: 8 is the post-norm output
     refused(lambda: load_any_drafter(beyond, target_dir), "aux layers [2, 4, 8]")
 
 
@@ -161,10 +228,15 @@ def test_a_config_carrying_this_projects_field_is_checked_as_foreign_too(tmp_pat
     from eagle3_dagster.drafter.target_head import load_target_tensors
 
     embed = load_target_tensors(target_dir, ("embed",)).embed
-    export = export_drafter(_drafter(embed, aux_layers=(0, 4, 5)), tmp_path / "own0", serving_context=512,
-                            sglang_versions=["0.5.23"])
-    refused(lambda: load_any_drafter(export, target_dir), str(export / "config.json"), "aux layers [0, 4, 5]",
-            "eagle3_dagster_aux_layers_canonical")
+    export = export_drafter(
+        _drafter(embed, aux_layers=(0, 4, 5)), tmp_path / "own0", serving_context=512, sglang_versions=["0.5.23"]
+    )
+    refused(
+        lambda: load_any_drafter(export, target_dir),
+        str(export / "config.json"),
+        "aux layers [0, 4, 5]",
+        "eagle3_dagster_aux_layers_canonical",
+    )
     text = _edited(export, tmp_path / "own_strings", lambda c: c.update(eagle3_dagster_aux_layers_canonical="2,4,5"))
     refused(lambda: load_any_drafter(text, target_dir), "eagle3_dagster_aux_layers_canonical='2,4,5'")
 
@@ -177,8 +249,9 @@ def _indexed(good: Path, where: Path, file_name: str) -> Path:
     (where / WEIGHTS).rename(where / "model-00001-of-00001.safetensors")
     with safe_open(str(where / "model-00001-of-00001.safetensors"), "pt") as h:
         names = list(h.keys())
-    (where / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": 0}, "weight_map": {n: file_name for n in names}}))
+    (where / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": {n: file_name for n in names}})
+    )
     return where
 
 
@@ -187,13 +260,20 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path, good, ta
     other = tmp_path / "other"
     shutil.copytree(good, other)
     assert load_any_drafter(_indexed(good, tmp_path / "inside", "model-00001-of-00001.safetensors"), target_dir)
-    for name, file_name in (("absolute", str(other / WEIGHTS)), ("dotdot", "../other/model.safetensors"),
-                            ("dotdot_in_the_middle", "sub/../../other/model.safetensors"),
-                            ("dotdot_staying_inside", "sub/../model-00001-of-00001.safetensors")):
+    for name, file_name in (
+        ("absolute", str(other / WEIGHTS)),
+        ("dotdot", "../other/model.safetensors"),
+        ("dotdot_in_the_middle", "sub/../../other/model.safetensors"),
+        ("dotdot_staying_inside", "sub/../model-00001-of-00001.safetensors"),
+    ):
         folder = _indexed(good, tmp_path / name, file_name)
         (folder / "sub").mkdir()
-        refused(lambda: load_any_drafter(folder, target_dir), str(folder / "model.safetensors.index.json"),
-                "weight_map[", repr(file_name))
+        refused(
+            lambda: load_any_drafter(folder, target_dir),
+            str(folder / "model.safetensors.index.json"),
+            "weight_map[",
+            repr(file_name),
+        )
     linked = _indexed(good, tmp_path / "linked_folder", "sub/model.safetensors")
     (linked / "sub").symlink_to(other)  # a relative name whose folder is a link out
     refused(lambda: load_any_drafter(linked, target_dir), "weight_map[", f"to {other / WEIGHTS}")
@@ -209,9 +289,11 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path, good, ta
 def test_weights_that_are_a_link_out_of_the_folder_a_device_or_a_fifo_are_refused(tmp_path, good, target_dir):
     other = tmp_path / "other"
     shutil.copytree(good, other)
-    cases = {"urandom": lambda w: w.symlink_to("/dev/urandom"),
-             "other_folder": lambda w: w.symlink_to(other / WEIGHTS),
-             "fifo": lambda w: os.mkfifo(w)}
+    cases = {
+        "urandom": lambda w: w.symlink_to("/dev/urandom"),
+        "other_folder": lambda w: w.symlink_to(other / WEIGHTS),
+        "fifo": lambda w: os.mkfifo(w),
+    }
     for name, make in cases.items():
         folder = tmp_path / name
         shutil.copytree(good, folder)
@@ -256,9 +338,16 @@ def micro_folders(tmp_path: Path, micro_target: Path) -> tuple[Path, dict[str, P
     profile.write_text(yaml.safe_dump(raw))
     target = load_target_tensors(micro_target, ("embed",))
     a = target.arch
-    cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
-                                   vocab_size=a.vocab_size, draft_vocab_size=64, aux_layers=(1, 2, 3),
-                                   num_attention_heads=2, rope_theta=a.rope_theta, max_position_embeddings=512)
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=a.hidden_size,
+        target_intermediate_size=a.intermediate_size,
+        vocab_size=a.vocab_size,
+        draft_vocab_size=64,
+        aux_layers=(1, 2, 3),
+        num_attention_heads=2,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=512,
+    )
     t2d = torch.zeros(a.vocab_size, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     drafter = Eagle3Drafter(cfg, target.embed.float(), torch.arange(0, 128, 2) - torch.arange(64), t2d)
@@ -270,8 +359,9 @@ def micro_folders(tmp_path: Path, micro_target: Path) -> tuple[Path, dict[str, P
         "config_list": _edited(good, tmp_path / "list", lambda c: None),
         "urandom": tmp_path / "urandom",
         "index_dotdot": _indexed(good, tmp_path / "dotdot", "../good/model.safetensors"),
-        "aux_layer_0": _edited(good, tmp_path / "aux0", lambda c: c["eagle_config"].update(
-            eagle_aux_hidden_state_layer_ids=[-1, 0, 1])),
+        "aux_layer_0": _edited(
+            good, tmp_path / "aux0", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[-1, 0, 1])
+        ),
     }
     (folders["config_list"] / "config.json").write_text("[1, 2, 3]")
     shutil.copytree(good, folders["urandom"])
@@ -280,13 +370,15 @@ def micro_folders(tmp_path: Path, micro_target: Path) -> tuple[Path, dict[str, P
     return profile, folders
 
 
-EXPECTED_LINE = {"rope_theta_nan": ("config.json", "rope_theta=nan"),
-                 "rms_norm_eps_negative": ("config.json", "rms_norm_eps=-1.0"),
-                 "heads_zero": ("config.json", "num_attention_heads=0"),
-                 "config_list": ("config.json", "a JSON list"),
-                 "urandom": ("model.safetensors", "/dev/urandom"),
-                 "index_dotdot": ("model.safetensors.index.json", "'../good/model.safetensors'"),
-                 "aux_layer_0": ("config.json", "aux layers [0, 1, 2]")}
+EXPECTED_LINE = {
+    "rope_theta_nan": ("config.json", "rope_theta=nan"),
+    "rms_norm_eps_negative": ("config.json", "rms_norm_eps=-1.0"),
+    "heads_zero": ("config.json", "num_attention_heads=0"),
+    "config_list": ("config.json", "a JSON list"),
+    "urandom": ("model.safetensors", "/dev/urandom"),
+    "index_dotdot": ("model.safetensors.index.json", "'../good/model.safetensors'"),
+    "aux_layer_0": ("config.json", "aux layers [0, 1, 2]"),
+}
 
 
 def test_eagle3_bench_prints_one_line_naming_the_file_and_field_and_exits_2(micro_folders, capsys):

@@ -23,8 +23,9 @@ from eagle3_dagster.io import DiskFullError, write_jsonl
 def small_disk(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()})")
     yield mount
@@ -32,8 +33,18 @@ def small_disk(tmp_path):
 
 
 def _tokenized(path: Path, n: int, length: int = 200) -> Path:
-    write_jsonl(path, ({"id": f"d/{i}", "dataset": "d", "input_ids": list(range(length)),
-                        "loss_mask": [0] * 10 + [1] * (length - 10)} for i in range(n)))
+    write_jsonl(
+        path,
+        (
+            {
+                "id": f"d/{i}",
+                "dataset": "d",
+                "input_ids": list(range(length)),
+                "loss_mask": [0] * 10 + [1] * (length - 10),
+            }
+            for i in range(n)
+        ),
+    )
     return path
 
 
@@ -65,8 +76,13 @@ def test_regeneration_on_a_full_disk_names_the_request_log_and_sends_nothing(tmp
     convs = [Conversation(id="c0", messages=({"role": "user", "content": "q"}, {"role": "assistant", "content": ""}))]
     with FakeOpenRouter() as server:
         with pytest.raises(DiskFullError) as err:
-            regenerate_dataset_sync(convs, store, OpenAIChatBackend(server.url, "m", SECRET, timeout_s=5),
-                                    GenerationSettings(model="m"), dataset="ds")
+            regenerate_dataset_sync(
+                convs,
+                store,
+                OpenAIChatBackend(server.url, "m", SECRET, timeout_s=5),
+                GenerationSettings(model="m"),
+                dataset="ds",
+            )
         assert server.received == []  # the `sent` line comes first; it could not be written
     assert str(store) in str(err.value) and "MiB free in" in str(err.value)
 
@@ -79,7 +95,8 @@ def test_a_checkpoint_on_a_full_disk_names_the_file_and_the_free_space(small_dis
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     with pytest.raises(DiskFullError) as err:
         Checkpointer(small_disk / "ckpt", every=1, rank=0).save(
-            1, model_state={"w": weight}, optimizer=optimizer, scheduler=scheduler, trainer_state={})
+            1, model_state={"w": weight}, optimizer=optimizer, scheduler=scheduler, trainer_state={}
+        )
     assert "model.safetensors" in str(err.value) and "MiB free in" in str(err.value)
     assert "basic_ios" not in str(err.value).split("MiB free in")[0]
 
@@ -98,8 +115,9 @@ _KILLED_WRITER = textwrap.dedent("""
 def test_the_temp_file_of_a_killed_merge_is_removed_by_the_next_merge(tmp_path):
     out = tmp_path / "merged_train.jsonl"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(out)], stdout=subprocess.PIPE, text=True,
-                             env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(out)], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert child.stdout.readline().strip() == "writing"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()

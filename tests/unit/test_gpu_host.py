@@ -71,7 +71,7 @@ def test_preflight_reports_sglang_version_patch_state_gpus_and_disk(tmp_path, ss
         host.preflight(str(tmp_path), min_free_bytes=2**62)
 
 
-PIPES_CHILD = r'''
+PIPES_CHILD = r"""
 import os, sys
 from dagster_pipes import open_dagster_pipes
 with open_dagster_pipes() as pipes:
@@ -79,7 +79,7 @@ with open_dagster_pipes() as pipes:
     print("plain stdout line", flush=True)
     pipes.report_asset_materialization(metadata={"tokens": 42, "x": os.environ["EAGLE3_X"], "cwd": os.getcwd()})
     sys.exit(int(os.environ.get("EXIT", "0")))
-'''
+"""
 
 
 @pytest.mark.parametrize("transport", ["local", "ssh"])
@@ -92,9 +92,13 @@ def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_st
     def make_asset(exit_code: str):
         @dg.asset(name="remote_thing")
         def remote_thing(context, gpu_host: GpuHostResource):
-            return gpu_host.run_pipes(context=context, command=[sys.executable, str(script)],
-                                      env={"EAGLE3_X": "y z", "EXIT": exit_code},
-                                      cwd=str(tmp_path / "cwd")).get_materialize_result()
+            return gpu_host.run_pipes(
+                context=context,
+                command=[sys.executable, str(script)],
+                env={"EAGLE3_X": "y z", "EXIT": exit_code},
+                cwd=str(tmp_path / "cwd"),
+            ).get_materialize_result()
+
         return remote_thing
 
     result = dg.materialize([make_asset("0")], resources={"gpu_host": resource})
@@ -110,8 +114,14 @@ def test_pipes_launch_carries_context_on_command_line_and_reads_messages_from_st
 def test_ssh_target_that_looks_like_an_option_is_a_host_name_not_a_command(tmp_path):
     """Without `--`, ssh would read `-oProxyCommand=...` as an option and run the command."""
     marker = tmp_path / "proxy-command-ran"
-    host = GpuHost(HostConfig(transport="ssh", workdir=str(tmp_path / "w"), ssh_target=f"-oProxyCommand=touch {marker}",
-                              ssh_options=["-o", "ConnectTimeout=2"]))
+    host = GpuHost(
+        HostConfig(
+            transport="ssh",
+            workdir=str(tmp_path / "w"),
+            ssh_target=f"-oProxyCommand=touch {marker}",
+            ssh_options=["-o", "ConnectTimeout=2"],
+        )
+    )
     argv = host.command(["true"])
     assert argv[argv.index("--") + 1] == f"-oProxyCommand=touch {marker}"
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
@@ -143,16 +153,23 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
     from eagle3_dagster.stages import hidden as hidden_stage
     from eagle3_dagster.stages.hidden import ExtractSettings
 
-    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"), "hidden": {"backend": "sglang"},
-                                               "gpu_host": {"sglang_version": "0.5.12"}})
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "hidden": {"backend": "sglang"},
+            "gpu_host": {"sglang_version": "0.5.12"},
+        },
+    )
     host = GpuHost(HostConfig(python=str(_site_with_version(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     settings = ExtractSettings.from_profile(profile)
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage.extraction_preflight(settings, host, tmp_path)
     plan = type("Plan", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
-        hidden_stage._extract_sglang(settings, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"},
-                                     lambda _m: None)
+        hidden_stage._extract_sglang(
+            settings, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"}, lambda _m: None
+        )
 
 
 def test_pipes_messages_on_stderr_reach_the_session_and_other_lines_stay_log_text():

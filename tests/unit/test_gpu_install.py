@@ -36,20 +36,40 @@ pytestmark = pytest.mark.slow  # every supported SGLang release's metadata
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "eagle3-dagster"
 # Every release the patches support: the first that serves Kimi-K2.5 with EAGLE-3 (0.5.10) through 0.5.23.
-SUPPORTED = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14",
-             "0.5.15", "0.5.15.post1", *(f"0.5.{m}" for m in range(16, 24))]
+SUPPORTED = [
+    "0.5.10",
+    "0.5.10.post1",
+    "0.5.11",
+    "0.5.12",
+    "0.5.12.post1",
+    "0.5.13",
+    "0.5.13.post1",
+    "0.5.14",
+    "0.5.15",
+    "0.5.15.post1",
+    *(f"0.5.{m}" for m in range(16, 24)),
+]
 # What runs on the GPU host: the dump hook inside SGLang, the extraction driver, the served-benchmark
 # client, and the torchrun worker (through the Pipes child). The argv that start them name these modules.
-GPU_HOST_MODULES = ["eagle3_dagster.sglang.dump_hook", "eagle3_dagster.sglang.driver", "eagle3_dagster.bench.served",
-                    "eagle3_dagster.train.worker", "resources.pipes_child"]
+GPU_HOST_MODULES = [
+    "eagle3_dagster.sglang.dump_hook",
+    "eagle3_dagster.sglang.driver",
+    "eagle3_dagster.bench.served",
+    "eagle3_dagster.train.worker",
+    "resources.pipes_child",
+]
 # Provided by the host itself: SGLang is the environment, and it brings its own CUDA torch.
 HOST_PROVIDED = {"sglang"}
 # Loaded by name rather than imported: fsspec imports the implementation of a URL's protocol when one is
 # used, s3fs for s3:// (the SGLang driver uploads shards from the GPU host when hidden.root is on S3).
 LOADED_BY = {"fsspec": ["s3fs"]}
 # The GPU host is Linux x86_64 whatever machine runs the test; extras of SGLang are not installed.
-HOST_ENV = default_environment() | {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-                                   "extra": ""}
+HOST_ENV = default_environment() | {
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "extra": "",
+}
 
 
 def _pyproject() -> dict:
@@ -202,5 +222,7 @@ def test_gpu_install_names_exactly_what_the_gpu_host_modules_import():
     missing = sorted(f"{name}: {why}" for name, why in needed.items() if name not in declared)
     unneeded = sorted(declared - set(needed))
     assert not missing, f"the GPU host would lack: {missing}"
-    assert not unneeded, (f"base dependencies + [gpu] name {unneeded}, which no GPU-host module imports; "
-                          "they belong in the [pipeline] extra, where they cannot replace SGLang's pins")
+    assert not unneeded, (
+        f"base dependencies + [gpu] name {unneeded}, which no GPU-host module imports; "
+        "they belong in the [pipeline] extra, where they cannot replace SGLang's pins"
+    )

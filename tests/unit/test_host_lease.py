@@ -18,7 +18,14 @@ from eagle3_dagster.gpu_host import GpuHost, PreflightError
 from eagle3_dagster.hidden.estimate import hours_on_hosts
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.host_lease import (
-    NoHostError, history, lease_host, lease_hosts, lease_path, pool_limits, try_lock, who_holds,
+    NoHostError,
+    history,
+    lease_host,
+    lease_hosts,
+    lease_path,
+    pool_limits,
+    try_lock,
+    who_holds,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,8 +46,13 @@ def holder(tmp_path):
     procs = []
 
     def start() -> subprocess.Popen:
-        child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "leases")], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(tmp_path / "leases")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"PYTHONPATH": str(ROOT)},
+        )
         procs.append(child)
         assert child.stdout.readline() == "held\n", f"the holder exited {child.wait()} before taking the lease"
         return child
@@ -97,8 +109,9 @@ def test_a_host_failing_preflight_is_skipped_with_its_reason_and_never_retried(t
         if line.startswith("waiting for a GPU host"):
             child.stdin.close()  # the holder ends its run: `a` comes free
 
-    with lease_host([("a", "A"), ("b", "B")], tmp_path / "leases", holder={}, preflight=preflight, log=log,
-                    wait_s=60, poll_s=0.05) as got:
+    with lease_host(
+        [("a", "A"), ("b", "B")], tmp_path / "leases", holder={}, preflight=preflight, log=log, wait_s=60, poll_s=0.05
+    ) as got:
         assert got.name == "a" and got.skipped == {"b": "b: ssh: connect to host 127.0.0.1 port 1: Connection refused"}
     assert probes == ["b", "a"]
     assert "gpu host b skipped: b: ssh: connect to host 127.0.0.1 port 1: Connection refused" in lines
@@ -109,8 +122,11 @@ def test_no_usable_host_fails_naming_every_host_and_reason(tmp_path):
     def preflight(name, _host):
         raise PreflightError(f"{name}: 0 GPUs visible, 8 needed")
 
-    with pytest.raises(NoHostError, match=r"no usable GPU host among 2: a: a: 0 GPUs visible, 8 needed; "
-                                          r"b: b: 0 GPUs visible, 8 needed"):
+    with pytest.raises(
+        NoHostError,
+        match=r"no usable GPU host among 2: a: a: 0 GPUs visible, 8 needed; "
+        r"b: b: 0 GPUs visible, 8 needed",
+    ):
         with lease_host([("a", 1), ("b", 2)], tmp_path, holder={}, preflight=preflight, log=lambda _l: None):
             pass
     assert who_holds(tmp_path, "a") is None and who_holds(tmp_path, "b") is None
@@ -138,8 +154,12 @@ def test_every_checked_in_profile_lists_one_host_and_one_pool_slot():
         g = load_profile(name).gpu_host
         assert len(g.hosts) == 1 and pool_limits(len(g.hosts)) == {"gpu_host": 1}
     prod = load_profile("production").gpu_host.hosts[0]
-    assert (prod.label, prod.transport, prod.python, prod.num_gpus) == \
-        ("eagle@gpu-host-0", "ssh", "/opt/sglang/.venv/bin/python", 8)
+    assert (prod.label, prod.transport, prod.python, prod.num_gpus) == (
+        "eagle@gpu-host-0",
+        "ssh",
+        "/opt/sglang/.venv/bin/python",
+        8,
+    )
 
 
 def test_a_host_given_flat_under_gpu_host_is_refused_with_the_list_to_write_instead(tmp_path):
@@ -148,22 +168,36 @@ def test_a_host_given_flat_under_gpu_host_is_refused_with_the_list_to_write_inst
         load_profile_file(path)
     message = str(e.value)
     assert message.startswith(f"{path}: invalid profile")
-    assert "gpu_host.num_gpus, gpu_host.ssh_target, gpu_host.transport: a host's fields go in the list " \
-           "gpu_host.hosts (one element for one host)" in message
+    assert (
+        "gpu_host.num_gpus, gpu_host.ssh_target, gpu_host.transport: a host's fields go in the list "
+        "gpu_host.hosts (one element for one host)" in message
+    )
     # the block to paste (keys in the file's order, which _profile sorts): the same host as a one-element list,
     # the section's own fields left where they are
-    assert "gpu_host:\n  hosts:\n  - num_gpus: 8\n    ssh_target: eagle@h0\n    transport: ssh\n" \
-           "  lease_wait_s: 60\n" in message
+    assert (
+        "gpu_host:\n  hosts:\n  - num_gpus: 8\n    ssh_target: eagle@h0\n    transport: ssh\n"
+        "  lease_wait_s: 60\n" in message
+    )
 
 
 def test_a_host_list_gives_each_host_its_fields_and_the_pool_one_slot_per_host(tmp_path):
-    g = load_profile_file(_profile(tmp_path, {"hosts": [
-        {"transport": "ssh", "ssh_target": "eagle@h0", "python": "/opt/a/python", "num_gpus": 8},
-        {"name": "h1", "transport": "ssh", "ssh_target": "eagle@h1", "workdir": "/w1", "num_gpus": 4},
-        {"transport": "local"}]})).gpu_host
+    g = load_profile_file(
+        _profile(
+            tmp_path,
+            {
+                "hosts": [
+                    {"transport": "ssh", "ssh_target": "eagle@h0", "python": "/opt/a/python", "num_gpus": 8},
+                    {"name": "h1", "transport": "ssh", "ssh_target": "eagle@h1", "workdir": "/w1", "num_gpus": 4},
+                    {"transport": "local"},
+                ]
+            },
+        )
+    ).gpu_host
     assert [(h.label, h.python, h.workdir, h.num_gpus) for h in g.hosts] == [
-        ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8), ("h1", "python", "/w1", 4),
-        ("local", "python", ".eagle3/gpu_host", 0)]
+        ("eagle@h0", "/opt/a/python", ".eagle3/gpu_host", 8),
+        ("h1", "python", "/w1", 4),
+        ("local", "python", ".eagle3/gpu_host", 0),
+    ]
     assert pool_limits(len(g.hosts)) == {"gpu_host": 3}
 
 
@@ -179,9 +213,24 @@ def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_an
 
     from resources.gpu_host import GpuHostResource, HostEntry
 
-    g = load_profile_file(_profile(tmp_path, {"lease_wait_s": 5, "hosts": [
-        {"name": "h0", "transport": "ssh", "ssh_target": "eagle@h0", "ssh_options": ["-p", "2222"], "num_gpus": 8},
-        {"python": "/opt/a/python", "workdir": "/w1"}]})).gpu_host
+    g = load_profile_file(
+        _profile(
+            tmp_path,
+            {
+                "lease_wait_s": 5,
+                "hosts": [
+                    {
+                        "name": "h0",
+                        "transport": "ssh",
+                        "ssh_target": "eagle@h0",
+                        "ssh_options": ["-p", "2222"],
+                        "num_gpus": 8,
+                    },
+                    {"python": "/opt/a/python", "workdir": "/w1"},
+                ],
+            },
+        )
+    ).gpu_host
     resource = GpuHostResource.from_profile(SimpleNamespace(gpu_host=g))
     assert [h.model_dump() for h in resource.hosts] == [h.model_dump() for h in g.hosts]
     assert (resource.lease_dir, resource.lease_wait_s) == (None, 5)
@@ -189,8 +238,9 @@ def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_an
     # the launchpad's fields for a host are HostConfig's, with its help
     hosts = GpuHostResource.to_config_schema().as_field().config_type.fields["hosts"].config_type  # Noneable(Array)
     fields = hosts.inner_type.inner_type.fields
-    assert {k: f.description for k, f in fields.items()} == \
-        {k: f.description for k, f in HostConfig.model_fields.items()}
+    assert {k: f.description for k, f in fields.items()} == {
+        k: f.description for k, f in HostConfig.model_fields.items()
+    }
     with pytest.raises(ValueError, match="ssh_target is required for transport 'ssh'"):
         HostEntry(transport="ssh")
     with pytest.raises(ValueError, match="gpu_host.python: a host's fields go in the list gpu_host.hosts"):
@@ -201,23 +251,40 @@ def test_the_dagster_resource_holds_the_profiles_hosts_with_their_fields_help_an
         assert [h.name for h in context.resources.gpu_host.all_hosts()] == ["g0"]
 
     def launch(config: dict) -> bool:
-        return dg.materialize([uses_a_host], resources={"gpu_host": GpuHostResource.configure_at_launch()},
-                              run_config={"resources": {"gpu_host": {"config": config}}}).success
+        return dg.materialize(
+            [uses_a_host],
+            resources={"gpu_host": GpuHostResource.configure_at_launch()},
+            run_config={"resources": {"gpu_host": {"config": config}}},
+        ).success
 
     assert launch({"hosts": [{"name": "g0", "transport": "local"}]})
     with pytest.raises(dg.DagsterInvalidConfigError, match='Received unexpected config entry "python"'):
         launch({"python": "/x/python"})  # the one-host form of earlier resource configs
 
 
-@pytest.mark.parametrize("gpu_host, message", [
-    ({"hosts": [{"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2201"]},
-                {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2202"]}]},
-     "gpu_host: Value error, gpu_host.hosts: names must be unique, ['u@127.0.0.1'] name several hosts"),
-    ({"python": "/x/python", "hosts": [{"transport": "local"}]},
-     "gpu_host: Value error, gpu_host.python: a host's fields go in the list gpu_host.hosts"),
-    ({"hosts": [{"transport": "ssh"}]}, "gpu_host.hosts.0: Value error, ssh_target is required for transport 'ssh'"),
-    ({"hosts": []}, "gpu_host.hosts: List should have at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "gpu_host, message",
+    [
+        (
+            {
+                "hosts": [
+                    {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2201"]},
+                    {"transport": "ssh", "ssh_target": "u@127.0.0.1", "ssh_options": ["-p", "2202"]},
+                ]
+            },
+            "gpu_host: Value error, gpu_host.hosts: names must be unique, ['u@127.0.0.1'] name several hosts",
+        ),
+        (
+            {"python": "/x/python", "hosts": [{"transport": "local"}]},
+            "gpu_host: Value error, gpu_host.python: a host's fields go in the list gpu_host.hosts",
+        ),
+        (
+            {"hosts": [{"transport": "ssh"}]},
+            "gpu_host.hosts.0: Value error, ssh_target is required for transport 'ssh'",
+        ),
+        ({"hosts": []}, "gpu_host.hosts: List should have at least 1 item"),
+    ],
+)
 def test_a_bad_host_list_names_the_field(tmp_path, gpu_host, message):
     with pytest.raises(ProfileError) as e:
         load_profile_file(_profile(tmp_path, gpu_host))
@@ -237,8 +304,14 @@ def test_pool_limits_command_prints_one_gpu_host_slot_per_host(tmp_path):
     two = _profile(tmp_path, {"hosts": [{"name": "h0"}, {"name": "h1"}]})
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     for profile, expected in ((str(two), "gpu_host 2\n"), ("production", "gpu_host 1\n")):
-        out = subprocess.run([sys.executable, "-m", "eagle3_dagster.cli", "--profile", profile, "pool-limits"],
-                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "eagle3_dagster.cli", "--profile", profile, "pool-limits"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert (out.returncode, out.stdout) == (0, expected), out.stderr
 
 
@@ -249,15 +322,28 @@ def test_the_plan_gives_hours_on_the_profiles_hosts_and_on_1_2_4_in_whole_shards
     from eagle3_dagster.hidden.shards import ShardFormat
 
     fmt = ShardFormat(hidden_size=8, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="t", code_version="c")
-    specs = [ShardSpec(key=shard_key(i), index=i, first_record=i, num_records=1, num_tokens=3600, byte_offset=0,
-                       sample_ids=(f"d/{i}",), lengths=(3600,)) for i in range(5)]
-    estimate = estimate_extraction(specs, fmt, tmp_path, "hs-000000000000", throughput_tokens_per_s=1.0, free_bytes=1 << 40,
-                           num_hosts=3)
+    specs = [
+        ShardSpec(
+            key=shard_key(i),
+            index=i,
+            first_record=i,
+            num_records=1,
+            num_tokens=3600,
+            byte_offset=0,
+            sample_ids=(f"d/{i}",),
+            lengths=(3600,),
+        )
+        for i in range(5)
+    ]
+    estimate = estimate_extraction(
+        specs, fmt, tmp_path, "hs-000000000000", throughput_tokens_per_s=1.0, free_bytes=1 << 40, num_hosts=3
+    )
     assert estimate.hours_by_hosts == {1: 5.0, 2: 3.0, 3: 2.0, 4: 2.0}
     assert estimate.estimated_hours == 2.0 and estimate.num_hosts == 3
     assert hours_table({str(n): h for n, h in estimate.hours_by_hosts.items()}, 3).splitlines() == [
         "hours   1 host  2 hosts  3 hosts (profile)  4 hosts",
-        "         5.0 h    3.0 h              2.0 h    2.0 h"]
+        "         5.0 h    3.0 h              2.0 h    2.0 h",
+    ]
 
 
 def test_a_symbolic_link_where_the_lease_file_goes_is_refused_and_its_target_left_untouched(tmp_path):
@@ -305,8 +391,9 @@ def test_a_lease_directory_that_cannot_be_written_is_a_no_host_error_naming_it(t
 
 def test_several_hosts_are_leased_together_and_none_is_held_while_waiting_for_the_rest(tmp_path, holder):
     child = holder()  # `a` is busy: a two-host lease of [a, b] waits holding neither, then takes both
-    with lease_hosts([("a", "A"), ("b", "B"), ("c", "C")], 2, tmp_path / "leases", holder={"run_id": "r"},
-                     log=lambda _l: None) as got:
+    with lease_hosts(
+        [("a", "A"), ("b", "B"), ("c", "C")], 2, tmp_path / "leases", holder={"run_id": "r"}, log=lambda _l: None
+    ) as got:
         assert [(g.name, g.host) for g in got] == [("b", "B"), ("c", "C")]
         assert who_holds(tmp_path / "leases", "b")["run_id"] == who_holds(tmp_path / "leases", "c")["run_id"] == "r"
     held_while_waiting = []
@@ -316,8 +403,9 @@ def test_several_hosts_are_leased_together_and_none_is_held_while_waiting_for_th
             held_while_waiting.append(who_holds(tmp_path / "leases", "b"))
             child.stdin.close()  # the holder ends its run: `a` comes free
 
-    with lease_hosts([("a", "A"), ("b", "B")], 2, tmp_path / "leases", holder={"run_id": "r2"}, log=log,
-                     wait_s=60, poll_s=0.05) as got:
+    with lease_hosts(
+        [("a", "A"), ("b", "B")], 2, tmp_path / "leases", holder={"run_id": "r2"}, log=log, wait_s=60, poll_s=0.05
+    ) as got:
         assert [g.name for g in got] == ["a", "b"]
     assert held_while_waiting == [None]  # another multi-host run could take b meanwhile: no deadlock
     assert who_holds(tmp_path / "leases", "a") is None and who_holds(tmp_path / "leases", "b") is None
@@ -331,7 +419,8 @@ def test_too_few_usable_hosts_for_a_multi_host_lease_fails_at_once_naming_each_r
             raise PreflightError("b: ssh: connect to host 127.0.0.1 port 1: Connection refused")
 
     with pytest.raises(NoHostError, match=r"1 usable GPU host among 2, 2 needed: b: b: ssh: connect"):
-        with lease_hosts([("a", 1), ("b", 2)], 2, tmp_path, holder={}, preflight=preflight, wait_s=600,
-                         log=lambda _l: None):
+        with lease_hosts(
+            [("a", 1), ("b", 2)], 2, tmp_path, holder={}, preflight=preflight, wait_s=600, log=lambda _l: None
+        ):
             pass
     assert who_holds(tmp_path, "a") is None and history(tmp_path) == []  # a was never recorded as leased

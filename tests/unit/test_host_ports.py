@@ -29,4 +29,7 @@ def test_the_served_benchmark_launches_on_the_hosts_port(tmp_path):
 
     profile = load_profile("micro")
     assert serving_spec(BenchSettings.from_profile(profile), tmp_path, tmp_path, None, None, port=31002).port == 31002
-    assert serving_spec(BenchSettings.from_profile(profile), tmp_path, tmp_path, None, None).port == profile.hidden.sglang_port
+    assert (
+        serving_spec(BenchSettings.from_profile(profile), tmp_path, tmp_path, None, None).port
+        == profile.hidden.sglang_port
+    )

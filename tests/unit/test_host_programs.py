@@ -29,8 +29,14 @@ from tests.sshd_server import free_port
 
 def _run(program, *args, env: dict | None = None, cwd: Path) -> subprocess.CompletedProcess:
     python, *rest = program_argv(sys.executable, program, *args)
-    return subprocess.run([python, "-S", *rest], capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": "", **(env or {})})
+    return subprocess.run(
+        [python, "-S", *rest],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": "", **(env or {})},
+    )
 
 
 def _probe_on_devices(devices: list[Path], *args, env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -39,8 +45,14 @@ def _probe_on_devices(devices: list[Path], *args, env: dict, cwd: Path) -> subpr
     pinned = f"GPU_DEVICE_PATHS = {tuple(map(str, devices))!r}"
     assert source.count("GPU_DEVICE_PATHS = (") == 1
     source = re.sub(r"^GPU_DEVICE_PATHS = \(.*\)$", lambda _: pinned, source, count=1, flags=re.M)
-    return subprocess.run([sys.executable, "-S", "-c", source, *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": "", **env})
+    return subprocess.run(
+        [sys.executable, "-S", "-c", source, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": "", **env},
+    )
 
 
 def _torch_site(tmp_path: Path, gpus: int) -> tuple[Path, Path]:
@@ -49,7 +61,8 @@ def _torch_site(tmp_path: Path, gpus: int) -> tuple[Path, Path]:
     (site / "torch").mkdir(parents=True)
     (site / "torch" / "__init__.py").write_text(
         f"open({str(imported)!r}, 'w').close()\n"
-        f"class cuda:\n    @staticmethod\n    def device_count():\n        return {gpus}\n")
+        f"class cuda:\n    @staticmethod\n    def device_count():\n        return {gpus}\n"
+    )
     return site, imported
 
 
@@ -75,10 +88,10 @@ def test_probe_without_nvidia_smi_asks_torch_only_where_the_host_has_a_gpu_devic
     assert str(tmp_path / "kfd") in report["gpu_error"]
 
     (tmp_path / "kfd").touch()
-    report = json.loads(_probe_on_devices([tmp_path / "nvidiactl", tmp_path / "kfd"], tmp_path, cwd=tmp_path,
-                                          env=env).stdout)
+    report = json.loads(
+        _probe_on_devices([tmp_path / "nvidiactl", tmp_path / "kfd"], tmp_path, cwd=tmp_path, env=env).stdout
+    )
     assert report["gpu_count"] == 3 and report["gpu_error"] is None and imported.exists()
-
 
 
 def test_probe_reads_sglangs_version_the_sha256_of_its_deepseek_v2_and_the_gpus_nvidia_smi_lists(tmp_path):
@@ -105,7 +118,9 @@ def _sglang_site(tmp_path: Path, version: str) -> Path:
     (site / "sglang").mkdir(parents=True)
     (site / "sglang" / "__init__.py").write_text("raise ImportError('sglang was imported')\n")
     (site / f"sglang-{version}.dist-info").mkdir()
-    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    (site / f"sglang-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n"
+    )
     return site
 
 
@@ -148,8 +163,9 @@ class _Server:
     (0.5.18+) or, with `model_info=False`, only under /v1/models (older releases), which answers
     `models_status`."""
 
-    def __init__(self, name: str, *, loading: int = 2, model_info: bool = True, healthy: bool = True,
-                 models_status: int = 200) -> None:
+    def __init__(
+        self, name: str, *, loading: int = 2, model_info: bool = True, healthy: bool = True, models_status: int = 200
+    ) -> None:
         state = {"health_calls": 0}
 
         class Handler(BaseHTTPRequestHandler):

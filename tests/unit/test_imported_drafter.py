@@ -24,11 +24,24 @@ def target_dir(tmp_path: Path) -> Path:
     d = tmp_path / "target"
     d.mkdir()
     torch.manual_seed(1)
-    save_file({"model.embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H)},
-              str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H, "intermediate_size": 32, "vocab_size": V,
-        "num_hidden_layers": L, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512}))
+    save_file(
+        {"model.embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H)},
+        str(d / "model.safetensors"),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "hidden_size": H,
+                "intermediate_size": 32,
+                "vocab_size": V,
+                "num_hidden_layers": L,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
     return d
 
 
@@ -39,9 +52,18 @@ def _embed(target_dir: Path) -> torch.Tensor:
 
 
 def _trained_elsewhere(target_dir: Path) -> Eagle3Drafter:
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=V, draft_vocab_size=DV,
-                        max_position_embeddings=512, aux_layers=(2, 4, 5))
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        max_position_embeddings=512,
+        aux_layers=(2, 4, 5),
+    )
     ids = torch.arange(0, V, V // DV)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -63,15 +85,21 @@ def _same_outputs(a: Eagle3Drafter, b: Eagle3Drafter) -> bool:
 def _bf16_rounded(model: Eagle3Drafter) -> Eagle3Drafter:
     """What SpecForge's bfloat16 export holds of `model`, read back in float32."""
     out = Eagle3Drafter(model.cfg, model.embed_tokens.weight.detach(), model.d2t, model.t2d)
-    out.load_state_dict({k: v.to(torch.bfloat16).float() if v.is_floating_point() and k != "embed_tokens.weight"
-                         else v for k, v in model.state_dict().items()})
+    out.load_state_dict(
+        {
+            k: v.to(torch.bfloat16).float() if v.is_floating_point() and k != "embed_tokens.weight" else v
+            for k, v in model.state_dict().items()
+        }
+    )
     return out.eval()
 
 
 def test_specforge_sglang_export_without_aux_ids_loads_with_sglang_default_layers_and_says_so(tmp_path, target_dir):
     drafter = _trained_elsewhere(target_dir)
     export = write_specforge_export(drafter, tmp_path / "sf", draft_config(drafter), to="sglang")
-    assert "eagle_config" not in json.loads((export / "config.json").read_text())  # the KeyError SGLang raised on eagle_config
+    assert "eagle_config" not in json.loads(
+        (export / "config.json").read_text()
+    )  # the KeyError SGLang raised on eagle_config
 
     got = load_any_drafter(export, target_dir)
     assert got.source == "external"
@@ -98,7 +126,9 @@ def test_specforge_hf_export_embedding_is_compared_with_the_target_and_replaced_
     assert torch.equal(got.model.embed_tokens.weight, embed.float())  # the target's, as SGLang's set_embed does
 
     wrong = write_specforge_export(drafter, tmp_path / "wrong", draft_config(drafter), to="hf", embed=embed[:-1])
-    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(47, 16\), the target's embedding \(48, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"embed_tokens.weight has shape \(47, 16\), the target's embedding \(48, 16\)"
+    ):
         load_any_drafter(wrong, target_dir)
 
 
@@ -120,8 +150,13 @@ def test_eagle_config_ids_are_read_by_the_serving_release_rule_for_the_target_fa
 
 def test_variants_the_benchmark_drafter_does_not_implement_are_refused(tmp_path, target_dir):
     drafter = _trained_elsewhere(target_dir)
-    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+    llama3_rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     rope = write_specforge_export(drafter, tmp_path / "rope", draft_config(drafter, rope_scaling=llama3_rope))
     with pytest.raises(ValueError, match=r"rope_.* type 'llama3'.*plain RoPE only"):
         load_any_drafter(rope, target_dir)
@@ -130,8 +165,9 @@ def test_variants_the_benchmark_drafter_does_not_implement_are_refused(tmp_path,
     fc_norm = write_specforge_export(drafter, tmp_path / "fc_norm", draft_config(drafter), extra_weights=norms)
     with pytest.raises(ValueError, match=r"unexpected=\['fc_norm.0.weight', 'fc_norm.1.weight', 'fc_norm.2.weight'\]"):
         load_any_drafter(fc_norm, target_dir)
-    old = write_specforge_export(drafter, tmp_path / "old", draft_config(drafter) | {"fc_norm": True},
-                                 extra_weights=norms)
+    old = write_specforge_export(
+        drafter, tmp_path / "old", draft_config(drafter) | {"fc_norm": True}, extra_weights=norms
+    )
     with pytest.raises(ValueError, match=r"turns on fc_norm, which SGLang 0.5.11 does not read"):
         load_any_drafter(old, target_dir, sglang_version="0.5.11")
     other_target = write_specforge_export(drafter, tmp_path / "vocab", draft_config(drafter) | {"vocab_size": V + 1})
@@ -146,8 +182,9 @@ def test_variants_the_benchmark_drafter_does_not_implement_are_refused(tmp_path,
 
 def test_a_t2d_that_disagrees_with_d2t_is_rebuilt_from_d2t_as_sglang_maps_by_d2t(tmp_path, target_dir):
     drafter = _trained_elsewhere(target_dir)
-    export = write_specforge_export(drafter, tmp_path / "sf", draft_config(drafter),
-                                    extra_weights={"t2d": torch.ones(V, dtype=torch.bool)})  # SpecForge's init value
+    export = write_specforge_export(
+        drafter, tmp_path / "sf", draft_config(drafter), extra_weights={"t2d": torch.ones(V, dtype=torch.bool)}
+    )  # SpecForge's init value
     got = load_any_drafter(export, target_dir)
     assert torch.equal(got.model.t2d, drafter.t2d) and any("t2d was rebuilt" in n for n in got.notes)
 
@@ -161,24 +198,45 @@ def test_benchmark_stage_measures_a_specforge_export_and_records_how_it_read_it(
     from eagle3_dagster.drafter.target_head import load_target_tensors
     from eagle3_dagster.stages.bench import benchmark_stage
 
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"), "target": {"kind": "external", "path": str(micro_target)},
-        "hidden": {"root": str(tmp_path / "hs")}, "gpu_host": {"sglang_version": "0.5.12"},
-        "bench": {"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8}})
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "target": {"kind": "external", "path": str(micro_target)},
+            "hidden": {"root": str(tmp_path / "hs")},
+            "gpu_host": {"sglang_version": "0.5.12"},
+            "bench": {"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8},
+        },
+    )
     target = load_target_tensors(micro_target, ("embed",))
     a = target.arch
-    cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
-                                   vocab_size=a.vocab_size, draft_vocab_size=64, aux_layers=(1, 2, 3),
-                                   num_attention_heads=2, rope_theta=a.rope_theta, max_position_embeddings=512)
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=a.hidden_size,
+        target_intermediate_size=a.intermediate_size,
+        vocab_size=a.vocab_size,
+        draft_vocab_size=64,
+        aux_layers=(1, 2, 3),
+        num_attention_heads=2,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=512,
+    )
     t2d = torch.zeros(a.vocab_size, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), torch.arange(0, 128, 2) - torch.arange(64), t2d)
-    export = write_specforge_export(drafter, tmp_path / "specforge", draft_config(drafter, eagle_aux_ids=[0, 1, 2]),
-                                    to="hf", embed=target.embed)
+    export = write_specforge_export(
+        drafter, tmp_path / "specforge", draft_config(drafter, eagle_aux_ids=[0, 1, 2]), to="hf", embed=target.embed
+    )
     lines: list[str] = []
-    report = benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=export,
-                             previous_results=None, run_id="sf", progress=lines.append, out_dir=tmp_path / "out")
+    report = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        ArtifactLayout.from_profile(profile),
+        export_dir=export,
+        previous_results=None,
+        run_id="sf",
+        progress=lines.append,
+        out_dir=tmp_path / "out",
+    )
     meta = report.metadata
     assert meta["drafter_source"] == "external" and meta["drafter_aux_layers"] == [1, 2, 3]
     assert meta["drafter_aux_layers_from"] == "eagle_config ids [0, 1, 2] via SGLang 0.5.12 (deepseek: always_plus_one)"
@@ -193,8 +251,12 @@ def test_an_eagle31_export_loads_with_its_norms_under_legacy_or_current_names(tm
     """SGLang >= 0.5.12 builds `fc_norm` from config.json `fc_norm` (or `use_aux_norm`) and renames the legacy
     `aux_norm_low/mid/high` weights to `fc_norm.0/1/2`; `norm_output` changes what the next step gets."""
     plain = _trained_elsewhere(target_dir)
-    want = Eagle3Drafter(DrafterConfig(**{**plain.cfg.__dict__, "fc_norm": True, "norm_output": True}),
-                         _embed(target_dir), plain.d2t, plain.t2d)
+    want = Eagle3Drafter(
+        DrafterConfig(**{**plain.cfg.__dict__, "fc_norm": True, "norm_output": True}),
+        _embed(target_dir),
+        plain.d2t,
+        plain.t2d,
+    )
     want.load_state_dict(plain.state_dict(), strict=False)
     for i, norm in enumerate(want.fc_norm):
         norm.weight.data = torch.linspace(0.5, 1.5, H).roll(i).to(torch.bfloat16).float()
@@ -202,8 +264,9 @@ def test_an_eagle31_export_loads_with_its_norms_under_legacy_or_current_names(tm
     norms = {f"fc_norm.{i}.weight": n.weight.detach().to(torch.bfloat16) for i, n in enumerate(want.fc_norm)}
     legacy = {f"aux_norm_{p}.weight": norms[f"fc_norm.{i}.weight"] for i, p in enumerate(("low", "mid", "high"))}
     for name, config, weights in (("current", {"fc_norm": True}, norms), ("legacy", {"use_aux_norm": True}, legacy)):
-        export = write_specforge_export(plain, tmp_path / name, draft_config(plain) | config | {"norm_output": True},
-                                        extra_weights=weights)
+        export = write_specforge_export(
+            plain, tmp_path / name, draft_config(plain) | config | {"norm_output": True}, extra_weights=weights
+        )
         got = load_any_drafter(export, target_dir).model
         assert got.cfg.fc_norm and got.cfg.norm_output
         aux = torch.randn(1, 7, 3 * H) * 50

@@ -32,14 +32,25 @@ def _messages(prompt: str) -> list[dict]:
     return [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}]
 
 
-async def _complete_all(backend: LocalChatBackend, prompts: list[str], *, max_tokens: int | list[int] = 24,
-                        temperature: float = 0.0, reasoning: bool = True) -> list:
+async def _complete_all(
+    backend: LocalChatBackend,
+    prompts: list[str],
+    *,
+    max_tokens: int | list[int] = 24,
+    temperature: float = 0.0,
+    reasoning: bool = True,
+) -> list:
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     try:
-        return await asyncio.gather(*(
-            backend.complete(_messages(p), request_id=f"r{i}", max_tokens=n, temperature=temperature,
-                             reasoning=reasoning)
-            for i, (p, n) in enumerate(zip(prompts, limits))), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                backend.complete(
+                    _messages(p), request_id=f"r{i}", max_tokens=n, temperature=temperature, reasoning=reasoning
+                )
+                for i, (p, n) in enumerate(zip(prompts, limits))
+            ),
+            return_exceptions=True,
+        )
     finally:
         await backend.aclose()
 
@@ -160,12 +171,25 @@ def test_a_prompt_the_template_rejects_fails_alone(micro_target):
     async def run():
         try:
             return await asyncio.gather(
-                backend.complete([{"role": "user", "content": "fine"}], request_id="ok", max_tokens=4,
-                                 temperature=0.0, reasoning=True),
-                backend.complete([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
-                                  "tool_calls": [{"id": "no function"}]}], request_id="bad", max_tokens=4,
-                                 temperature=0.0, reasoning=True),
-                return_exceptions=True)
+                backend.complete(
+                    [{"role": "user", "content": "fine"}],
+                    request_id="ok",
+                    max_tokens=4,
+                    temperature=0.0,
+                    reasoning=True,
+                ),
+                backend.complete(
+                    [
+                        {"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "", "tool_calls": [{"id": "no function"}]},
+                    ],
+                    request_id="bad",
+                    max_tokens=4,
+                    temperature=0.0,
+                    reasoning=True,
+                ),
+                return_exceptions=True,
+            )
         finally:
             await backend.aclose()
 

@@ -17,10 +17,16 @@ def _teacher_setup(draft_head=None):
     # target vocab 4, draft vocab = target ids {0, 2}; lm_head = identity so logits = last_hidden
     t2d = torch.tensor([True, False, True, False])
     lm_head = torch.eye(4)
-    last = torch.tensor([[[2.0, 0.0, 1.0, 0.0],    # argmax 0 (in draft vocab)
-                          [0.0, 3.0, 1.0, 0.0],    # argmax 1 (outside): never valid
-                          [0.0, 0.0, 1.0, 0.0],    # argmax 2 (in draft vocab)
-                          [1.0, 0.0, 0.0, 0.0]]])  # last row: no next token to supervise
+    last = torch.tensor(
+        [
+            [
+                [2.0, 0.0, 1.0, 0.0],  # argmax 0 (in draft vocab)
+                [0.0, 3.0, 1.0, 0.0],  # argmax 1 (outside): never valid
+                [0.0, 0.0, 1.0, 0.0],  # argmax 2 (in draft vocab)
+                [1.0, 0.0, 0.0, 0.0],
+            ]
+        ]
+    )  # last row: no next token to supervise
     loss_mask = torch.tensor([[0, 1, 1, 1]])
     return build_teacher(last, loss_mask, lm_head, t2d, draft_head_VdH=draft_head)
 
@@ -63,6 +69,7 @@ def test_step_weights_and_simulated_acceptance_length():
 # ---- the implementation before the fused teacher pass, kept as the naive reference: whole-sequence teacher log-probs,
 # full [B, T, V_draft] logits per step, autograd through log_softmax.
 
+
 def naive_teacher(last_hidden, loss_mask, lm_head, t2d):
     logits = (last_hidden @ lm_head.T).float()
     draft = logits[..., t2d.nonzero().squeeze(-1)]
@@ -92,9 +99,17 @@ def naive_objective(drafter, lm_head, num_steps, ids, loss_mask, aux, last):
 
 def _problem(seed=0, b=2, t=29, vocab=64, draft_vocab=24, all_valid=False):
     torch.manual_seed(seed)
-    cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=vocab, draft_vocab_size=draft_vocab,
-                        aux_layers=(1, 2, 3))
+    cfg = DrafterConfig(
+        target_hidden_size=12,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layers=(1, 2, 3),
+    )
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.randperm(vocab)[:draft_vocab]] = True
     d2t = t2d.nonzero().squeeze(-1) - torch.arange(draft_vocab)
@@ -121,8 +136,7 @@ def _grads(model):
 @pytest.mark.parametrize("chunk_rows", [5, 7, 1000])
 @pytest.mark.parametrize("recompute_mlp", [False, True])
 @pytest.mark.parametrize("all_valid", [False, True], ids=["some_rows_valid", "all_rows_valid"])
-def test_fused_chunked_loss_equals_naive_reference_in_loss_metrics_and_gradients(chunk_rows, recompute_mlp,
-                                                                                 all_valid):
+def test_fused_chunked_loss_equals_naive_reference_in_loss_metrics_and_gradients(chunk_rows, recompute_mlp, all_valid):
     drafter, lm_head, (ids, mask, aux, last) = _problem(all_valid=all_valid)
     num_steps = 4
     drafter.zero_grad()
@@ -219,7 +233,12 @@ def test_fused_lk_lambda_loss_equals_specforge_formula_by_autograd_in_loss_and_g
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-6, atol=1e-7, msg=name)
     # and it is not the plain KL's gradient
     drafter.zero_grad()
-    plain, _ = ttt_loss(list(ttt_unroll(drafter, ids, aux, num_steps)), drafter.lm_head.weight, teacher,
-                        step_weights(num_steps), chunk_rows=chunk_rows)
+    plain, _ = ttt_loss(
+        list(ttt_unroll(drafter, ids, aux, num_steps)),
+        drafter.lm_head.weight,
+        teacher,
+        step_weights(num_steps),
+        chunk_rows=chunk_rows,
+    )
     plain.backward()
     assert not torch.allclose(_grads(drafter)["lm_head.weight"], got_grads["lm_head.weight"])

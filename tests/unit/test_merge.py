@@ -69,8 +69,9 @@ def test_the_shuffle_depends_on_the_records_and_the_seed_not_on_the_order_they_w
 
 
 def test_a_record_without_an_id_is_an_error_naming_its_file_and_line(tmp_path):
-    path = _write(tmp_path / "a.jsonl", [_rec("a", 0, [1, 2], [0, 1]), {"dataset": "a", "input_ids": [1],
-                                                                        "loss_mask": [1]}])
+    path = _write(
+        tmp_path / "a.jsonl", [_rec("a", 0, [1, 2], [0, 1]), {"dataset": "a", "input_ids": [1], "loss_mask": [1]}]
+    )
     with pytest.raises(ValueError, match=r"a\.jsonl:2: .*\"id\""):
         merge_and_shuffle({"a": path}, tmp_path / "out.jsonl", max_seq_len=64, seed=0)
 
@@ -89,11 +90,14 @@ def test_dropped_datasets_are_left_out_and_counted_before_and_after(tmp_path, co
 
 
 def test_long_records_are_cut_with_their_mask_and_dropped_when_no_loss_token_survives(tmp_path):
-    src = _write(tmp_path / "t.jsonl", [
-        _rec("t", 0, list(range(10)), [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]),
-        _rec("t", 1, list(range(10)), [0] * 7 + [1] * 3),  # every loss token beyond the cut
-        _rec("t", 2, [5, 6, 7], [0, 1, 1]),
-    ])
+    src = _write(
+        tmp_path / "t.jsonl",
+        [
+            _rec("t", 0, list(range(10)), [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]),
+            _rec("t", 1, list(range(10)), [0] * 7 + [1] * 3),  # every loss token beyond the cut
+            _rec("t", 2, [5, 6, 7], [0, 1, 1]),
+        ],
+    )
     stats = merge_and_shuffle({"t": src}, tmp_path / "m.jsonl", max_seq_len=6, seed=0)
     out = {r["id"]: r for r in iter_jsonl(tmp_path / "m.jsonl")}
     assert set(out) == {"t/0", "t/2"}
@@ -111,7 +115,7 @@ def test_byte_scan_counts_match_the_parsed_record():
     line = orjson.dumps(_rec("x", 0, [163839, 0, 12], [1, 0, 1])) + b"\n"
     assert scan_record(line, "x") == (3, 2)
     assert scan_record(b'{"input_ids": [ ], "loss_mask": []}', "x") == (0, 0)
-    with pytest.raises(ValueError, match="f.jsonl:3: record has no \"loss_mask\""):
+    with pytest.raises(ValueError, match='f.jsonl:3: record has no "loss_mask"'):
         scan_record(b'{"input_ids": [1]}', "f.jsonl:3")
 
 
@@ -124,8 +128,12 @@ def test_byte_level_cut_equals_cutting_the_parsed_record():
         if max_len < 3:
             assert cut is None and truncate_record(spaced, max_len, "x") is None
             continue
-        expected = {**rec, "input_ids": rec["input_ids"][:max_len], "loss_mask": rec["loss_mask"][:max_len],
-                    "truncated": True}
+        expected = {
+            **rec,
+            "input_ids": rec["input_ids"][:max_len],
+            "loss_mask": rec["loss_mask"][:max_len],
+            "truncated": True,
+        }
         assert orjson.loads(cut) == expected == orjson.loads(truncate_record(spaced, max_len, "x"))
 
 
@@ -161,11 +169,13 @@ def test_peak_memory_stays_bounded_on_a_corpus_far_larger_than_the_bound(tmp_pat
         for i in range(9000):
             n = int(rng.integers(500, 5000))  # some beyond max_seq_len, so truncation runs too
             ids = pool[: commas[n - 1]]  # the first n ids
-            f.write(b'{"id":"big/%d","dataset":"big","input_ids":[%s],"loss_mask":[%s]}\n'
-                    % (i, ids, ones[: 2 * n - 1]))
+            f.write(
+                b'{"id":"big/%d","dataset":"big","input_ids":[%s],"loss_mask":[%s]}\n' % (i, ids, ones[: 2 * n - 1])
+            )
     assert src.stat().st_size > 150e6
-    done = subprocess.run([sys.executable, "-c", _MERGE_IN_CHILD, str(src), str(tmp_path / "m.jsonl")],
-                          capture_output=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _MERGE_IN_CHILD, str(src), str(tmp_path / "m.jsonl")], capture_output=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     peak_mb = int(done.stdout.split()[-1])
     assert peak_mb <= 64, f"merge peaked at {peak_mb} MB on a {src.stat().st_size / 1e6:.0f} MB corpus"

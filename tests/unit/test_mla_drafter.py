@@ -23,16 +23,39 @@ from eagle3_dagster.drafter.ttt import ttt_unroll
 V, H, T_H, DV = 40, 16, 12, 20
 # Kimi-K2.5's yarn shape (factor, beta, mscale 1 / mscale_all_dim 1) at a context the test reaches: positions past
 # original_max_position_embeddings use the interpolated frequencies, and the softmax scale carries mscale².
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def mla_drafter(seed=0, rope_scaling=YARN, v_head_dim=6, **eagle31) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig(target_hidden_size=T_H, hidden_size=H, intermediate_size=24, num_attention_heads=3,
-                        num_key_value_heads=3, head_dim=4 + 6, vocab_size=V, draft_vocab_size=DV, aux_layers=(1, 2, 3),
-                        attention="mla", q_lora_rank=10, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=6,
-                        v_head_dim=v_head_dim, rope_theta=50.0, rope_scaling=rope_scaling, **eagle31)
+    cfg = DrafterConfig(
+        target_hidden_size=T_H,
+        hidden_size=H,
+        intermediate_size=24,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=4 + 6,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        aux_layers=(1, 2, 3),
+        attention="mla",
+        q_lora_rank=10,
+        kv_lora_rank=8,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=6,
+        v_head_dim=v_head_dim,
+        rope_theta=50.0,
+        rope_scaling=rope_scaling,
+        **eagle31,
+    )
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[::2] = True
     model = Eagle3Drafter(cfg, torch.randn(V, H), torch.arange(0, V, 2) - torch.arange(DV), t2d).double()
@@ -53,16 +76,20 @@ def ref_freqs_cis(cfg: DrafterConfig, seqlen: int) -> torch.Tensor:
         r = cfg.rope_scaling
 
         def correction_dim(num_rotations):
-            return dim * math.log(r["original_max_position_embeddings"] / (num_rotations * 2 * math.pi)) / (
-                2 * math.log(base))
+            return (
+                dim
+                * math.log(r["original_max_position_embeddings"] / (num_rotations * 2 * math.pi))
+                / (2 * math.log(base))
+            )
 
         low = max(math.floor(correction_dim(r["beta_fast"])), 0)
         high = min(math.ceil(correction_dim(r["beta_slow"])), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low + (low == high) * 0.001)).clamp(0, 1)
         smooth = 1 - ramp
         freqs = freqs / r["factor"] * (1 - smooth) + freqs * smooth
-    return torch.polar(torch.ones(seqlen, dim // 2, dtype=torch.float64),
-                       torch.outer(torch.arange(seqlen, dtype=torch.float64), freqs))
+    return torch.polar(
+        torch.ones(seqlen, dim // 2, dtype=torch.float64), torch.outer(torch.arange(seqlen, dtype=torch.float64), freqs)
+    )
 
 
 def ref_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -90,15 +117,20 @@ def ref_qkv(model: Eagle3Drafter, embeds, hidden, pos, freqs):
     c, p = model.cfg, dict(model.named_parameters())
     at = "midlayer.self_attn."
     b, t, _ = hidden.shape
-    x = torch.cat([rms(embeds, p["midlayer.input_layernorm.weight"], c.rms_norm_eps),
-                   rms(hidden, p["midlayer.hidden_norm.weight"], c.rms_norm_eps)], -1)
+    x = torch.cat(
+        [
+            rms(embeds, p["midlayer.input_layernorm.weight"], c.rms_norm_eps),
+            rms(hidden, p["midlayer.hidden_norm.weight"], c.rms_norm_eps),
+        ],
+        -1,
+    )
     q_a = rms(x @ p[at + "q_a_proj.weight"].T, p[at + "q_a_layernorm.weight"], c.rms_norm_eps)
     q = q_a @ p[at + "q_b_proj.weight"].T
     q = q.view(b, t, c.num_attention_heads, -1)
     q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
     kv = x @ p[at + "kv_a_proj_with_mqa.weight"].T
     latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
-    kv = (rms(latent, p[at + "kv_a_layernorm.weight"], c.rms_norm_eps) @ p[at + "kv_b_proj.weight"].T)
+    kv = rms(latent, p[at + "kv_a_layernorm.weight"], c.rms_norm_eps) @ p[at + "kv_b_proj.weight"].T
     k_nope, v = kv.view(b, t, c.num_attention_heads, -1).split([c.qk_nope_head_dim, c.v_head_dim], -1)
     f = freqs[pos]
     q = torch.cat([q_nope, ref_rotary(q_pe, f)], -1)
@@ -111,8 +143,11 @@ def ref_rest(model: Eagle3Drafter, attn_BNTV, hidden):
     b, _, t, _ = attn_BNTV.shape
     h = hidden + attn_BNTV.transpose(1, 2).reshape(b, t, -1) @ p["midlayer.self_attn.o_proj.weight"].T
     x = rms(h, p["midlayer.post_attention_layernorm.weight"], model.cfg.rms_norm_eps)
-    out = h + (F.silu(x @ p["midlayer.mlp.gate_proj.weight"].T) * (x @ p["midlayer.mlp.up_proj.weight"].T)) \
+    out = (
+        h
+        + (F.silu(x @ p["midlayer.mlp.gate_proj.weight"].T) * (x @ p["midlayer.mlp.up_proj.weight"].T))
         @ p["midlayer.mlp.down_proj.weight"].T
+    )
     normed = rms(out, p["norm.weight"], model.cfg.rms_norm_eps)
     return (normed if model.cfg.norm_output else out), normed
 
@@ -135,7 +170,7 @@ def reference_unroll(model: Eagle3Drafter, ids, aux, num_steps):
     keys, values = [], []
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     for j in range(num_steps):
-        step_ids = torch.cat([ids[:, 1 + j:], torch.zeros_like(ids[:, : 1 + j])], 1)
+        step_ids = torch.cat([ids[:, 1 + j :], torch.zeros_like(ids[:, : 1 + j])], 1)
         q, k, v = ref_qkv(model, model.embed_tokens(step_ids), hidden, pos + j, freqs)
         keys.append(k)
         values.append(v)
@@ -166,6 +201,7 @@ CLOSE = {"rtol": 2e-6, "atol": 2e-6}
 def assert_grad_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= 1e-5 * max(scale, 1.0), (name, float((got - want).abs().max()), scale)
+
 
 EAGLE31 = [{}, {"fc_norm": True}, {"norm_output": True}, {"fc_norm": True, "norm_output": True}]
 EAGLE31_IDS = ["eagle3", "fc_norm", "norm_output", "eagle3.1"]
@@ -227,8 +263,9 @@ def test_mla_serve_time_drafting_with_the_latent_cache_equals_ttt(eagle31):
             hidden, logits = model.step(ids[:, 1 : t + 2], prefill, torch.arange(t + 1)[None], cache)
             torch.testing.assert_close(logits[:, t], ttt_logits[0][:, t])
             for j in range(1, steps):
-                hidden, logits = model.step(ids[:, t + 1 + j : t + 2 + j], hidden[:, -1:], torch.tensor([[t + j]]),
-                                            cache)
+                hidden, logits = model.step(
+                    ids[:, t + 1 + j : t + 2 + j], hidden[:, -1:], torch.tensor([[t + j]]), cache
+                )
                 torch.testing.assert_close(logits[:, 0], ttt_logits[j][:, t])
             assert len(cache) == t + steps
             assert cache.values_per_token() == model.cfg.kv_values_per_token() == 8 + 6

@@ -18,13 +18,34 @@ from eagle3_dagster.stages.bench import BenchSettings
 
 
 def _mla_job(ws: Path, out: str) -> Path:
-    train = TrainConfig(ttt_steps=2, epochs=1, max_steps=16, lr=1e-2, warmup_ratio=0.1, batch_tokens=96, grad_accum=1,
-                        grad_clip=0.5, checkpoint_every=8, seed=0, nproc_per_node=2, backend="gloo", eval_fraction=0.2)
+    train = TrainConfig(
+        ttt_steps=2,
+        epochs=1,
+        max_steps=16,
+        lr=1e-2,
+        warmup_ratio=0.1,
+        batch_tokens=96,
+        grad_accum=1,
+        grad_clip=0.5,
+        checkpoint_every=8,
+        seed=0,
+        nproc_per_node=2,
+        backend="gloo",
+        eval_fraction=0.2,
+    )
     # the chains target's aux layers [1, 2, 3]: ids [0, 1, 2] on 0.5.12 (always + 1), no ids on 0.5.13+
-    job = TrainJobConfig(hidden_version_dir=str(ws / "hidden" / "v1"), target_dir=str(ws / "target"),
-                         vocab_mapping=str(ws / "vocab.safetensors"), out_dir=str(ws / out), serving_context=512,
-                         train=train, drafter=DrafterOverrides(attention="mla", intermediate_size=64),
-                         export_dtype="float32", sglang_versions=("0.5.12",), eval_batches=4)
+    job = TrainJobConfig(
+        hidden_version_dir=str(ws / "hidden" / "v1"),
+        target_dir=str(ws / "target"),
+        vocab_mapping=str(ws / "vocab.safetensors"),
+        out_dir=str(ws / out),
+        serving_context=512,
+        train=train,
+        drafter=DrafterOverrides(attention="mla", intermediate_size=64),
+        export_dtype="float32",
+        sglang_versions=("0.5.12",),
+        eval_batches=4,
+    )
     return job.write(ws / f"{out}.json")
 
 
@@ -62,31 +83,70 @@ def test_the_inprocess_benchmark_measures_a_kimi_mla_drafter_folder(tmp_path, mi
     from eagle3_dagster.drafter.target_head import load_target_tensors
     from eagle3_dagster.stages.bench import benchmark_stage
 
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"), "target": {"kind": "external", "path": str(micro_target)},
-        "hidden": {"root": str(tmp_path / "hs")}, "gpu_host": {"sglang_version": "0.5.12"},
-        "drafter": {"attention": "mla"}, "bench": {"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8}})
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "target": {"kind": "external", "path": str(micro_target)},
+            "hidden": {"root": str(tmp_path / "hs")},
+            "gpu_host": {"sglang_version": "0.5.12"},
+            "drafter": {"attention": "mla"},
+            "bench": {"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8},
+        },
+    )
     target = load_target_tensors(micro_target, ("embed",))
-    cfg = DrafterConfig.from_profile(profile.drafter, target.arch, draft_vocab_size=64, aux_layers=(1, 2, 3),
-                                     serving_context=512)
+    cfg = DrafterConfig.from_profile(
+        profile.drafter, target.arch, draft_vocab_size=64, aux_layers=(1, 2, 3), serving_context=512
+    )
     t2d = torch.zeros(target.arch.vocab_size, dtype=torch.bool)
     t2d[torch.arange(0, 128, 2)] = True
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), torch.arange(0, 128, 2) - torch.arange(64), t2d)
     folder = tmp_path / "kimi-mla"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in to_checkpoint(drafter.trainable_state_dict()).items()},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "num_hidden_layers": 1,
-        **{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
-                                        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                                        "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta",
-                                        "rope_scaling")},
-        "max_position_embeddings": 512, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}))
-    report = benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=folder, previous_results=None,
-                             run_id="mla", progress=lambda _line: None, out_dir=tmp_path / "out")
+    save_file(
+        {k: v.contiguous() for k, v in to_checkpoint(drafter.trainable_state_dict()).items()},
+        str(folder / "model.safetensors"),
+    )
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                "model_type": "kimi_k2",
+                "num_hidden_layers": 1,
+                **{
+                    k: getattr(cfg, k)
+                    for k in (
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_attention_heads",
+                        "q_lora_rank",
+                        "kv_lora_rank",
+                        "qk_nope_head_dim",
+                        "qk_rope_head_dim",
+                        "v_head_dim",
+                        "vocab_size",
+                        "draft_vocab_size",
+                        "rms_norm_eps",
+                        "rope_theta",
+                        "rope_scaling",
+                    )
+                },
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+            }
+        )
+    )
+    report = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        ArtifactLayout.from_profile(profile),
+        export_dir=folder,
+        previous_results=None,
+        run_id="mla",
+        progress=lambda _line: None,
+        out_dir=tmp_path / "out",
+    )
     meta = report.metadata
     assert meta["drafter_source"] == "external" and meta["drafter_aux_layers"] == [1, 2, 3]
     results = orjson.loads((tmp_path / "out" / "results-mla.json").read_bytes())

@@ -24,8 +24,15 @@ from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3_dagster.drafter.target_head import load_target_tensors
 
 V, H, T_H, DV, L = 40, 16, 16, 10, 61
-YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}  # Kimi-K2.5's
+YARN = {
+    "type": "yarn",
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}  # Kimi-K2.5's
 SGLANG_MLA_NAMES = {  # what Eagle3DeepseekV2ForCausalLM's modules register (kimi_k25_eagle3.py, deepseek_v2.py)
     "model.embed_tokens.weight": (V, H),
     "model.fc.weight": (H, 3 * T_H),
@@ -51,13 +58,37 @@ def target_dir(tmp_path: Path) -> Path:
     d = tmp_path / "target"
     d.mkdir()
     torch.manual_seed(1)
-    save_file({"language_model.model.embed_tokens.weight": torch.randn(V, H),
-               "language_model.lm_head.weight": torch.randn(V, H)}, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {
-        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": H, "intermediate_size": 24, "vocab_size": V,
-        "num_hidden_layers": L, "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "max_position_embeddings": 262144,
-        "num_attention_heads": 3, "q_lora_rank": 10, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 6,
-        "v_head_dim": 5, "rope_scaling": YARN}}))
+    save_file(
+        {
+            "language_model.model.embed_tokens.weight": torch.randn(V, H),
+            "language_model.lm_head.weight": torch.randn(V, H),
+        },
+        str(d / "model.safetensors"),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": {
+                    "architectures": ["DeepseekV3ForCausalLM"],
+                    "hidden_size": H,
+                    "intermediate_size": 24,
+                    "vocab_size": V,
+                    "num_hidden_layers": L,
+                    "rms_norm_eps": 1e-6,
+                    "rope_theta": 50000.0,
+                    "max_position_embeddings": 262144,
+                    "num_attention_heads": 3,
+                    "q_lora_rank": 10,
+                    "kv_lora_rank": 8,
+                    "qk_nope_head_dim": 4,
+                    "qk_rope_head_dim": 6,
+                    "v_head_dim": 5,
+                    "rope_scaling": YARN,
+                },
+            }
+        )
+    )
     return d
 
 
@@ -65,8 +96,13 @@ def mla_drafter(target_dir: Path, **extra) -> Eagle3Drafter:
     from eagle3_dagster.config import DrafterOverrides
     from eagle3_dagster.drafter.target_head import TargetArch
 
-    cfg = DrafterConfig.from_profile(DrafterOverrides(attention="mla", **extra), TargetArch.from_dir(target_dir),
-                                     draft_vocab_size=DV, aux_layers=(2, 30, 58), serving_context=262144)
+    cfg = DrafterConfig.from_profile(
+        DrafterOverrides(attention="mla", **extra),
+        TargetArch.from_dir(target_dir),
+        draft_vocab_size=DV,
+        aux_layers=(2, 30, 58),
+        serving_context=262144,
+    )
     ids = torch.arange(0, V, V // DV)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
@@ -87,12 +123,23 @@ def _same_outputs(a: Eagle3Drafter, b: Eagle3Drafter) -> bool:
 
 def test_the_export_is_a_deepseek_v3_config_with_sglangs_mla_names_and_shapes(tmp_path, target_dir):
     model = mla_drafter(target_dir)
-    export = export_drafter(model, tmp_path / "export", serving_context=262144, dtype=torch.float32,
-                            target_architecture="KimiK25ForConditionalGeneration")
+    export = export_drafter(
+        model,
+        tmp_path / "export",
+        serving_context=262144,
+        dtype=torch.float32,
+        target_architecture="KimiK25ForConditionalGeneration",
+    )
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
-    assert (cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
-            cfg["v_head_dim"], cfg["num_attention_heads"]) == (10, 8, 4, 6, 5, 3)
+    assert (
+        cfg["q_lora_rank"],
+        cfg["kv_lora_rank"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+        cfg["num_attention_heads"],
+    ) == (10, 8, 4, 6, 5, 3)
     assert cfg["rope_scaling"] == YARN and cfg["rope_theta"] == 50000.0 and cfg["rope_interleave"] is True
     assert cfg["max_position_embeddings"] == 262144 and cfg["num_hidden_layers"] == 1
     # aux ids by each release's rule, as the GQA export: [1, 29, 57] is right on every MLA-serving release
@@ -102,8 +149,17 @@ def test_the_export_is_a_deepseek_v3_config_with_sglangs_mla_names_and_shapes(tm
     weights = load_file(str(export / "model.safetensors"))
     assert not any(k.startswith(("midlayer.", "embed_tokens")) for k in weights)
     assert {k for k in weights if k.startswith("layers.0.self_attn.")} == {
-        f"layers.0.self_attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-                                                   "kv_a_layernorm", "kv_b_proj", "o_proj")}
+        f"layers.0.self_attn.{n}.weight"
+        for n in (
+            "q_a_proj",
+            "q_a_layernorm",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "kv_a_layernorm",
+            "kv_b_proj",
+            "o_proj",
+        )
+    }
     assert check_export(export).ok
     dcfg, state = read_export(export)
     assert dcfg == model.cfg
@@ -122,12 +178,20 @@ def _sglang_load_weights(version: str = "0.5.23"):
     from tests.sglang_wheels import read_file
 
     source = read_file(version, "sglang/srt/models/kimi_k25_eagle3.py")
-    cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
-               and n.name == "Eagle3DeepseekV2ForCausalLM")
+    cls = next(
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.ClassDef) and n.name == "Eagle3DeepseekV2ForCausalLM"
+    )
     method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
-    namespace = {"torch": torch, "re": re, "Iterable": typing.Iterable, "Tuple": typing.Tuple,
-                 "logger": logging.getLogger("sglang-load-weights"),
-                 "default_weight_loader": lambda param, w: param.load(w)}
+    namespace = {
+        "torch": torch,
+        "re": re,
+        "Iterable": typing.Iterable,
+        "Tuple": typing.Tuple,
+        "logger": logging.getLogger("sglang-load-weights"),
+        "default_weight_loader": lambda param, w: param.load(w),
+    }
     exec(compile(ast.Module(body=[method], type_ignores=[]), "kimi_k25_eagle3.py", "exec"), namespace)
     return namespace["load_weights"]
 
@@ -155,8 +219,9 @@ class _SGLangDrafter:
         pass
 
 
-def test_sglangs_own_loader_takes_every_weight_of_the_export_and_leaves_no_parameter_unloaded(tmp_path, target_dir,
-                                                                                               caplog):
+def test_sglangs_own_loader_takes_every_weight_of_the_export_and_leaves_no_parameter_unloaded(
+    tmp_path, target_dir, caplog
+):
     model = mla_drafter(target_dir)
     export = export_drafter(model, tmp_path / "export", serving_context=4096, dtype=torch.float32)
     weights = load_file(str(export / "model.safetensors"))
@@ -168,8 +233,12 @@ def test_sglangs_own_loader_takes_every_weight_of_the_export_and_leaves_no_param
     assert [n for n, p in sglang.params.items() if not p.loaded] == ["model.embed_tokens.weight"]
     a = "model.midlayer.self_attn."
     fused = sglang.params[a + "fused_qkv_a_proj_with_mqa.weight"].loaded[None]
-    assert torch.equal(fused, torch.cat([weights["layers.0.self_attn.q_a_proj.weight"],
-                                         weights["layers.0.self_attn.kv_a_proj_with_mqa.weight"]]))
+    assert torch.equal(
+        fused,
+        torch.cat(
+            [weights["layers.0.self_attn.q_a_proj.weight"], weights["layers.0.self_attn.kv_a_proj_with_mqa.weight"]]
+        ),
+    )
     for name, p in ((n, p) for n, p in sglang.params.items() if p.loaded):
         got = torch.cat([p.loaded[k] for k in sorted(p.loaded, key=lambda k: -1 if k is None else k)])
         assert tuple(got.shape) == p.shape, name
@@ -191,8 +260,10 @@ def test_check_export_finds_each_thing_sglang_would_load_wrongly_or_skip(tmp_pat
     assert check(no_kv_b).missing == ["layers.0.self_attn.kv_b_proj.weight"]
     wrong = dict(weights, **{"layers.0.self_attn.q_b_proj.weight": torch.zeros(30, 9)})
     assert check(wrong).misshaped == {"layers.0.self_attn.q_b_proj.weight": ((30, 9), (30, 10))}
-    assert list(check(v_head_dim=6).misshaped) == ["layers.0.self_attn.kv_b_proj.weight",
-                                                   "layers.0.self_attn.o_proj.weight"]
+    assert list(check(v_head_dim=6).misshaped) == [
+        "layers.0.self_attn.kv_b_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
+    ]
     result = check(q_lora_rank=None)
     assert any("q_lora_rank" in e for e in result.config_errors)
     result = check(eagle3_dagster_sglang={**cfg["eagle3_dagster_sglang"], "releases": ["0.5.11"]})
@@ -205,10 +276,14 @@ def test_an_mla_export_for_a_release_without_the_mla_class_is_refused_naming_it(
     with pytest.raises(ValueError, match=r"drafter\.attention: mla: SGLang 0\.5\.11 cannot load an MLA drafter"):
         export_drafter(model, tmp_path / "e", serving_context=4096, sglang_versions=["0.5.11"])
     with pytest.raises(ValueError, match=r"SGLang 0\.5\.12 does not read fc_norm"):  # its MLA class reads no option
-        export_drafter(mla_drafter(target_dir, fc_norm=True), tmp_path / "f", serving_context=4096,
-                       sglang_versions=["0.5.12"])
-    cfg = json.loads((export_drafter(mla_drafter(target_dir, fc_norm=True), tmp_path / "g", serving_context=4096)
-                      / "config.json").read_text())
+        export_drafter(
+            mla_drafter(target_dir, fc_norm=True), tmp_path / "f", serving_context=4096, sglang_versions=["0.5.12"]
+        )
+    cfg = json.loads(
+        (
+            export_drafter(mla_drafter(target_dir, fc_norm=True), tmp_path / "g", serving_context=4096) / "config.json"
+        ).read_text()
+    )
     assert cfg["fc_norm"] is True and cfg["eagle3_dagster_sglang"]["releases"][0] == "0.5.13"
 
 
@@ -217,32 +292,63 @@ def write_kimi_mla_checkpoint(out: Path, tensors: dict[str, torch.Tensor], *, mi
     this project's fields, weights under the names SGLang's load_weights maps (`layers.0.*`, or `midlayer.*`),
     the embedding included, bf16."""
     out.mkdir(parents=True)
-    names = {k.replace("layers.0.", "midlayer.") if midlayer else k: v.to(torch.bfloat16) if v.is_floating_point()
-             else v for k, v in tensors.items()}
+    names = {
+        k.replace("layers.0.", "midlayer.") if midlayer else k: v.to(torch.bfloat16) if v.is_floating_point() else v
+        for k, v in tensors.items()
+    }
     save_file(names, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "num_hidden_layers": 1,
-        "hidden_size": H, "intermediate_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
-        "q_lora_rank": 10, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 6, "v_head_dim": 5,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "rope_scaling": YARN,
-        "max_position_embeddings": 262144, "vocab_size": V, "draft_vocab_size": DV, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57],
-                                                    "use_aux_hidden_state": True}}))
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                "model_type": "kimi_k2",
+                "num_hidden_layers": 1,
+                "hidden_size": H,
+                "intermediate_size": 24,
+                "num_attention_heads": 3,
+                "num_key_value_heads": 3,
+                "q_lora_rank": 10,
+                "kv_lora_rank": 8,
+                "qk_nope_head_dim": 4,
+                "qk_rope_head_dim": 6,
+                "v_head_dim": 5,
+                "hidden_act": "silu",
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 50000.0,
+                "rope_scaling": YARN,
+                "max_position_embeddings": 262144,
+                "vocab_size": V,
+                "draft_vocab_size": DV,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
+            }
+        )
+    )
     return out
 
 
 def _kimi_tensors(embed: torch.Tensor) -> dict[str, torch.Tensor]:
     """Random weights by the checkpoint's names and sizes (not from this project's module)."""
     g = torch.Generator().manual_seed(7)
-    shapes = {"fc.weight": (H, 3 * T_H), "norm.weight": (H,), "lm_head.weight": (DV, H),
-              "layers.0.self_attn.q_a_proj.weight": (10, 2 * H), "layers.0.self_attn.q_a_layernorm.weight": (10,),
-              "layers.0.self_attn.q_b_proj.weight": (30, 10),
-              "layers.0.self_attn.kv_a_proj_with_mqa.weight": (14, 2 * H),
-              "layers.0.self_attn.kv_a_layernorm.weight": (8,), "layers.0.self_attn.kv_b_proj.weight": (27, 8),
-              "layers.0.self_attn.o_proj.weight": (H, 15), "layers.0.mlp.gate_proj.weight": (24, H),
-              "layers.0.mlp.up_proj.weight": (24, H), "layers.0.mlp.down_proj.weight": (H, 24),
-              "layers.0.input_layernorm.weight": (H,), "layers.0.hidden_norm.weight": (H,),
-              "layers.0.post_attention_layernorm.weight": (H,)}
+    shapes = {
+        "fc.weight": (H, 3 * T_H),
+        "norm.weight": (H,),
+        "lm_head.weight": (DV, H),
+        "layers.0.self_attn.q_a_proj.weight": (10, 2 * H),
+        "layers.0.self_attn.q_a_layernorm.weight": (10,),
+        "layers.0.self_attn.q_b_proj.weight": (30, 10),
+        "layers.0.self_attn.kv_a_proj_with_mqa.weight": (14, 2 * H),
+        "layers.0.self_attn.kv_a_layernorm.weight": (8,),
+        "layers.0.self_attn.kv_b_proj.weight": (27, 8),
+        "layers.0.self_attn.o_proj.weight": (H, 15),
+        "layers.0.mlp.gate_proj.weight": (24, H),
+        "layers.0.mlp.up_proj.weight": (24, H),
+        "layers.0.mlp.down_proj.weight": (H, 24),
+        "layers.0.input_layernorm.weight": (H,),
+        "layers.0.hidden_norm.weight": (H,),
+        "layers.0.post_attention_layernorm.weight": (H,),
+    }
     tensors = {k: (1.0 if "norm" in k else 0.0) + 0.2 * torch.randn(s, generator=g) for k, s in shapes.items()}
     ids = torch.arange(0, V, V // DV)
     t2d = torch.zeros(V, dtype=torch.bool)
@@ -264,16 +370,21 @@ def test_a_kimi_mla_drafter_from_elsewhere_loads_as_sglang_serves_it(tmp_path, t
     assert cfg.kv_values_per_token() == 8 + 6
     # the same weights by name, in this project's module: identical drafting
     want = Eagle3Drafter(cfg, embed.float(), tensors["d2t"], tensors["t2d"])
-    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k):
-             (v.to(torch.bfloat16).float() if v.is_floating_point() else v)
-             for k, v in tensors.items() if k != "embed_tokens.weight"}
+    state = {
+        ("midlayer." + k[len("layers.0.") :] if k.startswith("layers.0.") else k): (
+            v.to(torch.bfloat16).float() if v.is_floating_point() else v
+        )
+        for k, v in tensors.items()
+        if k != "embed_tokens.weight"
+    }
     want.load_state_dict(state, strict=False)
     assert _same_outputs(got.model, want.eval())
 
 
 def test_a_kimi_mla_drafter_is_refused_for_a_release_that_cannot_serve_it(tmp_path, target_dir):
-    folder = write_kimi_mla_checkpoint(tmp_path / "kimi-mla", _kimi_tensors(load_target_tensors(target_dir, ("embed",))
-                                                                           .embed))
+    folder = write_kimi_mla_checkpoint(
+        tmp_path / "kimi-mla", _kimi_tensors(load_target_tensors(target_dir, ("embed",)).embed)
+    )
     with pytest.raises(ValueError, match=r"SGLang 0\.5\.11 cannot load an MLA drafter"):
         load_any_drafter(folder, target_dir, sglang_version="0.5.11")
     raw = json.loads((folder / "config.json").read_text())

@@ -12,25 +12,50 @@ from eagle3_dagster.config import load_profile
 from eagle3_dagster.stages.data import MergeSettings, TokenizeSettings, VocabSettings
 from eagle3_dagster.stages.hidden import PlanSettings, draft_kv_cache
 
-KIMI_TEXT = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "intermediate_size": 18432,
-             "vocab_size": 163840, "num_hidden_layers": 61, "num_attention_heads": 64, "q_lora_rank": 1536,
-             "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-             "rope_theta": 50000.0, "max_position_embeddings": 262144,
-             "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+KIMI_TEXT = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "vocab_size": 163840,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 262144,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
 
 
 @pytest.fixture
 def kimi_k25(tmp_path: Path) -> Path:
     """Kimi-K2.5's config.json (the multimodal wrapper, its text model's sizes): all the figure reads."""
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
-                                                      "text_config": KIMI_TEXT}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": KIMI_TEXT})
+    )
     return tmp_path
 
 
 def _production_like(**drafter):
-    return load_profile("micro", overrides={"target": {"dtype": "bfloat16", "serving_context": 262144},
-                                            "hidden": {"aux_layers": [2, 30, 58]}, "drafter": drafter})
+    return load_profile(
+        "micro",
+        overrides={
+            "target": {"dtype": "bfloat16", "serving_context": 262144},
+            "hidden": {"aux_layers": [2, 30, 58]},
+            "drafter": drafter,
+        },
+    )
 
 
 def test_kimi_k25s_draft_kv_cache_gqa_and_mla(kimi_k25):
@@ -59,9 +84,18 @@ def test_the_figure_follows_the_profiles_sizes_and_dtype(kimi_k25):
 
 
 def test_an_mla_drafter_for_a_target_without_mla_is_refused_by_the_plan_naming_the_field(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 512,
-        "num_hidden_layers": 4, "num_attention_heads": 4}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "vocab_size": 512,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+            }
+        )
+    )
     with pytest.raises(ValueError, match=r"drafter\.q_lora_rank"):
         draft_kv_cache(PlanSettings.from_profile(_production_like(attention="mla")), tmp_path)
     assert draft_kv_cache(PlanSettings.from_profile(_production_like()), tmp_path)["draft_attention"] == "gqa"
@@ -81,6 +115,9 @@ def test_the_plan_stage_reports_it_with_every_key_described(tmp_path, micro_targ
     build_vocab(VocabSettings.from_profile(profile), layout)
     report, _, _ = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
     meta = report.metadata
-    assert meta["draft_attention"] == "gqa" and meta["draft_kv_bytes_at_serving_context"] == \
-        meta["draft_kv_bytes_per_token"] * profile.target.serving_context
+    assert (
+        meta["draft_attention"] == "gqa"
+        and meta["draft_kv_bytes_at_serving_context"]
+        == meta["draft_kv_bytes_per_token"] * profile.target.serving_context
+    )
     assert not undescribed("extraction_plan", meta)

@@ -14,31 +14,73 @@ from eagle3_dagster.bench.specdec import SpecConfig, TargetRunner, generate_gree
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 
 VOCAB, AUX, H = 96, (1, 2, 3), 32
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0}
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 @pytest.fixture(scope="module")
 def target() -> DeepseekV3ForCausalLM:
     torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=H, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)).eval()
+    return DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            vocab_size=VOCAB,
+            hidden_size=H,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).eval()
 
 
 def mla_drafter(target, seed=3) -> Eagle3Drafter:
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=4, head_dim=12, vocab_size=VOCAB, draft_vocab_size=48, aux_layers=AUX,
-                        attention="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=6,
-                        v_head_dim=8, rope_scaling=YARN)
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=12,
+        vocab_size=VOCAB,
+        draft_vocab_size=48,
+        aux_layers=AUX,
+        attention="mla",
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=6,
+        v_head_dim=8,
+        rope_scaling=YARN,
+    )
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:48]] = True
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach(), t2d.nonzero().squeeze(-1)
-                            - torch.arange(48), t2d)
+    drafter = Eagle3Drafter(
+        cfg, target.get_input_embeddings().weight.detach(), t2d.nonzero().squeeze(-1) - torch.arange(48), t2d
+    )
     for name, p in drafter.named_parameters():
         if p.requires_grad:
             torch.nn.init.normal_(p, mean=1.0 if "norm" in name else 0.0, std=0.3)

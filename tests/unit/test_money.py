@@ -27,8 +27,10 @@ def _backend(server: FakeOpenRouter, **kw) -> OpenAIChatBackend:
 
 
 def _convs(n: int) -> list[Conversation]:
-    return [Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"},
-                                                {"role": "assistant", "content": ""})) for i in range(n)]
+    return [
+        Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": ""}))
+        for i in range(n)
+    ]
 
 
 def _lines(path: Path) -> list[dict]:
@@ -37,19 +39,29 @@ def _lines(path: Path) -> list[dict]:
 
 def test_a_second_writer_on_the_same_request_log_fails_at_once_and_sends_nothing(tmp_path):
     store = tmp_path / "raw.jsonl"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         from eagle3_dagster.generate.store import ResponseStore
         with ResponseStore({str(store)!r}):
             print("holding", flush=True)
             sys.stdin.read()  # until the test closes our stdin
-    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "holding"
         with FakeOpenRouter() as server:
             with pytest.raises(StoreLockedError, match="another run is writing this request log"):
-                regenerate_dataset_sync(_convs(4), store, _backend(server), GenerationSettings(model=MODEL),
-                                        dataset="ds")
+                regenerate_dataset_sync(
+                    _convs(4), store, _backend(server), GenerationSettings(model=MODEL), dataset="ds"
+                )
             assert server.received == []
     finally:
         holder.stdin.close()
@@ -61,8 +73,9 @@ def test_a_second_writer_on_the_same_request_log_fails_at_once_and_sends_nothing
 def test_the_budget_cap_holds_at_concurrency_16(tmp_path):
     store = tmp_path / "raw.jsonl"
     # worst case of a request: 32 tokens x $0.0003125 = $0.01, which is also what the server charges
-    settings = GenerationSettings(model=MODEL, max_new_tokens=32, concurrency=16, budget_usd=0.035,
-                                  price_per_completion_token=0.01 / 32)
+    settings = GenerationSettings(
+        model=MODEL, max_new_tokens=32, concurrency=16, budget_usd=0.035, price_per_completion_token=0.01 / 32
+    )
     with FakeOpenRouter(delay_s=0.1, cost=0.01) as server:
         stats = regenerate_dataset_sync(_convs(40), store, _backend(server), settings, dataset="ds")
         assert server.max_in_flight >= 2  # requests really were concurrent
@@ -75,8 +88,9 @@ def test_the_budget_cap_holds_at_concurrency_16(tmp_path):
 
 def test_without_usage_a_request_is_booked_at_its_bound_and_the_cap_still_holds(tmp_path):
     store = tmp_path / "raw.jsonl"
-    settings = GenerationSettings(model=MODEL, max_new_tokens=32, concurrency=8, budget_usd=0.05,
-                                  price_per_completion_token=0.01 / 32)
+    settings = GenerationSettings(
+        model=MODEL, max_new_tokens=32, concurrency=8, budget_usd=0.05, price_per_completion_token=0.01 / 32
+    )
     with FakeOpenRouter(delay_s=0.05, report_usage=False) as server:
         stats = regenerate_dataset_sync(_convs(20), store, _backend(server), settings, dataset="ds")
     assert len(server.served) == 5 and stats.stopped_by_budget
@@ -87,16 +101,28 @@ def test_without_usage_a_request_is_booked_at_its_bound_and_the_cap_still_holds(
 @pytest.mark.parametrize("fault", ["truncated", "nochoices", "garbage"])
 def test_a_paid_but_unusable_reply_is_booked_as_spent_and_never_silently_repaid(tmp_path, fault):
     store = tmp_path / "raw.jsonl"
-    settings = GenerationSettings(model=MODEL, max_new_tokens=32, concurrency=1, budget_usd=1.0,
-                                  price_per_completion_token=0.01 / 32, max_failure_fraction=1.0)
+    settings = GenerationSettings(
+        model=MODEL,
+        max_new_tokens=32,
+        concurrency=1,
+        budget_usd=1.0,
+        price_per_completion_token=0.01 / 32,
+        max_failure_fraction=1.0,
+    )
     with FakeOpenRouter([fault]) as server:
         stats = regenerate_dataset_sync(_convs(1), store, _backend(server), settings, dataset="ds")
         assert len(server.received) == 1  # not re-sent behind the budget's back
         assert stats.failures_by_kind == {"unusable_reply": 1} and stats.num_paid_unusable == 1
         assert stats.cost_usd == pytest.approx(0.01)
         failed = [r for r in _lines(store) if r["type"] == "failed"]
-        assert failed == [{"type": "failed", "request_id": failed[0]["request_id"], "kind": "unusable_reply",
-                           "cost_usd": pytest.approx(0.01)}]
+        assert failed == [
+            {
+                "type": "failed",
+                "request_id": failed[0]["request_id"],
+                "kind": "unusable_reply",
+                "cost_usd": pytest.approx(0.01),
+            }
+        ]
         again = regenerate_dataset_sync(_convs(1), store, _backend(server), settings, dataset="ds")
     # the next run may send it again, and both payments are on record
     assert again.num_successes == 1 and len(server.received) == 2
@@ -108,8 +134,13 @@ def test_a_run_whose_requests_all_failed_is_a_failure_naming_the_kinds(tmp_path)
     store = tmp_path / "raw.jsonl"
     with FakeOpenRouter(["500"] * 4 + ["echo_key"] * 2) as server:
         with pytest.raises(RegenerationFailedError) as err:
-            regenerate_dataset_sync(_convs(3), store, _backend(server, max_retries=1),
-                                    GenerationSettings(model=MODEL, concurrency=1), dataset="ds")
+            regenerate_dataset_sync(
+                _convs(3),
+                store,
+                _backend(server, max_retries=1),
+                GenerationSettings(model=MODEL, concurrency=1),
+                dataset="ds",
+            )
     message = str(err.value)
     assert "3 of 3 requests failed" in message and "server_error: 2" in message and "client_error: 1" in message
     assert "max_failure_fraction" in message and SECRET not in message
@@ -117,9 +148,13 @@ def test_a_run_whose_requests_all_failed_is_a_failure_naming_the_kinds(tmp_path)
 
 def test_failures_below_the_fraction_do_not_fail_the_run(tmp_path):
     with FakeOpenRouter(["echo_key"]) as server:
-        stats = regenerate_dataset_sync(_convs(4), tmp_path / "raw.jsonl", _backend(server),
-                                        GenerationSettings(model=MODEL, concurrency=1, max_failure_fraction=0.25),
-                                        dataset="ds")
+        stats = regenerate_dataset_sync(
+            _convs(4),
+            tmp_path / "raw.jsonl",
+            _backend(server),
+            GenerationSettings(model=MODEL, concurrency=1, max_failure_fraction=0.25),
+            dataset="ds",
+        )
     assert stats.failures_by_kind == {"client_error": 1} and stats.num_successes == 3
 
 

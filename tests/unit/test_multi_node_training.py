@@ -38,8 +38,10 @@ def alive(pid: int) -> bool:
 
 def named_hosts(tmp_path: Path, sshd) -> dict[str, GpuHost]:
     """This machine as two hosts named "local" and "ssh" (tests/sshd_server.py), sharing one workdir."""
-    return {name: GpuHost(host.spec.model_copy(update={"name": name}))
-            for name, host in local_and_ssh_hosts(tmp_path, sshd).items()}
+    return {
+        name: GpuHost(host.spec.model_copy(update={"name": name}))
+        for name, host in local_and_ssh_hosts(tmp_path, sshd).items()
+    }
 
 
 def _ssh(name: str, target: str, python: str) -> GpuHost:
@@ -47,15 +49,25 @@ def _ssh(name: str, target: str, python: str) -> GpuHost:
 
 
 def test_each_host_runs_torchrun_with_its_own_interpreter_and_joins_the_first_hosts_rendezvous():
-    hosts = [_ssh("gpu-0", "eagle@node0.cluster", "/opt/a/python"), _ssh("gpu-1", "node1", "/opt/b/python"),
-             _ssh("gpu-2", "node2", "/opt/c/python")]
+    hosts = [
+        _ssh("gpu-0", "eagle@node0.cluster", "/opt/a/python"),
+        _ssh("gpu-1", "node1", "/opt/b/python"),
+        _ssh("gpu-2", "node2", "/opt/c/python"),
+    ]
     nodes = node_commands(JOB, TrainConfig(nnodes=2, nproc_per_node=8), hosts, module=WORKER, port=29611)
     assert [n.host.name for n in nodes] == ["gpu-0", "gpu-1"]  # the first nnodes of the leased hosts
-    assert [n.argv[:3] for n in nodes] == [["/opt/a/python", "-m", "torch.distributed.run"],
-                                          ["/opt/b/python", "-m", "torch.distributed.run"]]
+    assert [n.argv[:3] for n in nodes] == [
+        ["/opt/a/python", "-m", "torch.distributed.run"],
+        ["/opt/b/python", "-m", "torch.distributed.run"],
+    ]
     for node in nodes:
-        assert {"--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0.cluster:29611",
-                "--rdzv-id=eagle3-drafter"} <= set(node.argv)
+        assert {
+            "--nproc-per-node=8",
+            "--nnodes=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=node0.cluster:29611",
+            "--rdzv-id=eagle3-drafter",
+        } <= set(node.argv)
         assert "--standalone" not in node.argv
         assert node.argv[-4:] == ["-m", WORKER, "--config", JOB]
     # the first host hosts the rendezvous store; the others join it
@@ -97,11 +109,17 @@ def test_drafter_checkpoint_refuses_more_nodes_than_hosts_before_it_leases_or_la
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
     defs = build_definitions(load_profile_file(tmp_path / "p.yaml"))
     with dg.instance_for_test() as instance:
-        result = dg.materialize(list(defs.assets), instance=instance, resources=defs.resources,
-                                selection=["drafter_checkpoint"], raise_on_error=False)
+        result = dg.materialize(
+            list(defs.assets),
+            instance=instance,
+            resources=defs.resources,
+            selection=["drafter_checkpoint"],
+            raise_on_error=False,
+        )
     failures = [e for e in result.all_events if e.is_step_failure]
-    assert failures and all("train.nnodes is 2 but gpu_host.hosts lists 1 host" in e.step_failure_data.error.to_string()
-                            for e in failures)
+    assert failures and all(
+        "train.nnodes is 2 but gpu_host.hosts lists 1 host" in e.step_failure_data.error.to_string() for e in failures
+    )
     assert not (tmp_path / "run" / "drafter").exists()  # refused before any job was written
 
 
@@ -112,13 +130,13 @@ def test_the_rendezvous_port_is_one_the_first_host_finds_free(tmp_path, sshd):
 
 
 # Pipes child for the second host: the process that opens Pipes may run on any host (torchrun's rank 0).
-PIPES_CHILD = r'''
+PIPES_CHILD = r"""
 import os
 from dagster_pipes import open_dagster_pipes
 print("plain line from the pipes host", flush=True)
 with open_dagster_pipes() as pipes:
     pipes.report_asset_materialization(metadata={"x": os.environ["EAGLE3_X"], "store": os.environ["EAGLE3_STORAGE"]})
-'''
+"""
 
 
 @pytest.mark.slow  # a real sshd and process groups
@@ -127,8 +145,9 @@ def test_pipes_messages_from_any_host_reach_the_run_and_other_lines_are_named_by
     from resources.gpu_host import GpuHostResource, HostEntry
 
     hosts = named_hosts(tmp_path, sshd)
-    resource = GpuHostResource(hosts=[HostEntry(**hosts[n].spec.model_dump()) for n in ("local", "ssh")],
-                               lease_dir=str(tmp_path / "leases"))
+    resource = GpuHostResource(
+        hosts=[HostEntry(**hosts[n].spec.model_dump()) for n in ("local", "ssh")], lease_dir=str(tmp_path / "leases")
+    )
     (tmp_path / "child.py").write_text(PIPES_CHILD)
 
     @dg.asset(required_resource_keys={"gpu_host"})
@@ -136,10 +155,13 @@ def test_pipes_messages_from_any_host_reach_the_run_and_other_lines_are_named_by
         gpu_host = context.resources.gpu_host
         with gpu_host.lease_hosts(context, 2) as leased:
             assert [h.name for h in leased] == ["local", "ssh"]
-            commands = [HostCommand(leased[0], [sys.executable, "-c", "print('plain line from local')"]),
-                        HostCommand(leased[1], [sys.executable, str(tmp_path / "child.py")])]
-            return gpu_host.run_pipes_on_hosts(context=context, commands=commands,
-                                               env={"EAGLE3_X": "y z", **storage.child_env()}).get_materialize_result()
+            commands = [
+                HostCommand(leased[0], [sys.executable, "-c", "print('plain line from local')"]),
+                HostCommand(leased[1], [sys.executable, str(tmp_path / "child.py")]),
+            ]
+            return gpu_host.run_pipes_on_hosts(
+                context=context, commands=commands, env={"EAGLE3_X": "y z", **storage.child_env()}
+            ).get_materialize_result()
 
     with dg.instance_for_test() as instance:
         result = dg.materialize([on_two_hosts], resources={"gpu_host": resource}, instance=instance)
@@ -163,11 +185,14 @@ def test_the_first_host_to_fail_is_named_and_every_other_hosts_command_is_stoppe
     hosts = named_hosts(tmp_path, sshd)
     os.mkfifo(tmp_path / "fifo")
     lines: list[tuple[str, str]] = []
-    commands = [HostCommand(hosts["local"], [sys.executable, "-c", BLOCKER, str(tmp_path / "fifo")]),
-                HostCommand(hosts["ssh"], [sys.executable, "-c", FAILER, str(tmp_path / "fifo")])]
+    commands = [
+        HostCommand(hosts["local"], [sys.executable, "-c", BLOCKER, str(tmp_path / "fifo")]),
+        HostCommand(hosts["ssh"], [sys.executable, "-c", FAILER, str(tmp_path / "fifo")]),
+    ]
     with pytest.raises(HostFailed) as failed:
-        run_on_hosts(commands, {}, name="train", on_line=lambda host, line: lines.append((host, line)),
-                     log=lambda _line: None)
+        run_on_hosts(
+            commands, {}, name="train", on_line=lambda host, line: lines.append((host, line)), log=lambda _line: None
+        )
     assert (failed.value.host, failed.value.returncode) == ("ssh", 3)
     assert str(failed.value).startswith("train on host ssh failed with exit code 3; local was stopped")
     assert "The last lines from ssh:\nblocker " in str(failed.value)
@@ -191,8 +216,13 @@ def test_an_interrupted_job_stops_the_command_on_every_host(tmp_path, sshd):
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
-        run_on_hosts([HostCommand(h, [sys.executable, "-c", RUNNING]) for h in hosts.values()], {}, name="train",
-                     on_line=on_line, log=lambda _line: None)
+        run_on_hosts(
+            [HostCommand(h, [sys.executable, "-c", RUNNING]) for h in hosts.values()],
+            {},
+            name="train",
+            on_line=on_line,
+            log=lambda _line: None,
+        )
     assert sorted(pids) == ["local", "ssh"] and not any(alive(pid) for pid in pids.values())
     assert not list((tmp_path / "work").glob("*.pid"))
 
@@ -200,16 +230,20 @@ def test_an_interrupted_job_stops_the_command_on_every_host(tmp_path, sshd):
 # Two hosts failing one after the other: the first exits 1 at once, the second reports a worker killed by SIGKILL
 # (torchrun's failure summary) and exits 1 after it. The signal is the cause; the first was only its peer.
 PEER = "import sys\nopen(sys.argv[1], 'w').write('done\\n')\nsys.exit(1)"
-KILLED = ("import sys\nopen(sys.argv[1]).read()\n"
-          "print('  exitcode  : -9 (pid: 4242)', file=sys.stderr, flush=True)\nsys.exit(1)")
+KILLED = (
+    "import sys\nopen(sys.argv[1]).read()\n"
+    "print('  exitcode  : -9 (pid: 4242)', file=sys.stderr, flush=True)\nsys.exit(1)"
+)
 
 
 @pytest.mark.slow  # a real sshd and process groups
 def test_a_host_whose_worker_a_signal_killed_is_named_before_a_peer_that_failed_first(tmp_path, sshd):
     hosts = named_hosts(tmp_path, sshd)
     os.mkfifo(tmp_path / "fifo")
-    commands = [HostCommand(hosts["local"], [sys.executable, "-c", PEER, str(tmp_path / "fifo")]),
-                HostCommand(hosts["ssh"], [sys.executable, "-c", KILLED, str(tmp_path / "fifo")])]
+    commands = [
+        HostCommand(hosts["local"], [sys.executable, "-c", PEER, str(tmp_path / "fifo")]),
+        HostCommand(hosts["ssh"], [sys.executable, "-c", KILLED, str(tmp_path / "fifo")]),
+    ]
     with pytest.raises(HostFailed) as failed:
         run_on_hosts(commands, {}, name="train", on_line=lambda _host, _line: None, log=lambda _line: None)
     assert failed.value.host == "ssh"
@@ -217,20 +251,27 @@ def test_a_host_whose_worker_a_signal_killed_is_named_before_a_peer_that_failed_
     assert "local also failed (exit 1)" in str(failed.value)
 
 
-LAUNCHER = r'''
+LAUNCHER = r"""
 import subprocess, sys, threading
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True, stdout=subprocess.PIPE,
                          text=True)  # as torchrun starts a worker: a session of its own
 print(child.pid, child.stdout.readline().strip(), flush=True)
 threading.Event().wait()
-'''
-WORKER_CHILD = ("import threading\nfrom eagle3_dagster.train.worker import die_with_launcher\n"
-                "print(die_with_launcher(), flush=True)\nthreading.Event().wait()")
+"""
+WORKER_CHILD = (
+    "import threading\nfrom eagle3_dagster.train.worker import die_with_launcher\n"
+    "print(die_with_launcher(), flush=True)\nthreading.Event().wait()"
+)
 
 
 def test_a_torchrun_worker_dies_with_its_launcher_even_when_the_launcher_is_killed_outright():
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER_CHILD], stdout=subprocess.PIPE, text=True,
-                                cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, WORKER_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     pid, armed = launcher.stdout.readline().split()
     assert armed == "True"
     worker = os.pidfd_open(int(pid))

@@ -31,8 +31,12 @@ from tests.unit.test_export import _drafter, target_dir  # noqa: F401  (target_d
 from eagle3_dagster.stages.hidden import ExtractSettings, PlanSettings, ShardSettings
 from eagle3_dagster.stages.train import TrainSettings
 
-AUX, BATCH_TOKENS, LENGTHS, SAMPLES_PER_SHARD = (extract_hf_test.AUX, extract_hf_test.BATCH_TOKENS,
-                                                 extract_hf_test.LENGTHS, extract_hf_test.SAMPLES_PER_SHARD)
+AUX, BATCH_TOKENS, LENGTHS, SAMPLES_PER_SHARD = (
+    extract_hf_test.AUX,
+    extract_hf_test.BATCH_TOKENS,
+    extract_hf_test.LENGTHS,
+    extract_hf_test.SAMPLES_PER_SHARD,
+)
 
 VERSION = "hs-000000000000"
 
@@ -45,8 +49,12 @@ def s3_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
@@ -99,19 +107,41 @@ def test_plan_of_a_store_checks_the_staging_space_for_one_shard_in_flight(refere
     merged, _ = reference
     url, _, _ = on_store
     specs = plan_shards(merged, SAMPLES_PER_SHARD)
-    fmt = ShardFormat(hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro",
-                      code_version="hf-1")
-    fresh = estimate_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
-                            staging_dir=tmp_path, free_bytes=10**9)
+    fmt = ShardFormat(
+        hidden_size=64, dtype="float32", aux_layers=tuple(AUX), target_identity="micro", code_version="hf-1"
+    )
+    fresh = estimate_extraction(
+        specs,
+        fmt,
+        "s3://eagle3-test/empty",
+        VERSION,
+        throughput_tokens_per_s=100.0,
+        staging_dir=tmp_path,
+        free_bytes=10**9,
+    )
     sizes = storage.location(url).file_sizes()
     largest = max(sizes[f"{s.key}.safetensors"] + sizes[f"{s.key}.manifest.json"] for s in specs)
     assert fresh.needed_bytes == largest < fresh.remaining_bytes == fresh.total_bytes
     assert fresh.free_at == str(tmp_path) and fresh.fits
-    short = estimate_extraction(specs, fmt, "s3://eagle3-test/empty", VERSION, throughput_tokens_per_s=100.0,
-                            staging_dir=tmp_path, free_bytes=largest - 1)
+    short = estimate_extraction(
+        specs,
+        fmt,
+        "s3://eagle3-test/empty",
+        VERSION,
+        throughput_tokens_per_s=100.0,
+        staging_dir=tmp_path,
+        free_bytes=largest - 1,
+    )
     assert not short.fits and "staging folder" in short.message
-    done = estimate_extraction(specs, fmt, storage.location(url).parent, VERSION, throughput_tokens_per_s=100.0,
-                           staging_dir=tmp_path, free_bytes=0)
+    done = estimate_extraction(
+        specs,
+        fmt,
+        storage.location(url).parent,
+        VERSION,
+        throughput_tokens_per_s=100.0,
+        staging_dir=tmp_path,
+        free_bytes=0,
+    )
     assert done.remaining_bytes == 0 and done.needed_bytes == 0 and done.fits
 
 
@@ -140,15 +170,21 @@ def test_training_reads_from_the_store_exactly_the_tensors_of_a_local_copy(refer
 
 
 def test_fp8_shards_read_from_the_store_equal_the_local_read(s3_server, tmp_path):
-    fmt = ShardFormat(hidden_size=8, dtype="float8_e4m3fn", aux_layers=(1, 2, 3), target_identity="t",
-                      code_version="hf-1")
+    fmt = ShardFormat(
+        hidden_size=8, dtype="float8_e4m3fn", aux_layers=(1, 2, 3), target_identity="t", code_version="hf-1"
+    )
     g = torch.Generator().manual_seed(1)
     lengths = [4, 7, 1]
     ids = [f"s/{i}" for i in range(len(lengths))]
     with ShardWriter(tmp_path / "stage", "shard-00000", fmt, ids, lengths) as w:
         for sid, n in zip(ids, lengths, strict=True):
-            w.write_sample(sid, input_ids=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.uint8),
-                           aux_hidden=torch.randn(n, 24, generator=g), last_hidden=torch.randn(n, 8, generator=g))
+            w.write_sample(
+                sid,
+                input_ids=torch.arange(n),
+                loss_mask=torch.ones(n, dtype=torch.uint8),
+                aux_hidden=torch.randn(n, 24, generator=g),
+                last_hidden=torch.randn(n, 8, generator=g),
+            )
     local = tmp_path / "local"
     local.mkdir()
     for p in (tmp_path / "stage").iterdir():
@@ -225,14 +261,14 @@ extract_all_hf(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], samples_per_sh
 
 
 @pytest.mark.slow
-def test_upload_killed_mid_way_resumes_by_uploading_only_what_is_missing(s3_server, micro_target, reference,
-                                                                           tmp_path):
+def test_upload_killed_mid_way_resumes_by_uploading_only_what_is_missing(s3_server, micro_target, reference, tmp_path):
     merged, local = reference
     url = f"s3://eagle3-test/killed/{VERSION}"
     staging = tmp_path / "staging"
     code = _CHILD.format(sps=SAMPLES_PER_SHARD, aux=AUX, bt=BATCH_TOKENS)
-    kill_when_it_says(code, [str(micro_target), str(merged), url, str(staging)], "mid-upload",
-                      "before uploading shard-00001")
+    kill_when_it_says(
+        code, [str(micro_target), str(merged), url, str(staging)], "mid-upload", "before uploading shard-00001"
+    )
     assert sorted(load_manifest(url)) == ["shard-00000"]  # the half object is not vouched for
     assert storage.location(url).join("shard-00001.safetensors").size() is not None
     results = _extract(micro_target, merged, url, staging)
@@ -250,8 +286,9 @@ def test_drafter_export_published_to_the_store_comes_back_identical_and_checked(
     lines: list[str] = []
     manifest = publish_export(export, dest, log=lines.append)
     assert sorted(manifest["files"]) == sorted(p.name for p in export.iterdir())
-    assert publish_export(export, dest, log=lines.append) == manifest and lines[-1].endswith("already published at "
-                                                                                             f"{dest}")
+    assert publish_export(export, dest, log=lines.append) == manifest and lines[-1].endswith(
+        f"already published at {dest}"
+    )
     back = fetch_export(dest, tmp_path / "fetched")
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in export.iterdir()}
 
@@ -275,8 +312,13 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     from eagle3_dagster.stages.hidden import cleanup_stage, extract_stage, plan_stage
 
     merged, _ = reference
-    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
-                                               "hidden": {"root": "s3://eagle3-test/stages/", "samples_per_shard": 3}})
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "hidden": {"root": "s3://eagle3-test/stages/", "samples_per_shard": 3},
+        },
+    )
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)
     layout.merged_train.parent.mkdir(parents=True)
@@ -293,17 +335,22 @@ def test_plan_and_extract_stages_on_a_store_root(s3_server, micro_target, refere
     again, _ = extract_stage(ExtractSettings.from_profile(profile), plan_path, keys)
     assert again.metadata["resumed_shards"] == len(keys)
     storage.location("s3://eagle3-test/stages/hs-0123456789ab/shard-00000.safetensors").write_bytes(b"old")
-    cleaned = cleanup_stage(ShardSettings.from_profile(profile), layout, dry_run=False, plan_path=plan_path, log=lambda _line: None)
+    cleaned = cleanup_stage(
+        ShardSettings.from_profile(profile), layout, dry_run=False, plan_path=plan_path, log=lambda _line: None
+    )
     assert [v["version"] for v in cleaned.metadata["removed"]] == ["hs-0123456789ab"]
     assert storage.location("s3://eagle3-test/stages").subfolders() == [meta["version"]]
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"run_root": "s3://bucket/run"}, "run_root"),
-    ({"hidden": {"root": "s3://bucket/hidden", "staging_dir": "s3://bucket/staging"}}, "hidden.staging_dir"),
-    ({"hidden": {"root": "s3://AKIAEXAMPLE:supersecret@bucket/hidden"}}, "hidden.root"),
-    ({"train": {"export_location": "s3://AKIAEXAMPLE:supersecret@bucket/drafters"}}, "train.export_location"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"run_root": "s3://bucket/run"}, "run_root"),
+        ({"hidden": {"root": "s3://bucket/hidden", "staging_dir": "s3://bucket/staging"}}, "hidden.staging_dir"),
+        ({"hidden": {"root": "s3://AKIAEXAMPLE:supersecret@bucket/hidden"}}, "hidden.root"),
+        ({"train": {"export_location": "s3://AKIAEXAMPLE:supersecret@bucket/drafters"}}, "train.export_location"),
+    ],
+)
 def test_storage_fields_are_checked_when_the_profile_loads(overrides, field):
     from eagle3_dagster.config import ProfileError, load_profile
 
@@ -319,7 +366,10 @@ def test_a_store_root_plans_its_staging_folder_under_run_root_by_default():
 
     profile = load_profile("micro", overrides={"run_root": "/data/run", "hidden": {"root": "s3://bucket/hidden/"}})
     layout = ArtifactLayout.from_profile(profile)
-    assert str(layout.hidden_root) == "s3://bucket/hidden" and str(layout.hidden_version_dir("hs-1")) == "s3://bucket/hidden/hs-1"
+    assert (
+        str(layout.hidden_root) == "s3://bucket/hidden"
+        and str(layout.hidden_version_dir("hs-1")) == "s3://bucket/hidden/hs-1"
+    )
     assert free_space_location(layout) == Path("/data/run/hidden_staging")
     local = ArtifactLayout.from_profile(load_profile("micro", overrides={"hidden": {"root": "/data/hidden"}}))
     assert free_space_location(local) == Path("/data/hidden") == Path(local.hidden_root)
@@ -334,18 +384,23 @@ def test_finished_training_publishes_its_checked_export_to_the_export_location(s
     from eagle3_dagster.drafter.publish import fetch_export
     from eagle3_dagster.stages.train import TrainLaunch, finish_training
 
-    profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run"),
-                                               "train": {"export_location": "s3://eagle3-test/drafters"}})
+    profile = load_profile(
+        "micro",
+        overrides={"run_root": str(tmp_path / "run"), "train": {"export_location": "s3://eagle3-test/drafters"}},
+    )
     run = tmp_path / "run" / "drafter" / "run-0123456789ab"
     export_drafter(_drafter(target_dir), run / "export", serving_context=4096)
     final = {"loss": 1.0, "sim_accept_length": 1.5, "acc_0": 0.5}
-    (run / "metrics.json").write_bytes(orjson.dumps({"final": final, "steps": 3, "tokens_per_s": 10.0,
-                                                     "curves": {"loss": [1.0], "acc_0": [0.5]}}))
+    (run / "metrics.json").write_bytes(
+        orjson.dumps({"final": final, "steps": 3, "tokens_per_s": 10.0, "curves": {"loss": [1.0], "acc_0": [0.5]}})
+    )
     plan = TrainLaunch(command=[], env={}, cwd=str(tmp_path), job_path=run / "job.json", out_dir=run)
     report, ok, _ = finish_training(TrainSettings.from_profile(profile), ArtifactLayout.from_profile(profile), plan)
     assert ok and report.metadata["export_location"] == "s3://eagle3-test/drafters/run-0123456789ab"
     back = fetch_export(report.metadata["export_location"], tmp_path / "fetched")
-    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in (run / "export").iterdir()}
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {
+        p.name: p.read_bytes() for p in (run / "export").iterdir()
+    }
 
 
 def test_the_sglang_driver_publishes_to_the_store_the_bytes_it_writes_to_a_local_folder(s3_server, tmp_path):

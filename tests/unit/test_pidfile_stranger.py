@@ -33,8 +33,7 @@ def _stranger(env_nonce: str | None = None, argv_nonce: bool = False) -> subproc
     if env_nonce is not None:
         env[NONCE_VAR] = env_nonce
     script = LOOP + (f" # {NONCE_VAR}={NONCE}" if argv_nonce else "")
-    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                            env=env)
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
     deadline = time.monotonic() + 10
     while not Path(f"/proc/{proc.pid}/stat").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -72,16 +71,23 @@ def _stop_and_check_left_alone(host: GpuHost, stranger: subprocess.Popen, pidfil
         _end(stranger)
 
 
-@pytest.mark.parametrize("case", [
-    "no nonce in its environment",
-    "another nonce in its environment",
-    "the nonce as a prefix of its variable",  # EAGLE3_LAUNCH_NONCE=<nonce>x: a whole-line match only
-    "the nonce on its command line, not in its environment",
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no nonce in its environment",
+        "another nonce in its environment",
+        "the nonce as a prefix of its variable",  # EAGLE3_LAUNCH_NONCE=<nonce>x: a whole-line match only
+        "the nonce on its command line, not in its environment",
+    ],
+)
 def test_a_pid_file_naming_a_live_stranger_with_its_real_start_time_leaves_the_stranger_alone(host, case):
-    stranger = _stranger(env_nonce={"another nonce in its environment": "f" * 32,
-                                    "the nonce as a prefix of its variable": NONCE + "x"}.get(case),
-                         argv_nonce=case.endswith("not in its environment"))
+    stranger = _stranger(
+        env_nonce={
+            "another nonce in its environment": "f" * 32,
+            "the nonce as a prefix of its variable": NONCE + "x",
+        }.get(case),
+        argv_nonce=case.endswith("not in its environment"),
+    )
     pidfile = _record(host, "sglang-30000", stranger.pid, _start_time(stranger.pid))
     _stop_and_check_left_alone(host, stranger, pidfile)
 

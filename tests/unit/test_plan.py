@@ -26,9 +26,16 @@ def _specs(lengths: list[int], per_shard: int) -> list[ShardSpec]:
     for index, start in enumerate(range(0, len(lengths), per_shard)):
         chunk = lengths[start : start + per_shard]
         specs.append(
-            ShardSpec(key=shard_key(index), index=index, first_record=first, num_records=len(chunk),
-                      num_tokens=sum(chunk), byte_offset=0,
-                      sample_ids=tuple(f"B3_dataset/{first + j}" for j in range(len(chunk))), lengths=tuple(chunk))
+            ShardSpec(
+                key=shard_key(index),
+                index=index,
+                first_record=first,
+                num_records=len(chunk),
+                num_tokens=sum(chunk),
+                byte_offset=0,
+                sample_ids=tuple(f"B3_dataset/{first + j}" for j in range(len(chunk))),
+                lengths=tuple(chunk),
+            )
         )
         first += len(chunk)
     return specs
@@ -37,14 +44,24 @@ def _specs(lengths: list[int], per_shard: int) -> list[ShardSpec]:
 def _write(version_dir, spec: ShardSpec, fmt: ShardFormat) -> None:
     with ShardWriter(version_dir, spec.key, fmt, spec.sample_ids, spec.lengths, first_record=spec.first_record) as w:
         for sid, n in zip(spec.sample_ids, spec.lengths):
-            w.write_sample(sid, input_ids=torch.zeros(n, dtype=torch.long), loss_mask=torch.ones(n),
-                           aux_hidden=torch.ones(n, 3 * fmt.hidden_size), last_hidden=torch.ones(n, fmt.hidden_size))
+            w.write_sample(
+                sid,
+                input_ids=torch.zeros(n, dtype=torch.long),
+                loss_mask=torch.ones(n),
+                aux_hidden=torch.ones(n, 3 * fmt.hidden_size),
+                last_hidden=torch.ones(n, fmt.hidden_size),
+            )
 
 
 def test_production_scale_is_four_point_six_tib():
     """87.8 M tokens at hidden 7168 in bf16 (the seed's merged_train) need 4.6 TiB."""
-    fmt = ShardFormat(hidden_size=7168, dtype="bfloat16", aux_layers=(2, 30, 58), target_identity="kimi-k2.5@x",
-                      code_version="sglang-1")
+    fmt = ShardFormat(
+        hidden_size=7168,
+        dtype="bfloat16",
+        aux_layers=(2, 30, 58),
+        target_identity="kimi-k2.5@x",
+        code_version="sglang-1",
+    )
     num_samples, tokens = 21_436, 87_800_000
     lengths = [tokens // num_samples] * num_samples
     lengths[-1] += tokens - sum(lengths)
@@ -64,7 +81,9 @@ def test_predicted_bytes_equal_bytes_written(tmp_path):
     specs = _specs([3, 1, 7, 2, 5, 11, 4], 3)
     for spec in specs:
         _write(tmp_path / CURRENT, spec, fmt)
-    estimate = estimate_extraction(specs, fmt, tmp_path / "elsewhere", CURRENT, throughput_tokens_per_s=1.0, free_bytes=10**9)
+    estimate = estimate_extraction(
+        specs, fmt, tmp_path / "elsewhere", CURRENT, throughput_tokens_per_s=1.0, free_bytes=10**9
+    )
     assert estimate.total_bytes == actual_bytes(tmp_path / CURRENT, [s.key for s in specs])
 
 
@@ -99,7 +118,11 @@ def test_a_plan_that_does_not_fit_says_by_how_much_and_what_could_be_freed(tmp_p
     estimate = estimate_extraction(specs, fmt, tmp_path, CURRENT, throughput_tokens_per_s=1.0, free_bytes=1000)
     assert not estimate.fits
     assert [v.version for v in estimate.superseded] == [OLD] and estimate.superseded_bytes == 20000
-    assert f"short by {(estimate.remaining_bytes - 1000) / 1024:.1f} KiB" in estimate.message and OLD in estimate.message and "(enough)" in estimate.message
+    assert (
+        f"short by {(estimate.remaining_bytes - 1000) / 1024:.1f} KiB" in estimate.message
+        and OLD in estimate.message
+        and "(enough)" in estimate.message
+    )
 
 
 def test_find_versions_lists_only_superseded_version_folders(tmp_path):
@@ -138,5 +161,10 @@ def test_cleanup_deletes_only_superseded_versions_and_never_follows_links(tmp_pa
 def test_byte_counts_read_in_binary_units_from_bytes_to_pib():
     from eagle3_dagster.hidden.estimate import human_bytes
 
-    assert [human_bytes(n) for n in (None, 512, 1536, 87_800_000 * 4 * 7168 * 2, 5 * 2**50)] == \
-        ["unknown", "512 B", "1.5 KiB", "4.6 TiB", "5.0 PiB"]
+    assert [human_bytes(n) for n in (None, 512, 1536, 87_800_000 * 4 * 7168 * 2, 5 * 2**50)] == [
+        "unknown",
+        "512 B",
+        "1.5 KiB",
+        "4.6 TiB",
+        "5.0 PiB",
+    ]

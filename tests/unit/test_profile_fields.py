@@ -48,11 +48,17 @@ def _bound(constraints, *names) -> bool:
 
 def test_every_field_has_a_description_and_every_number_bounds_on_both_sides_with_a_reason():
     undescribed = [name for name, info in _fields(Profile) if not info.description]
-    unbounded = [f"{name}{path}" for name, info in _fields(Profile)
-                 for path, constraints in _number_slots(info.annotation, info.metadata)
-                 if not (_bound(constraints, "ge", "gt") and _bound(constraints, "le", "lt"))]
-    unexplained = [name for name, info in _fields(Profile) if any(True for _ in _number_slots(info.annotation))
-                   and not (info.json_schema_extra or {}).get("bounds")]
+    unbounded = [
+        f"{name}{path}"
+        for name, info in _fields(Profile)
+        for path, constraints in _number_slots(info.annotation, info.metadata)
+        if not (_bound(constraints, "ge", "gt") and _bound(constraints, "le", "lt"))
+    ]
+    unexplained = [
+        name
+        for name, info in _fields(Profile)
+        if any(True for _ in _number_slots(info.annotation)) and not (info.json_schema_extra or {}).get("bounds")
+    ]
     assert undescribed == [] and unbounded == [] and unexplained == []
 
 
@@ -81,8 +87,15 @@ def test_every_number_as_large_as_10_to_the_30_is_refused_naming_the_field_and_t
     assert f"({info.json_schema_extra['bounds']})" in str(e.value)
 
 
-@pytest.mark.parametrize("path,value", [("hidden.aux_layers", [1, 10**30]), ("bench.temperatures", [0.0, 1e30]),
-                                        ("bench.spec_configs", [[3, 1, 10**30]]), ("train.betas", [0.9, 1e30])])
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        ("hidden.aux_layers", [1, 10**30]),
+        ("bench.temperatures", [0.0, 1e30]),
+        ("bench.spec_configs", [[3, 1, 10**30]]),
+        ("train.betas", [0.9, 1e30]),
+    ],
+)
 def test_a_number_in_a_list_as_large_as_10_to_the_30_is_refused_naming_the_field(path, value):
     section, name = path.split(".")
     with pytest.raises(ProfileError) as e:
@@ -98,19 +111,28 @@ def _profile_with(tmp_path: Path, old: str, new: str) -> Path:
     return bad
 
 
-@pytest.mark.parametrize("old,new,field", [
-    ("checkpoint_every: 5", "checkpoint_every: 0", "train.checkpoint_every"),
-    ("shuffle_seed: 42", "shuffle_seed: -1", "data.shuffle_seed"),
-    ("temperature: 0.0", "temperature: 0.0\n  timeout_s: 0", "generation.timeout_s"),
-    ("epochs: 2", "epochs: 0", "train.epochs"),
-    ("\n  lr: 0.003", "\n  lr: -0.1", "train.lr"),
-    ("num_prompts: 4", "num_prompts: 0", "bench.num_prompts"),
-    ("throughput_tokens_per_s: 5000", "throughput_tokens_per_s: 5000\n  backfill_cron: '61 * * * *'",
-     "hidden.backfill_cron"),
-    ("throughput_tokens_per_s: 5000", "throughput_tokens_per_s: 5000\n  backfill_cron: 'every ten minutes'",
-     "hidden.backfill_cron"),
-    ("spec_configs: [[3, 1, 4]]", "spec_configs: [[0, 1, 4]]", "bench.spec_configs"),
-])
+@pytest.mark.parametrize(
+    "old,new,field",
+    [
+        ("checkpoint_every: 5", "checkpoint_every: 0", "train.checkpoint_every"),
+        ("shuffle_seed: 42", "shuffle_seed: -1", "data.shuffle_seed"),
+        ("temperature: 0.0", "temperature: 0.0\n  timeout_s: 0", "generation.timeout_s"),
+        ("epochs: 2", "epochs: 0", "train.epochs"),
+        ("\n  lr: 0.003", "\n  lr: -0.1", "train.lr"),
+        ("num_prompts: 4", "num_prompts: 0", "bench.num_prompts"),
+        (
+            "throughput_tokens_per_s: 5000",
+            "throughput_tokens_per_s: 5000\n  backfill_cron: '61 * * * *'",
+            "hidden.backfill_cron",
+        ),
+        (
+            "throughput_tokens_per_s: 5000",
+            "throughput_tokens_per_s: 5000\n  backfill_cron: 'every ten minutes'",
+            "hidden.backfill_cron",
+        ),
+        ("spec_configs: [[3, 1, 4]]", "spec_configs: [[0, 1, 4]]", "bench.spec_configs"),
+    ],
+)
 def test_a_bad_number_or_cron_is_a_profile_error_naming_file_and_field(tmp_path, old, new, field):
     bad = _profile_with(tmp_path, old, new)
     with pytest.raises(ProfileError) as e:
@@ -131,8 +153,9 @@ def dagster_accepts_cron(cron: str) -> bool:
 
 @pytest.mark.parametrize("cron", ["*/10 * * * *", "0 3 * * 1-5", "15,45 */2 1 jan,jul mon", "@daily", "0 0 L * *"])
 def test_cron_strings_dagster_accepts_are_accepted(tmp_path, cron):
-    bad = _profile_with(tmp_path, "throughput_tokens_per_s: 5000",
-                        f"throughput_tokens_per_s: 5000\n  backfill_cron: '{cron}'")
+    bad = _profile_with(
+        tmp_path, "throughput_tokens_per_s: 5000", f"throughput_tokens_per_s: 5000\n  backfill_cron: '{cron}'"
+    )
     if dagster_accepts_cron(cron):
         assert load_profile_file(bad).hidden.backfill_cron == cron
     else:
@@ -171,12 +194,15 @@ def test_a_top_level_key_given_twice_is_refused_naming_the_key_and_the_file(tmp_
     assert str(bad) in str(e.value) and "key 'data' appears twice" in str(e.value)
 
 
-@pytest.mark.parametrize("section,field,line", [  # numbers of a list of sections; the others: above
-    ("datasets.0", "max_conversations", "    max_conversations: 64"),
-    ("datasets.0", "max_turns", "    max_turns: 1"),
-])
+@pytest.mark.parametrize(
+    "section,field,line",
+    [  # numbers of a list of sections; the others: above
+        ("datasets.0", "max_conversations", "    max_conversations: 64"),
+        ("datasets.0", "max_turns", "    max_turns: 1"),
+    ],
+)
 def test_a_dataset_number_as_large_as_10_to_the_30_is_refused_naming_the_field(tmp_path, section, field, line):
-    indent = line[:len(line) - len(line.lstrip())]
+    indent = line[: len(line) - len(line.lstrip())]
     new = f"{line}\n{indent}{field}: {10**30}" if not line.strip().startswith(field) else f"{indent}{field}: {10**30}"
     bad = tmp_path / "bad.yaml"
     bad.write_text((CONFIG_DIR / "micro.yaml").read_text().replace(line, new, 1))

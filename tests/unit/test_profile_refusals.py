@@ -30,25 +30,38 @@ def test_a_base_url_carrying_a_credential_is_refused_naming_the_field_and_not_th
     assert SECRET not in str(e.value) and "alice" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"hidden": {"root": f"s3://bucket/hidden?token={SECRET}"}}, "hidden.root"),
-    # an AWS secret key with a '/' in it: URL parsers read the password as the start of the path
-    ({"hidden": {"root": f"s3://AKIAEXAMPLE:wJalr/{SECRET}@bucket/hidden"}}, "hidden.root"),
-    ({"train": {"export_location": f"gs://bucket/drafters?X-Goog-Credential={SECRET}"}}, "train.export_location"),
-    ({"datasets": [{"name": "d", "source": "prompts_jsonl", "path": f"https://host/d.jsonl?sig={SECRET}"}]},
-     "datasets[0].path"),
-    ({"bench": {"set_paths": {"tool_use": f"https://u:{SECRET}@host/tool_use.jsonl"}}}, "bench.set_paths.tool_use"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"hidden": {"root": f"s3://bucket/hidden?token={SECRET}"}}, "hidden.root"),
+        # an AWS secret key with a '/' in it: URL parsers read the password as the start of the path
+        ({"hidden": {"root": f"s3://AKIAEXAMPLE:wJalr/{SECRET}@bucket/hidden"}}, "hidden.root"),
+        ({"train": {"export_location": f"gs://bucket/drafters?X-Goog-Credential={SECRET}"}}, "train.export_location"),
+        (
+            {"datasets": [{"name": "d", "source": "prompts_jsonl", "path": f"https://host/d.jsonl?sig={SECRET}"}]},
+            "datasets[0].path",
+        ),
+        ({"bench": {"set_paths": {"tool_use": f"https://u:{SECRET}@host/tool_use.jsonl"}}}, "bench.set_paths.tool_use"),
+    ],
+)
 def test_every_url_field_of_the_profile_refuses_credentials(overrides, field):
     with pytest.raises(ProfileError, match=rf"{re.escape(field)}: the URL carries a credential") as e:
         load_profile("micro", overrides=overrides)
     assert SECRET not in str(e.value)
 
 
-@pytest.mark.parametrize("url", [
-    "https://openrouter.ai/api/v1", "http://127.0.0.1:30000/v1", "s3://bucket/prefix", "hf://datasets/org/x@main/a",
-    "https://host/v1?model=kimi&keep_alive=1", "/data/run", "user@host",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://openrouter.ai/api/v1",
+        "http://127.0.0.1:30000/v1",
+        "s3://bucket/prefix",
+        "hf://datasets/org/x@main/a",
+        "https://host/v1?model=kimi&keep_alive=1",
+        "/data/run",
+        "user@host",
+    ],
+)
 def test_a_url_without_credentials_is_not_a_credential(url):
     from eagle3_dagster.config import url_credentials
 
@@ -74,9 +87,18 @@ def test_the_refused_combination_is_the_one_the_export_refuses_after_training():
     from eagle3_dagster.drafter.model import DrafterConfig
 
     def cfg(aux_layers, **options):
-        return DrafterConfig(target_hidden_size=8, hidden_size=8, intermediate_size=16, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=4, vocab_size=64, draft_vocab_size=32,
-                             aux_layers=aux_layers, **options)
+        return DrafterConfig(
+            target_hidden_size=8,
+            hidden_size=8,
+            intermediate_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=4,
+            vocab_size=64,
+            draft_vocab_size=32,
+            aux_layers=aux_layers,
+            **options,
+        )
 
     with pytest.raises(ValueError, match="no draft config makes SGLang"):
         export_config(cfg((1, 2, 3), fc_norm=True), 512, torch.bfloat16)
@@ -92,17 +114,20 @@ def test_lk_lambda_settings_with_the_kl_loss_are_refused_naming_them(lk):
     assert load_profile("micro", overrides={"train": {**lk, "loss": "lk_lambda"}}).train.loss == "lk_lambda"
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"hidden": {"root": "/"}}, "hidden.root"),
-    ({"hidden": {"root": "file:///"}}, "hidden.root"),
-    ({"hidden": {"root": "/data/.."}}, "hidden.root"),
-    ({"hidden": {"root": ""}}, "hidden.root"),
-    ({"run_root": ""}, "run_root"),
-    ({"run_root": "/"}, "run_root"),
-    ({"run_root": "  "}, "run_root"),
-    ({"train": {"export_location": "/"}}, "train.export_location"),
-    ({"hidden": {"staging_dir": ""}}, "hidden.staging_dir"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"hidden": {"root": "/"}}, "hidden.root"),
+        ({"hidden": {"root": "file:///"}}, "hidden.root"),
+        ({"hidden": {"root": "/data/.."}}, "hidden.root"),
+        ({"hidden": {"root": ""}}, "hidden.root"),
+        ({"run_root": ""}, "run_root"),
+        ({"run_root": "/"}, "run_root"),
+        ({"run_root": "  "}, "run_root"),
+        ({"train": {"export_location": "/"}}, "train.export_location"),
+        ({"hidden": {"staging_dir": ""}}, "hidden.staging_dir"),
+    ],
+)
 def test_a_location_that_names_no_folder_of_its_own_is_refused(overrides, field):
     with pytest.raises(ProfileError, match=rf"\n  {re.escape(field)}: .*(empty|file system's root)"):
         load_profile("micro", overrides=overrides)

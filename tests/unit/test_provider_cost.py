@@ -26,8 +26,9 @@ BAD_IDS = ["negative", "nan", "inf", "string"]
 
 
 def _settings(**kw) -> GenerationSettings:
-    return GenerationSettings(model=MODEL, max_new_tokens=32, price_per_completion_token=BILLED_USD / 32,
-                              budget_usd=CAP_USD, **kw)
+    return GenerationSettings(
+        model=MODEL, max_new_tokens=32, price_per_completion_token=BILLED_USD / 32, budget_usd=CAP_USD, **kw
+    )
 
 
 def _backend(url: str) -> OpenAIChatBackend:
@@ -36,14 +37,17 @@ def _backend(url: str) -> OpenAIChatBackend:
 
 @pytest.mark.parametrize("cost", BAD_COSTS, ids=BAD_IDS)
 def test_a_reported_cost_that_is_not_an_amount_is_booked_at_the_bound_and_the_cap_holds_across_two_runs(
-        tmp_path, caplog, cost):
+    tmp_path, caplog, cost
+):
     store = tmp_path / "raw.jsonl"
     with caplog.at_level(logging.WARNING, logger="eagle3_dagster.generate"):
         with FakeOpenRouter(cost=cost) as server:
-            first = regenerate_dataset_sync(_convs(6), store, _backend(server.url), _settings(concurrency=8),
-                                            dataset="ds")
-            second = regenerate_dataset_sync(_convs(40), store, _backend(server.url), _settings(concurrency=8),
-                                             dataset="ds")
+            first = regenerate_dataset_sync(
+                _convs(6), store, _backend(server.url), _settings(concurrency=8), dataset="ds"
+            )
+            second = regenerate_dataset_sync(
+                _convs(40), store, _backend(server.url), _settings(concurrency=8), dataset="ds"
+            )
     billed = len(server.served) * BILLED_USD
     with ResponseStore(store) as log:
         recorded = log.recorded_cost_usd
@@ -64,52 +68,71 @@ def test_a_malformed_usage_value_that_echoes_the_api_key_is_not_logged(tmp_path,
     with caplog.at_level(logging.WARNING, logger="eagle3_dagster.generate"):
         with _Provider({"completion_tokens": 1, "cost": key}) as server:
             backend = OpenAIChatBackend(server.url, MODEL, key, timeout_s=5.0)
-            stats = regenerate_dataset_sync(_convs(1), tmp_path / "raw.jsonl", backend, _settings(concurrency=1),
-                                            dataset="ds")
+            stats = regenerate_dataset_sync(
+                _convs(1), tmp_path / "raw.jsonl", backend, _settings(concurrency=1), dataset="ds"
+            )
     assert stats.num_replies_usage_malformed == 1 and "usage.cost" in caplog.text
     assert key[:16] not in caplog.text and key[:16] not in (tmp_path / "raw.jsonl").read_text()
 
 
 def test_the_malformed_count_is_in_the_stats_the_stage_reports(tmp_path):
     with FakeOpenRouter(cost="abc") as server:
-        stats = regenerate_dataset_sync(_convs(2), tmp_path / "raw.jsonl", _backend(server.url),
-                                        _settings(concurrency=1), dataset="ds")
+        stats = regenerate_dataset_sync(
+            _convs(2), tmp_path / "raw.jsonl", _backend(server.url), _settings(concurrency=1), dataset="ds"
+        )
     assert stats.as_dict()["num_replies_usage_malformed"] == 2
 
 
 @pytest.mark.parametrize("cost", BAD_COSTS + [True], ids=BAD_IDS + ["bool"])
 def test_parsing_a_reply_keeps_no_cost_that_is_not_an_amount_and_names_the_field(cost):
-    body = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": cost}}
+    body = {
+        "choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": cost},
+    }
     result = parse_chat_response(body)
     assert result.cost is None and len(result.usage_problems) == 1 and "usage.cost" in result.usage_problems[0]
     assert result.usage == {"prompt_tokens": 3, "completion_tokens": 2}
 
 
-@pytest.mark.parametrize("field,value", [("completion_tokens", -5), ("prompt_tokens", "many"),
-                                         ("completion_tokens", 2.5), ("prompt_tokens", float("nan"))])
+@pytest.mark.parametrize(
+    "field,value",
+    [("completion_tokens", -5), ("prompt_tokens", "many"), ("completion_tokens", 2.5), ("prompt_tokens", float("nan"))],
+)
 def test_a_token_count_that_is_not_a_count_is_dropped_and_named(field, value):
-    body = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, field: value}}
+    body = {
+        "choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, field: value},
+    }
     result = parse_chat_response(body)
     assert field not in result.usage and result.usage_problems and f"usage.{field}" in result.usage_problems[0]
 
 
 def test_good_usage_is_kept_as_reported():
-    body = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "cost": 0,
-                      "completion_tokens_details": {"reasoning_tokens": None}}}
+    body = {
+        "choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "cost": 0,
+            "completion_tokens_details": {"reasoning_tokens": None},
+        },
+    }
     result = parse_chat_response(body)
-    assert result.cost == 0.0 and result.usage_problems == () and result.usage == {
-        "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert (
+        result.cost == 0.0
+        and result.usage_problems == ()
+        and result.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    )
 
 
 @pytest.mark.parametrize("tokens", [-1000, "abc"], ids=["negative", "string"])
 def test_without_a_cost_a_reply_whose_token_counts_are_not_counts_is_booked_at_the_bound(tmp_path, tokens):
     """No cost reported: the booking falls back to tokens x prices, which a negative count would make negative."""
     with _Provider({"prompt_tokens": 3, "completion_tokens": tokens}) as server:
-        stats = regenerate_dataset_sync(_convs(3), tmp_path / "raw.jsonl", _backend(server.url),
-                                        _settings(concurrency=1), dataset="ds")
+        stats = regenerate_dataset_sync(
+            _convs(3), tmp_path / "raw.jsonl", _backend(server.url), _settings(concurrency=1), dataset="ds"
+        )
     assert stats.num_successes == 3 and stats.num_replies_usage_malformed == 3
     assert stats.cost_usd == pytest.approx(3 * BILLED_USD) and stats.completion_tokens == 0
 
@@ -130,8 +153,11 @@ class _Provider(LoopbackHTTPServer):
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
-                choices = [] if fake.unusable else [{"index": 0, "finish_reason": "stop",
-                                                     "message": {"role": "assistant", "content": "ok"}}]
+                choices = (
+                    []
+                    if fake.unusable
+                    else [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}]
+                )
                 payload = json.dumps({"id": "x", "choices": choices, "usage": fake.usage}).encode()
                 fake.num_served += 1
                 self.send_response(200)
@@ -147,8 +173,9 @@ class _Provider(LoopbackHTTPServer):
 def test_a_paid_unusable_reply_with_a_bad_cost_is_booked_at_its_bound_in_this_run_and_the_next(tmp_path, cost):
     store = tmp_path / "raw.jsonl"
     with _Provider({"completion_tokens": 1, "cost": cost}, unusable=True) as server:
-        stats = regenerate_dataset_sync(_convs(3), store, _backend(server.url),
-                                        _settings(concurrency=1, max_failure_fraction=1.0), dataset="ds")
+        stats = regenerate_dataset_sync(
+            _convs(3), store, _backend(server.url), _settings(concurrency=1, max_failure_fraction=1.0), dataset="ds"
+        )
     assert server.num_served == 3 and stats.failures_by_kind == {"unusable_reply": 3}
     assert stats.num_replies_usage_malformed == 3 and stats.cost_usd == pytest.approx(3 * BILLED_USD)
     with ResponseStore(store) as log:
@@ -159,14 +186,16 @@ def test_a_paid_unusable_reply_with_a_bad_cost_is_booked_at_its_bound_in_this_ru
 def test_a_log_that_recorded_a_malformed_cost_counts_the_request_at_its_bound_when_read_back(tmp_path, caplog):
     """Logs written before the check: NaN and infinity were written as null, a negative cost as it was."""
     store = tmp_path / "raw.jsonl"
-    lines = [{"type": "sent", "request_id": "a", "bound_usd": 0.01},
-             {"type": "turn", "request_id": "a", "cost_usd": None},
-             {"type": "sent", "request_id": "b", "bound_usd": 0.01},
-             {"type": "failed", "request_id": "b", "kind": "unusable_reply", "cost_usd": -0.5},
-             {"type": "sent", "request_id": "c", "bound_usd": 0.01},
-             {"type": "turn", "request_id": "c", "cost_usd": 0.002},
-             {"type": "sent", "request_id": "d", "bound_usd": 0.01},
-             {"type": "failed", "request_id": "d", "kind": "server_error"}]
+    lines = [
+        {"type": "sent", "request_id": "a", "bound_usd": 0.01},
+        {"type": "turn", "request_id": "a", "cost_usd": None},
+        {"type": "sent", "request_id": "b", "bound_usd": 0.01},
+        {"type": "failed", "request_id": "b", "kind": "unusable_reply", "cost_usd": -0.5},
+        {"type": "sent", "request_id": "c", "bound_usd": 0.01},
+        {"type": "turn", "request_id": "c", "cost_usd": 0.002},
+        {"type": "sent", "request_id": "d", "bound_usd": 0.01},
+        {"type": "failed", "request_id": "d", "kind": "server_error"},
+    ]
     store.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with caplog.at_level(logging.WARNING, logger="eagle3_dagster.generate"), ResponseStore(store) as log:
         assert log.recorded_cost_usd == pytest.approx(0.01 + 0.01 + 0.002)

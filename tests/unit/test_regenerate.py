@@ -47,11 +47,15 @@ def test_every_assistant_turn_is_replaced_and_fed_back_as_history(tmp_path):
     store = tmp_path / "raw.jsonl"
     lines: list[str] = []
     with FakeOpenRouter() as server:
-        stats = regenerate_dataset_sync(_convs(1), store, _backend(server), SETTINGS, dataset="ds",
-                                        progress=lines.append)
+        stats = regenerate_dataset_sync(
+            _convs(1), store, _backend(server), SETTINGS, dataset="ds", progress=lines.append
+        )
     # the shared progress contract (eagle3_dagster.progress), with the requests and money so far
-    assert re.fullmatch(r"raw_responses\[ds\]: 1/1 conversations \(100\.0%\), [\d.,]+ conversations/s, "
-                        r"ETA 0:00:00, 2 requests, \$0\.0020", lines[-1]), lines
+    assert re.fullmatch(
+        r"raw_responses\[ds\]: 1/1 conversations \(100\.0%\), [\d.,]+ conversations/s, "
+        r"ETA 0:00:00, 2 requests, \$0\.0020",
+        lines[-1],
+    ), lines
     second = server.bodies[1]["messages"]
     assert second == [
         {"role": "system", "content": "be brief"},
@@ -61,8 +65,12 @@ def test_every_assistant_turn_is_replaced_and_fed_back_as_history(tmp_path):
     ]
     turns = list(iter_turns(store))
     assert [t["turn"] for t in turns] == [0, 1]
-    assert turns[1]["response"] == {"reasoning": "thinking about q0.1", "content": "answer 1 to q0.1",
-                                    "tool_calls": [], "finish_reason": "stop"}
+    assert turns[1]["response"] == {
+        "reasoning": "thinking about q0.1",
+        "content": "answer 1 to q0.1",
+        "tool_calls": [],
+        "finish_reason": "stop",
+    }
     assert turns[1]["messages"] == second and turns[1]["provider"] == "Moonshot AI"
     assert not any("OLD" in orjson.dumps(t).decode() for t in turns)
     assert stats.num_successes == 2 and stats.num_conversations_complete == 1
@@ -80,8 +88,9 @@ def test_request_ids_are_deterministic_and_change_with_generation_settings():
 def test_budget_stops_new_requests_and_a_restart_sends_none(tmp_path):
     store = tmp_path / "raw.jsonl"
     # each request reserves 256 x $0.00004 = $0.01024 and costs $0.01: four fit in $0.045, a fifth does not
-    settings = GenerationSettings(model=SETTINGS.model, concurrency=3, budget_usd=0.045,
-                                  price_per_completion_token=0.00004)
+    settings = GenerationSettings(
+        model=SETTINGS.model, concurrency=3, budget_usd=0.045, price_per_completion_token=0.00004
+    )
     with FakeOpenRouter(delay_s=0.2, cost=0.01) as server:
         stats = regenerate_dataset_sync(_convs(10, turns=1), store, _backend(server), settings, dataset="ds")
         assert stats.stopped_by_budget
@@ -128,8 +137,13 @@ def test_a_garbled_line_in_the_middle_of_the_store_is_an_error_naming_the_line(t
 def test_the_api_key_is_never_written_to_the_store(tmp_path):
     store = tmp_path / "raw.jsonl"
     with FakeOpenRouter(["echo_key"]) as server:
-        regenerate_dataset_sync(_convs(2), store, _backend(server), GenerationSettings(
-            model=SETTINGS.model, max_new_tokens=32, concurrency=1, max_failure_fraction=1.0), dataset="ds")
+        regenerate_dataset_sync(
+            _convs(2),
+            store,
+            _backend(server),
+            GenerationSettings(model=SETTINGS.model, max_new_tokens=32, concurrency=1, max_failure_fraction=1.0),
+            dataset="ds",
+        )
     assert SECRET.encode() not in store.read_bytes()
 
 
@@ -149,13 +163,22 @@ _CHILD = textwrap.dedent("""
 
 def test_resume_after_sigkill_never_resends_a_request_and_loses_no_record(tmp_path):
     convs = tmp_path / "convs.jsonl"
-    convs.write_bytes(b"".join(orjson.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}.{t}"}
-                                             for t in range(3)]}) + b"\n" for i in range(8)))
+    convs.write_bytes(
+        b"".join(
+            orjson.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}.{t}"} for t in range(3)]})
+            + b"\n"
+            for i in range(8)
+        )
+    )
     store = tmp_path / "raw.jsonl"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with FakeOpenRouter(delay_s=0.01, block_after=7) as server:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, server.url, str(convs), str(store)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, server.url, str(convs), str(store)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 60
         while len(server.blocked) < 2 and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.02)
@@ -166,8 +189,12 @@ def test_resume_after_sigkill_never_resends_a_request_and_loses_no_record(tmp_pa
         in_flight = set(server.blocked)
         server.block_after = None
         server.release.set()
-        done = subprocess.run([sys.executable, "-c", _CHILD, server.url, str(convs), str(store)], env=env,
-                              capture_output=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, server.url, str(convs), str(store)],
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert len(server.received) == len(set(server.received)), "a request id was sent twice"
     assert store.read_bytes().startswith(before), "records written before the kill were lost or changed"
@@ -178,6 +205,7 @@ def test_resume_after_sigkill_never_resends_a_request_and_loses_no_record(tmp_pa
     assert len(complete) == 8 - 2  # the two conversations whose request died in flight stay incomplete
     assert all(rid in turns for c in complete for rid in c["request_ids"])
     assert sum(len(c["request_ids"]) for c in complete) == 6 * 3
+
 
 def test_local_backend_regenerates_with_the_targets_chat_template(tmp_path, micro_target):
     from eagle3_dagster.generate.local_backend import LocalChatBackend

@@ -54,10 +54,16 @@ def test_every_release_the_tier_reads_has_pypis_hashes_pinned_and_every_cached_w
     table = json.loads(TABLE.read_text())
     for package, version in release_wheels.tier_releases():
         files = table[package][version]
-        assert files and all(name.startswith(f"{package}-{version}-") and name.endswith(".whl") and
-                             re.fullmatch(r"[0-9a-f]{64}", digest) for name, digest in files.items()), (package, version)
-    cached = [(p, v) for p, v in release_wheels.tier_releases()
-              for f in release_wheels.cache_dir(p).glob(f"{p}-{v}-*.whl") if f.name in table[p][v]]
+        assert files and all(
+            name.startswith(f"{package}-{version}-") and name.endswith(".whl") and re.fullmatch(r"[0-9a-f]{64}", digest)
+            for name, digest in files.items()
+        ), (package, version)
+    cached = [
+        (p, v)
+        for p, v in release_wheels.tier_releases()
+        for f in release_wheels.cache_dir(p).glob(f"{p}-{v}-*.whl")
+        if f.name in table[p][v]
+    ]
     for package, version in cached:  # computed from the wheels already fetched: the pins are PyPI's
         release_wheels.wheel(package, version)
 

@@ -23,8 +23,18 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _row(set_name, method, spec, tokens_per_s, verify_tokens=0, verify_ct=0, accepted=()):
-    return make_row(set_name, method, spec, num_prompts=4, prompt_tokens=100, completion_tokens=int(tokens_per_s * 2),
-                    wall_s=2.0, verify_ct=verify_ct, verify_tokens=verify_tokens, accepted_by_position=accepted)
+    return make_row(
+        set_name,
+        method,
+        spec,
+        num_prompts=4,
+        prompt_tokens=100,
+        completion_tokens=int(tokens_per_s * 2),
+        wall_s=2.0,
+        verify_ct=verify_ct,
+        verify_tokens=verify_tokens,
+        accepted_by_position=accepted,
+    )
 
 
 def _results(eagle_tokens: int = 300) -> dict:
@@ -36,8 +46,10 @@ def _results(eagle_tokens: int = 300) -> dict:
             _row(s, "eagle3_untrained", "3,1,4", 45.0, verify_tokens=102, verify_ct=100, accepted=(2, 0, 0)),
             _row(s, "ngram", "3,1,4", 60.0, verify_tokens=140, verify_ct=100, accepted=(30, 8, 2)),
         ]
-    sets = {"heldout_sharegpt": {"num_prompts": 4, "source": "sharegpt heldout 5%"},
-            "gsm8k": {"num_prompts": 4, "source": "/data/gsm8k.jsonl"}}
+    sets = {
+        "heldout_sharegpt": {"num_prompts": 4, "source": "sharegpt heldout 5%"},
+        "gsm8k": {"num_prompts": 4, "source": "/data/gsm8k.jsonl"},
+    }
     return results_document(attach_speedups(rows), "inprocess", sets)
 
 
@@ -94,9 +106,18 @@ def test_png_data_uri_round_trips():
 
 
 def _timed_row(method, spec, walls, bands=None, draft_s_per_token=None):
-    row = make_row("heldout_sharegpt", method, spec, num_prompts=2, prompt_tokens=100, completion_tokens=100,
-                   wall_s=sorted(walls)[len(walls) // 2], verify_ct=40 if spec else 0, verify_tokens=100 if spec else 0,
-                   wall_s_rounds=walls)
+    row = make_row(
+        "heldout_sharegpt",
+        method,
+        spec,
+        num_prompts=2,
+        prompt_tokens=100,
+        completion_tokens=100,
+        wall_s=sorted(walls)[len(walls) // 2],
+        verify_ct=40 if spec else 0,
+        verify_tokens=100 if spec else 0,
+        wall_s_rounds=walls,
+    )
     if bands is not None:
         row["bands"] = bands
     if draft_s_per_token is not None:
@@ -106,8 +127,9 @@ def _timed_row(method, spec, walls, bands=None, draft_s_per_token=None):
 
 def test_speedup_is_the_median_of_per_round_ratios_with_its_spread():
     # no_spec 100, 50, 100 tok/s; eagle3 200, 100, 150: per round 2.0, 2.0, 1.5 (the ratio of medians would be 1.5)
-    rows = attach_speedups([_timed_row("no_spec", None, [1.0, 2.0, 1.0]),
-                            _timed_row("eagle3", "3,1,4", [0.5, 1.0, 1 / 1.5])])
+    rows = attach_speedups(
+        [_timed_row("no_spec", None, [1.0, 2.0, 1.0]), _timed_row("eagle3", "3,1,4", [0.5, 1.0, 1 / 1.5])]
+    )
     eagle = rows[1]
     assert eagle["speedup_rounds"] == [2.0, 2.0, 1.5]
     assert (eagle["speedup"], eagle["speedup_min"], eagle["speedup_max"]) == (2.0, 1.5, 2.0)
@@ -121,13 +143,17 @@ def _banded_results() -> dict:
     assert bands.labels == ["1–512", "513–2048", "> 2048"]
 
     def entries(short, long):
-        return [band_entry(bands, 0, num_prompts=3, verify_ct=10, verify_tokens=int(10 * short)),
-                band_entry(bands, 1, num_prompts=2, verify_ct=10, verify_tokens=int(10 * long)),
-                band_entry(bands, 2, num_prompts=0, verify_ct=0, verify_tokens=0)]
+        return [
+            band_entry(bands, 0, num_prompts=3, verify_ct=10, verify_tokens=int(10 * short)),
+            band_entry(bands, 1, num_prompts=2, verify_ct=10, verify_tokens=int(10 * long)),
+            band_entry(bands, 2, num_prompts=0, verify_ct=0, verify_tokens=0),
+        ]
 
-    rows = [_timed_row("no_spec", None, [1.0, 1.1, 0.9]),
-            _timed_row("eagle3", "7,1,8", [0.5, 0.6, 0.55], entries(3.1, 1.3), draft_s_per_token=0.0006),
-            _timed_row("ngram", "7,1,8", [0.8, 0.9, 0.85], entries(1.5, 1.2))]
+    rows = [
+        _timed_row("no_spec", None, [1.0, 1.1, 0.9]),
+        _timed_row("eagle3", "7,1,8", [0.5, 0.6, 0.55], entries(3.1, 1.3), draft_s_per_token=0.0006),
+        _timed_row("ngram", "7,1,8", [0.8, 0.9, 0.85], entries(1.5, 1.2)),
+    ]
     sets = {"heldout_sharegpt": {"num_prompts": 5, "source": "x", "num_left_out_over_context": 2}}
     return results_document(attach_speedups(rows), "inprocess", sets)
 
@@ -136,7 +162,9 @@ def test_headline_is_the_training_length_band_and_names_its_configuration():
     head = headline(_banded_results()["rows"])
     assert head["acceptance_length"] == 3.1
     assert head["acceptance_length_all_prompts"] == 2.5
-    assert head["headline_config"] == "eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length)"
+    assert (
+        head["headline_config"] == "eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length)"
+    )
     # the rivals at the same configuration, set and band (no untrained row in these results)
     assert head["ngram_acceptance_length"] == 1.5 and "untrained_acceptance_length" not in head
 
@@ -145,7 +173,8 @@ def test_headline_speedup_carries_the_spread_of_its_rounds_beside_the_ratio_of_m
     head = headline(_banded_results()["rows"])
     eagle = next(r for r in _banded_results()["rows"] if r["method"] == "eagle3")
     assert (head["speedup"], head["speedup_min"], head["speedup_max"]) == tuple(
-        round(eagle[k], 3) for k in ("speedup", "speedup_min", "speedup_max"))
+        round(eagle[k], 3) for k in ("speedup", "speedup_min", "speedup_max")
+    )
     assert head["speedup_min"] <= head["speedup"] <= head["speedup_max"] and "speedup_of_medians" in head
 
 
@@ -153,8 +182,10 @@ def test_report_shows_bands_spread_left_out_prompts_and_says_cpu_speedups_do_not
     md, _, _ = render_report(_banded_results())
     assert "| method | config | 1–512 (training length) | 513–2048 | > 2048 |" in md
     assert "| eagle3 | 7,1,8 | 3.100 | 1.300 | – |" in md
-    assert "**Headline:** eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length): " \
-           "acceptance length 3.100 (all prompts 2.500)" in md
+    assert (
+        "**Headline:** eagle3 at 7,1,8 on heldout_sharegpt, prompts of 1–512 tokens (the training length): "
+        "acceptance length 3.100 (all prompts 2.500)" in md
+    )
     assert "CPU speed-ups do not predict GPU serving" in md
     assert "one drafter step costs 0.06 of a target decode step" in md  # 0.0006 s/token × 100 tok/s
     assert "not the ratio of the two median tokens/s" in md and "speedup_of_medians" in md
@@ -190,6 +221,9 @@ def test_sampled_rows_are_reported_beside_greedy_and_paired_with_no_speculation_
     greedy, sampled = md.split("## s, sampled at temperature 0.8")
     assert "| eagle3 | 3,1,4 | 3.000 |" in greedy and "| eagle3 | 3,1,4 | 2.000 |" in sampled
     previous = results_document([dict(r) for r in rows[:2]], "inprocess", {})  # a run from before temperatures
-    verdicts = {(c["temperature"], c["metric"]): c["verdict"] for c in compare_results(
-        results_document(rows, "inprocess", {}), previous) if c["method"] == "eagle3"}
+    verdicts = {
+        (c["temperature"], c["metric"]): c["verdict"]
+        for c in compare_results(results_document(rows, "inprocess", {}), previous)
+        if c["method"] == "eagle3"
+    }
     assert verdicts[(0.0, "acceptance_length")] == "same" and verdicts[(0.8, "acceptance_length")] == "new"

@@ -20,14 +20,22 @@ SETTINGS = GenerationSettings(model="m", max_new_tokens=16, concurrency=1, max_f
 
 def forms(key: str) -> set[str]:
     """Every way a key shows up when printed: as is, stripped, escaped (h11, bytes repr), repr, JSON."""
-    out = {key, key.strip(), repr(key)[1:-1], json.dumps(key)[1:-1], str(key.encode())[2:-1],
-           key.encode("unicode_escape").decode()}
+    out = {
+        key,
+        key.strip(),
+        repr(key)[1:-1],
+        json.dumps(key)[1:-1],
+        str(key.encode())[2:-1],
+        key.encode("unicode_escape").decode(),
+    }
     return {f for f in out if f}
 
 
 def _convs(n: int) -> list[Conversation]:
-    return [Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"},
-                                                {"role": "assistant", "content": ""})) for i in range(n)]
+    return [
+        Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": ""}))
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("raw", [CORE + "\n", "  " + CORE + "\t", CORE + "\r\n"], ids=["newline", "spaces_tab", "crlf"])
@@ -45,8 +53,11 @@ def test_surrounding_whitespace_is_stripped_and_no_form_of_the_key_is_ever_writt
         assert form not in written
 
 
-@pytest.mark.parametrize("raw", [CORE[:10] + "\n" + CORE[10:], CORE[:5] + "\x00" + CORE[5:], CORE + " x",
-                                 CORE[:8] + "\x1b[0m" + CORE[8:]], ids=["inner_newline", "nul", "inner_space", "ansi"])
+@pytest.mark.parametrize(
+    "raw",
+    [CORE[:10] + "\n" + CORE[10:], CORE[:5] + "\x00" + CORE[5:], CORE + " x", CORE[:8] + "\x1b[0m" + CORE[8:]],
+    ids=["inner_newline", "nul", "inner_space", "ansi"],
+)
 def test_a_key_with_inner_whitespace_or_control_characters_is_refused_without_showing_it(caplog, raw):
     caplog.set_level(logging.DEBUG)
     with pytest.raises(ValueError) as resource_err:
@@ -72,8 +83,13 @@ def test_a_server_echoing_the_key_in_escaped_form_is_scrubbed(tmp_path):
 
             async def go():
                 try:
-                    await backend.complete([{"role": "user", "content": "hi"}], request_id="r", max_tokens=4,
-                                           temperature=0.0, reasoning=False)
+                    await backend.complete(
+                        [{"role": "user", "content": "hi"}],
+                        request_id="r",
+                        max_tokens=4,
+                        temperature=0.0,
+                        reasoning=False,
+                    )
                 finally:
                     await backend.aclose()
 
@@ -89,11 +105,14 @@ def _model_with_code(tmp_path):
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "tokenizer_config.json").write_text(
-        '{"auto_map": {"AutoTokenizer": ["tok.CodeTokenizer", null]}, "tokenizer_class": "CodeTokenizer"}')
+        '{"auto_map": {"AutoTokenizer": ["tok.CodeTokenizer", null]}, "tokenizer_class": "CodeTokenizer"}'
+    )
     ran = tmp_path / "code_ran"
-    (model / "tok.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
-                                  "from transformers import PreTrainedTokenizer\n"
-                                  "class CodeTokenizer(PreTrainedTokenizer):\n    pass\n")
+    (model / "tok.py").write_text(
+        f"open({str(ran)!r}, 'w').close()\n"
+        "from transformers import PreTrainedTokenizer\n"
+        "class CodeTokenizer(PreTrainedTokenizer):\n    pass\n"
+    )
     return model, ran
 
 
@@ -121,9 +140,12 @@ def test_a_tokenizer_whose_shipped_code_imports_a_missing_package_is_an_error_na
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "tokenizer_config.json").write_text(
         '{"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}, '
-        '"tokenizer_class": "TikTokenTokenizer"}')
-    (model / "tokenization_kimi.py").write_text("import eagle3_missing_bpe_package\n"
-                                                "from transformers import PreTrainedTokenizer\n"
-                                                "class TikTokenTokenizer(PreTrainedTokenizer):\n    pass\n")
+        '"tokenizer_class": "TikTokenTokenizer"}'
+    )
+    (model / "tokenization_kimi.py").write_text(
+        "import eagle3_missing_bpe_package\n"
+        "from transformers import PreTrainedTokenizer\n"
+        "class TikTokenTokenizer(PreTrainedTokenizer):\n    pass\n"
+    )
     with pytest.raises(ValueError, match=r"eagle3_missing_bpe_package.*pip install"):
         load_tokenizer(model, trust_remote_code=True)

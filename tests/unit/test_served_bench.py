@@ -30,8 +30,16 @@ from eagle3_dagster.stages.bench import BenchSettings
 pytestmark = pytest.mark.slow  # stand-in SGLang server processes on the host
 
 STANDIN = Path(__file__).resolve().parents[1] / "sglang_standin.py"
-SPEC_ARGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", "4")
+SPEC_ARGS = (
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+)
 PROMPTS = {
     "mtbench": [(f"m{i}", list(range(3, 10 + i))) for i in range(6)],
     "gsm8k": [(f"g{i}", list(range(20, 25 + i))) for i in range(4)],
@@ -51,9 +59,22 @@ def direct_server():
 
     def start(*args: str, env: dict | None = None) -> str:
         port = free_port()
-        proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", "/models/t", "--port", str(port),
-                                 "--served-model-name", "ours", *args], stdout=subprocess.PIPE, text=True,
-                                env={"PATH": "/usr/bin:/bin", "STANDIN_LOAD_S": "0", **(env or {})})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(STANDIN),
+                "--model-path",
+                "/models/t",
+                "--port",
+                str(port),
+                "--served-model-name",
+                "ours",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={"PATH": "/usr/bin:/bin", "STANDIN_LOAD_S": "0", **(env or {})},
+        )
         procs.append(proc)
         assert "serving" in proc.stdout.readline()  # printed once the port is bound
         return f"http://127.0.0.1:{port}"
@@ -69,8 +90,15 @@ def _host(tmp_path) -> GpuHost:
 
 
 def _server(port: int, *extra: str, context: int | None = 4096, **env: str) -> ServerSpec:
-    return ServerSpec(model_path="/models/tiny", port=port, context_length=context, extra_args=extra,
-                      launcher=(sys.executable, str(STANDIN)), health_timeout_s=60, env=env)
+    return ServerSpec(
+        model_path="/models/tiny",
+        port=port,
+        context_length=context,
+        extra_args=extra,
+        launcher=(sys.executable, str(STANDIN)),
+        health_timeout_s=60,
+        env=env,
+    )
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -88,8 +116,9 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 def test_client_reports_its_acceptance_length_next_to_sglangs_own(direct_server):
     url = direct_server(*SPEC_ARGS)
-    rows = run_served_sets(url, PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=3,
-                           served_model_name="ours")
+    rows = run_served_sets(
+        url, PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=3, served_model_name="ours"
+    )
     assert [r["set"] for r in rows] == ["mtbench", "gsm8k"]
     total_n = total_v = 0
     for row, prompts in zip(rows, PROMPTS.values()):
@@ -153,10 +182,20 @@ def test_client_refuses_a_server_whose_model_list_answers_an_error_naming_the_st
 @pytest.mark.parametrize("release", ["0.5.14", "0.5.23"])  # name from /v1/models only; from /model_info too
 def test_benchmark_client_runs_on_the_gpu_host_beside_the_server(tmp_path, release):
     host, port, logs = _host(tmp_path), free_port(), []
-    rows = run_on_host(host, _server(port, *SPEC_ARGS, STANDIN_RELEASE=release, STANDIN_LOAD_S="1"), PROMPTS,
-                       method="eagle3", spec="3,1,4", max_new_tokens=12, concurrency=2, log=logs.append)
-    assert [(r["set"], r["method"], r["spec"]) for r in rows] == [("mtbench", "eagle3", "3,1,4"),
-                                                                   ("gsm8k", "eagle3", "3,1,4")]
+    rows = run_on_host(
+        host,
+        _server(port, *SPEC_ARGS, STANDIN_RELEASE=release, STANDIN_LOAD_S="1"),
+        PROMPTS,
+        method="eagle3",
+        spec="3,1,4",
+        max_new_tokens=12,
+        concurrency=2,
+        log=logs.append,
+    )
+    assert [(r["set"], r["method"], r["spec"]) for r in rows] == [
+        ("mtbench", "eagle3", "3,1,4"),
+        ("gsm8k", "eagle3", "3,1,4"),
+    ]
     n, v = map(sum, zip(*[_expected(ids, 12, 3) for _, ids in PROMPTS["mtbench"]]))
     assert rows[0]["acceptance_length"] == pytest.approx(n / v)
     launched = next(line for line in logs if line.startswith("[sglang] stand-in sglang"))
@@ -172,8 +211,9 @@ def test_a_foreign_server_on_the_port_is_refused_before_launching(tmp_path, dire
     port, logs = int(url.rsplit(":", 1)[1]), []
     start = time.monotonic()
     with pytest.raises(ServerError, match=rf"already answers on 127.0.0.1:{port}"):
-        run_on_host(_host(tmp_path), _server(port), PROMPTS, method="no_spec", spec=None, max_new_tokens=5,
-                    log=logs.append)
+        run_on_host(
+            _host(tmp_path), _server(port), PROMPTS, method="no_spec", spec=None, max_new_tokens=5, log=logs.append
+        )
     assert not any(line.startswith("[sglang]") for line in logs), "a server was launched anyway"
     assert time.monotonic() - start < 30
 
@@ -181,8 +221,14 @@ def test_a_foreign_server_on_the_port_is_refused_before_launching(tmp_path, dire
 def test_a_healthy_server_answering_under_another_name_is_not_taken_as_ours(tmp_path):
     port = free_port()
     with pytest.raises(ServerError, match=r"not ours.*\['impostor'\]"):
-        run_on_host(_host(tmp_path), _server(port, STANDIN_NAME="impostor"), PROMPTS, method="no_spec", spec=None,
-                    max_new_tokens=5)
+        run_on_host(
+            _host(tmp_path),
+            _server(port, STANDIN_NAME="impostor"),
+            PROMPTS,
+            method="no_spec",
+            spec=None,
+            max_new_tokens=5,
+        )
     assert not (tmp_path / "work" / f"sglang-{port}.pid").exists()
 
 
@@ -190,8 +236,16 @@ def test_a_healthy_server_answering_under_another_name_is_not_taken_as_ours(tmp_
 def test_server_dying_mid_run_names_server_and_prompt_and_is_stopped(tmp_path, failure):
     port, logs = free_port(), []
     with pytest.raises(ServedBenchmarkError) as err:
-        run_on_host(_host(tmp_path), _server(port, *SPEC_ARGS, STANDIN_FAIL_AFTER="3", STANDIN_FAILURE=failure),
-                    PROMPTS, method="eagle3", spec="3,1,4", max_new_tokens=8, concurrency=1, log=logs.append)
+        run_on_host(
+            _host(tmp_path),
+            _server(port, *SPEC_ARGS, STANDIN_FAIL_AFTER="3", STANDIN_FAILURE=failure),
+            PROMPTS,
+            method="eagle3",
+            spec="3,1,4",
+            max_new_tokens=8,
+            concurrency=1,
+            log=logs.append,
+        )
     message = str(err.value)
     assert f"SGLang server http://127.0.0.1:{port}" in message
     assert "prompt mtbench/m3" in message  # sequential requests: the fourth one is the first to fail
@@ -207,12 +261,20 @@ def test_prompts_are_capped_at_the_serving_context(tmp_path):
     port, logs = free_port(), []
     too_long = {"mtbench": [("ok", [1] * 8), ("long", [1] * 20)]}
     with pytest.raises(ValueError, match=r"prompt mtbench/long: 20 tokens \+ max_new_tokens 8 exceed .* 24"):
-        run_on_host(_host(tmp_path), _server(port, context=24), too_long, method="no_spec", spec=None,
-                    max_new_tokens=8, log=logs.append)
+        run_on_host(
+            _host(tmp_path),
+            _server(port, context=24),
+            too_long,
+            method="no_spec",
+            spec=None,
+            max_new_tokens=8,
+            log=logs.append,
+        )
     assert not logs  # refused before any server was started
     fitting = {"mtbench": [("ok", [1] * 8), ("edge", [1] * 16)]}
-    rows = run_on_host(_host(tmp_path), _server(port, context=24), fitting, method="no_spec", spec=None,
-                       max_new_tokens=8)
+    rows = run_on_host(
+        _host(tmp_path), _server(port, context=24), fitting, method="no_spec", spec=None, max_new_tokens=8
+    )
     assert rows[0]["num_prompts"] == 2
 
 
@@ -230,9 +292,20 @@ def test_prompt_sets_load_from_local_files_with_size_and_source(tmp_path):
     mt = jsonl("mt.jsonl", [{"id": "81", "turns": ["Write a travel blog.", "Rewrite it."]}])
     he = jsonl("he.jsonl", [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n"}])
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    tool = jsonl("tools.jsonl", [{"id": "t0", "tools": tools, "messages": [
-        {"role": "system", "content": "You can call tools."}, {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "ignored"}]}])
+    tool = jsonl(
+        "tools.jsonl",
+        [
+            {
+                "id": "t0",
+                "tools": tools,
+                "messages": [
+                    {"role": "system", "content": "You can call tools."},
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    {"role": "assistant", "content": "ignored"},
+                ],
+            }
+        ],
+    )
 
     gsm_set = load_prompt_set("gsm8k", 3, gsm)
     assert gsm_set.describe() == {"num_prompts": 3, "source": str(gsm)}
@@ -264,7 +337,9 @@ def _standin_host_python(tmp_path, version: str) -> Path:
     shutil.copy(STANDIN, site / "launch_server.py")
     python = tmp_path / "python"
     root = Path(__file__).resolve().parents[2]
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:{root}" STANDIN_LOAD_S=0.5 exec "{sys.executable}" "$@"\n')
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}:{root}" STANDIN_LOAD_S=0.5 exec "{sys.executable}" "$@"\n'
+    )
     python.chmod(0o755)
     return python
 
@@ -272,10 +347,21 @@ def _standin_host_python(tmp_path, version: str) -> Path:
 def _bench_profile(tmp_path, port: int, **gpu_host):
     from eagle3_dagster.config import load_profile
 
-    return load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"), "gpu_host": gpu_host,
-        "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
-        "bench": {"mode": "served", "sets": ["gsm8k"], "num_prompts": 2, "max_new_tokens": 16, "spec_configs": [[3, 1, 4]]}})
+    return load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "gpu_host": gpu_host,
+            "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
+            "bench": {
+                "mode": "served",
+                "sets": ["gsm8k"],
+                "num_prompts": 2,
+                "max_new_tokens": 16,
+                "spec_configs": [[3, 1, 4]],
+            },
+        },
+    )
 
 
 @pytest.mark.parametrize("case", ["export", "profile"])
@@ -288,15 +374,29 @@ def test_served_benchmark_refuses_a_host_release_the_export_or_profile_does_not_
 
     port = free_port()
     profile = _bench_profile(tmp_path, port, **({"sglang_version": "0.5.12"} if case == "profile" else {}))
-    export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096,
-                            sglang_versions=["0.5.12"] if case == "export" else None)
+    export = export_drafter(
+        _drafter(target_dir),
+        tmp_path / "export",
+        serving_context=4096,
+        sglang_versions=["0.5.12"] if case == "export" else None,
+    )
     host = GpuHost(HostConfig(python=str(_standin_host_python(tmp_path, "0.5.13")), workdir=str(tmp_path / "work")))
     logs: list[str] = []
-    want = (r"SGLang 0\.5\.13\b.*0\.5\.12" if case == "export"
-            else r"SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12")
+    want = (
+        r"SGLang 0\.5\.13\b.*0\.5\.12"
+        if case == "export"
+        else r"SGLang 0\.5\.13 installed.*gpu_host\.sglang_version is 0\.5\.12"
+    )
     with pytest.raises((ValueError, PreflightError), match=want):
-        benchmark_stage(BenchSettings.from_profile(profile), ArtifactLayout.from_profile(profile), export_dir=export, previous_results=None,
-                        run_id="r1", gpu_host=host, progress=logs.append)
+        benchmark_stage(
+            BenchSettings.from_profile(profile),
+            ArtifactLayout.from_profile(profile),
+            export_dir=export,
+            previous_results=None,
+            run_id="r1",
+            gpu_host=host,
+            progress=logs.append,
+        )
     assert not any(line.startswith("[sglang]") for line in logs), "a server was launched anyway"
 
 
@@ -319,18 +419,36 @@ def test_benchmark_stage_serves_through_sglang_on_the_gpu_host(tmp_path, micro_t
     prompts = tmp_path / "gsm8k.jsonl"
     prompts.write_bytes(b"".join(orjson.dumps({"question": q, "answer": "x"}) + b"\n" for q in questions))
     port = free_port()
-    profile = load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"),
-        "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
-        "bench": {"mode": "served", "sets": ["gsm8k"], "set_paths": {"gsm8k": str(prompts)}, "num_prompts": 5, "max_new_tokens": 16,
-                  "spec_configs": [[3, 1, 4]], "concurrency": 2}})
+    profile = load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "hidden": {"backend": "sglang", "sglang_port": port, "root": str(tmp_path / "run" / "hidden_states")},
+            "bench": {
+                "mode": "served",
+                "sets": ["gsm8k"],
+                "set_paths": {"gsm8k": str(prompts)},
+                "num_prompts": 5,
+                "max_new_tokens": 16,
+                "spec_configs": [[3, 1, 4]],
+                "concurrency": 2,
+            },
+        },
+    )
     layout = ArtifactLayout.from_profile(profile)
     shutil.copytree(micro_target, layout.target_dir)
     host = GpuHost(HostConfig(python=str(python), workdir=str(tmp_path / "work")))
     logs: list[str] = []
     export = export_drafter(_drafter(target_dir), tmp_path / "export", serving_context=4096)  # the project's own
-    report = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=None, run_id="r1",
-                             gpu_host=host, progress=logs.append)
+    report = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        layout,
+        export_dir=export,
+        previous_results=None,
+        run_id="r1",
+        gpu_host=host,
+        progress=logs.append,
+    )
     assert report.metadata["drafter_source"] == "eagle3_dagster"
     results = json.loads(Path(report.metadata["results_json"]).read_text())
     rows = {r["method"]: r for r in results["rows"]}

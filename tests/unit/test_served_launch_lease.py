@@ -73,9 +73,12 @@ def extraction(tmp_path, monkeypatch):
     monkeypatch.setenv("STANDIN_LOAD_S", "0")
     host = GpuHost(HostConfig(workdir=str(tmp_path / "work")))
     port, leases, ready = free_port(), tmp_path / "leases", tmp_path / "ready"
-    child = subprocess.Popen([sys.executable, "-c", EXTRACTION, host.spec.workdir, str(leases), str(port),
-                              str(STANDIN), str(ready), RUN], cwd=ROOT, start_new_session=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", EXTRACTION, host.spec.workdir, str(leases), str(port), str(STANDIN), str(ready), RUN],
+        cwd=ROOT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     deadline = time.monotonic() + 120
     while not ready.exists() and time.monotonic() < deadline:
         assert child.poll() is None, "the extraction run died before its server was healthy"
@@ -113,8 +116,9 @@ def test_a_launch_holding_the_host_in_another_lease_folder_is_refused_as_well(ex
     """A CLI whose lease folder is not the runs' (another DAGSTER_HOME) takes its lease there, and still meets
     the run's lease through the record beside the pid file."""
     host, port, _leases, url = extraction
-    with lease_host([(host.name, host)], tmp_path / "other-leases", holder={"run_id": "bench"},
-                    log=lambda _l: None) as lease:
+    with lease_host(
+        [(host.name, host)], tmp_path / "other-leases", holder={"run_id": "bench"}, log=lambda _l: None
+    ) as lease:
         refused = _launch_again(lease.host, port)
     assert _healthy(url), f"the extraction's server was stopped ({refused!r})"
     assert refused is not None and RUN in str(refused), refused
@@ -130,7 +134,8 @@ def _stale_group(host: GpuHost, port: int, record: dict | str | None) -> int:
         time.sleep(0.02)
     if record is not None:
         (Path(host.spec.workdir) / f"sglang-{port}.holder").write_text(
-            record if isinstance(record, str) else json.dumps(record))
+            record if isinstance(record, str) else json.dumps(record)
+        )
     assert host.group_alive(pidfile.name)
     return int(pidfile.read_text().split()[0])
 
@@ -141,9 +146,12 @@ def test_a_server_whose_launcher_is_gone_is_still_stopped_and_the_launch_goes_ah
     host = GpuHost(HostConfig(workdir=str(tmp_path / "work")))
     port, leases = free_port(), tmp_path / "leases"
     forged = '{"lease_dir": "relative/leases", "lease_name": "local", "run_id": "x"}'
-    written = {"a free lease": {"lease_dir": str(leases), "lease_name": host.name, "run_id": "gone", "pid": 1},
-               "no record": None, "a forged record": forged,
-               "this process's lease": {"lease_dir": str(leases), "lease_name": host.name, "run_id": "me"}}[record]
+    written = {
+        "a free lease": {"lease_dir": str(leases), "lease_name": host.name, "run_id": "gone", "pid": 1},
+        "no record": None,
+        "a forged record": forged,
+        "this process's lease": {"lease_dir": str(leases), "lease_name": host.name, "run_id": "me"},
+    }[record]
     leases.mkdir()
     if record == "a free lease":  # the run that launched it held the lease and died
         with lease_host([(host.name, host)], leases, holder={"run_id": "gone"}, log=lambda _l: None):
@@ -171,9 +179,14 @@ def test_a_launch_records_the_lease_it_runs_under_beside_the_pid_file(tmp_path, 
 
 def _bench_profile(tmp_path: Path, host: GpuHost, port: int, leases: Path) -> Path:
     raw = yaml.safe_load((ROOT / "configs" / "micro.yaml").read_text())
-    raw.update(run_root=str(tmp_path / "run"),
-               gpu_host={"hosts": [{"workdir": host.spec.workdir, "sglang_port": port}], "lease_dir": str(leases),
-                         "lease_wait_s": 1})
+    raw.update(
+        run_root=str(tmp_path / "run"),
+        gpu_host={
+            "hosts": [{"workdir": host.spec.workdir, "sglang_port": port}],
+            "lease_dir": str(leases),
+            "lease_wait_s": 1,
+        },
+    )
     raw["bench"] = {**raw.get("bench", {}), "mode": "served"}
     profile = tmp_path / "profile.yaml"
     profile.write_text(yaml.safe_dump(raw))
@@ -203,22 +216,29 @@ def test_eagle3_bench_served_holds_the_host_lease_while_it_benchmarks(tmp_path, 
 
     monkeypatch.setattr(bench, "benchmark_stage", benchmark_stage)
     profile = _bench_profile(tmp_path, host, free_port(), leases)
-    assert cli.main(["--profile", str(profile), "bench", "--drafter", str(_drafter(tmp_path))]) == 0, \
+    assert cli.main(["--profile", str(profile), "bench", "--drafter", str(_drafter(tmp_path))]) == 0, (
         capsys.readouterr().err
+    )
     assert seen["holder"] is not None and seen["holder"]["pid"] == os.getpid()
     assert seen["holder"]["run_id"].startswith("eagle3-bench-")
     assert who_holds(leases, host.name) is None  # given back
 
 
 def test_eagle3_bench_served_during_an_extraction_waits_then_fails_naming_the_run_and_stops_nothing(
-        extraction, tmp_path, monkeypatch, capsys):
+    extraction, tmp_path, monkeypatch, capsys
+):
     from eagle3_dagster import cli
     from eagle3_dagster.stages import bench
 
     host, port, leases, url = extraction
     called = []
-    monkeypatch.setattr(bench, "benchmark_stage", lambda *a, **kw: called.append(kw) or (_ for _ in ()).throw(
-        AssertionError("benchmarked on a host another run holds")))
+    monkeypatch.setattr(
+        bench,
+        "benchmark_stage",
+        lambda *a, **kw: (
+            called.append(kw) or (_ for _ in ()).throw(AssertionError("benchmarked on a host another run holds"))
+        ),
+    )
     profile = _bench_profile(tmp_path, host, port, leases)
     rc = cli.main(["--profile", str(profile), "bench", "--drafter", str(_drafter(tmp_path))])
     err = capsys.readouterr().err
@@ -228,7 +248,8 @@ def test_eagle3_bench_served_during_an_extraction_waits_then_fails_naming_the_ru
 
 
 def test_eagle3_bench_served_leases_where_the_instances_runs_do_or_refuses_when_that_is_unknown(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     """No gpu_host.lease_dir: the runs lease under the instance's storage (resources/gpu_host.py), so the CLI
     leases under DAGSTER_HOME's; with neither, a lease taken anywhere would guard nothing, and it is refused."""
     from eagle3_dagster import cli
@@ -240,8 +261,14 @@ def test_eagle3_bench_served_leases_where_the_instances_runs_do_or_refuses_when_
     del raw["gpu_host"]["lease_dir"]
     profile.write_text(yaml.safe_dump(raw))
     seen = []
-    monkeypatch.setattr(bench, "benchmark_stage", lambda *a, gpu_host, out_dir, **kw: seen.append(
-        who_holds(tmp_path / "home" / "storage" / "gpu_host_leases", gpu_host.name)) or StageReport(metadata={}))
+    monkeypatch.setattr(
+        bench,
+        "benchmark_stage",
+        lambda *a, gpu_host, out_dir, **kw: (
+            seen.append(who_holds(tmp_path / "home" / "storage" / "gpu_host_leases", gpu_host.name))
+            or StageReport(metadata={})
+        ),
+    )
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     assert cli.main(["--profile", str(profile), "bench", "--drafter", str(_drafter(tmp_path))]) == 2
     assert "gpu_host.lease_dir" in capsys.readouterr().err and not seen

@@ -32,8 +32,9 @@ def shim():
 def _buffers() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     # two layers' K and V of one MHA pool (bf16, 2 heads x 8) and an MLA-like buffer of another row size
-    return [torch.randn(12, 2, 8, generator=g).to(torch.bfloat16) for _ in range(4)] + \
-        [torch.randn(12, 1, 24, generator=g)]
+    return [torch.randn(12, 2, 8, generator=g).to(torch.bfloat16) for _ in range(4)] + [
+        torch.randn(12, 1, 24, generator=g)
+    ]
 
 
 def _pointers(bufs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,18 +53,22 @@ def _reference(bufs: list[torch.Tensor], tgt: list[int], src: list[int]) -> list
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("tgt,src", [
-    ([7, 3, 11], [1, 2, 5]),  # disjoint
-    ([2, 3, 4, 5], [1, 2, 3, 4]),  # overlapping, shifted up: a row-by-row copy would smear row 1
-    ([1, 2, 3], [2, 3, 4]),  # overlapping, shifted down
-    ([4, 1], [1, 4]),  # a swap
-])
+@pytest.mark.parametrize(
+    "tgt,src",
+    [
+        ([7, 3, 11], [1, 2, 5]),  # disjoint
+        ([2, 3, 4, 5], [1, 2, 3, 4]),  # overlapping, shifted up: a row-by-row copy would smear row 1
+        ([1, 2, 3], [2, 3, 4]),  # overlapping, shifted down
+        ([4, 1], [1, 4]),  # a swap
+    ],
+)
 def test_copy_all_layer_kv_cache_cpu_moves_every_buffers_rows_gathered_before_scattered(shim, index_dtype, tgt, src):
     bufs = _buffers()
     want = _reference(bufs, tgt, src)
     ptrs, strides = _pointers(bufs)
-    shim.copy_all_layer_kv_cache_cpu(ptrs, strides, torch.tensor(tgt, dtype=index_dtype),
-                                     torch.tensor(src, dtype=index_dtype))
+    shim.copy_all_layer_kv_cache_cpu(
+        ptrs, strides, torch.tensor(tgt, dtype=index_dtype), torch.tensor(src, dtype=index_dtype)
+    )
     for got, ref in zip(bufs, want):
         assert torch.equal(got, ref)  # moved rows and every untouched row, bit for bit
 
@@ -77,13 +82,16 @@ def test_copy_all_layer_kv_cache_cpu_with_nothing_to_move_leaves_the_buffers(shi
     assert all(torch.equal(a, b) for a, b in zip(bufs, before))
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda p, s, t, r: (p.to(torch.int64), s, t, r), "data_ptrs must be uint64"),
-    (lambda p, s, t, r: (p, s.to(torch.int32), t, r), "strides must be int64"),
-    (lambda p, s, t, r: (p, s, t.to(torch.int32), r), "differ"),
-    (lambda p, s, t, r: (p, s, t, r[:1]), "differ in length"),
-    (lambda p, s, t, r: (p, s[:1], t, r), "differ in length"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda p, s, t, r: (p.to(torch.int64), s, t, r), "data_ptrs must be uint64"),
+        (lambda p, s, t, r: (p, s.to(torch.int32), t, r), "strides must be int64"),
+        (lambda p, s, t, r: (p, s, t.to(torch.int32), r), "differ"),
+        (lambda p, s, t, r: (p, s, t, r[:1]), "differ in length"),
+        (lambda p, s, t, r: (p, s[:1], t, r), "differ in length"),
+    ],
+)
 def test_copy_all_layer_kv_cache_cpu_refuses_what_the_kernel_checks(shim, change, message):
     bufs = _buffers()
     args = change(*_pointers(bufs), torch.tensor([1, 2]), torch.tensor([3, 4]))
@@ -152,8 +160,20 @@ def _tree(shim, parent_list, selected, seq_lens, topk, depth, n, mode):
     mask = torch.zeros(bs * n * n if mode == 1 else sum(seq_lens) * n + bs * n * n, dtype=torch.bool)
     positions = torch.zeros(bs * n, dtype=torch.int64)
     index, next_token, next_sibling = torch.full((3, bs, n), -1, dtype=torch.int64)
-    shim.build_tree_kernel_efficient_cpu(torch.tensor(parent_list), torch.tensor(selected), torch.tensor(seq_lens),
-                                         mask, positions, index, next_token, next_sibling, topk, depth, n, mode)
+    shim.build_tree_kernel_efficient_cpu(
+        torch.tensor(parent_list),
+        torch.tensor(selected),
+        torch.tensor(seq_lens),
+        mask,
+        positions,
+        index,
+        next_token,
+        next_sibling,
+        topk,
+        depth,
+        n,
+        mode,
+    )
     return mask, positions, index, next_token, next_sibling
 
 
@@ -182,15 +202,23 @@ def test_a_branching_draft_links_children_and_siblings_and_masks_each_branch(shi
 def test_greedy_verification_of_a_chain_accepts_the_drafts_up_to_the_first_mismatch(shim, matching, accepted):
     target = torch.tensor([[30, 31, 32, 33]])
     candidates = torch.tensor([[9, 30, 31, 32]])  # drafts after node 0 equal the target's predictions...
-    candidates[0, 1 + matching:] += 100  # ...up to `matching`
+    candidates[0, 1 + matching :] += 100  # ...up to `matching`
     predicts = torch.full((4,), -1, dtype=torch.int32)
     accept_index = torch.full((1, 4), -1, dtype=torch.int32)
     num = torch.zeros(1, dtype=torch.int32)
-    shim.verify_tree_greedy_cpu(predicts, accept_index, num, candidates, torch.arange(4)[None],
-                                torch.tensor([[1, 2, 3, -1]]), torch.full((1, 4), -1), target)
+    shim.verify_tree_greedy_cpu(
+        predicts,
+        accept_index,
+        num,
+        candidates,
+        torch.arange(4)[None],
+        torch.tensor([[1, 2, 3, -1]]),
+        torch.full((1, 4), -1),
+        target,
+    )
     assert num.tolist() == [accepted]
     assert accept_index.tolist() == [list(range(accepted + 1)) + [-1] * (3 - accepted)]
-    assert predicts.tolist() == [30, 31, 32, 33][:accepted + 1] + [-1] * (3 - accepted)  # each accepted node's target
+    assert predicts.tolist() == [30, 31, 32, 33][: accepted + 1] + [-1] * (3 - accepted)  # each accepted node's target
 
 
 def test_greedy_verification_of_a_tree_tries_siblings(shim):
@@ -201,8 +229,16 @@ def test_greedy_verification_of_a_tree_tries_siblings(shim):
     predicts = torch.full((4,), -1, dtype=torch.int32)
     accept_index = torch.full((1, 3), -1, dtype=torch.int32)
     num = torch.zeros(1, dtype=torch.int32)
-    shim.verify_tree_greedy_cpu(predicts, accept_index, num, candidates, torch.arange(4)[None],
-                                torch.tensor([[1, -1, 3, -1]]), torch.tensor([[-1, 2, -1, -1]]), target)
+    shim.verify_tree_greedy_cpu(
+        predicts,
+        accept_index,
+        num,
+        candidates,
+        torch.arange(4)[None],
+        torch.tensor([[1, -1, 3, -1]]),
+        torch.tensor([[-1, 2, -1, -1]]),
+        target,
+    )
     assert num.tolist() == [2] and accept_index.tolist() == [[0, 2, 3]]
     assert predicts.tolist() == [7, -1, 8, 5]
 
@@ -219,7 +255,7 @@ def _paged(seq_lens, heads_kv=2, d=8, dv=8):
     perm = torch.randperm(total, generator=g)
     at = 0
     for b, s in enumerate(seq_lens):  # request b lives in row b + 1, its slots scattered over the buffer
-        req_to_token[b + 1, :s] = perm[at:at + s].to(torch.int32)
+        req_to_token[b + 1, :s] = perm[at : at + s].to(torch.int32)
         at += s
     return k_buffer, v_buffer, req_to_token, torch.arange(1, len(seq_lens) + 1)
 
@@ -231,29 +267,70 @@ def _sdpa(q_THD, k_SKD, v_SKD, causal_tail: int | None):
     if causal_tail is not None:  # the last `causal_tail` keys are the queries' own, causally
         s = k_SKD.shape[0]
         mask = torch.ones(q_THD.shape[0], s, dtype=torch.bool)
-        mask[:, s - causal_tail:] = torch.tril(torch.ones(causal_tail, causal_tail, dtype=torch.bool))
-    return F.scaled_dot_product_attention(q_THD.movedim(0, 1), k_SKD.movedim(0, 1), v_SKD.movedim(0, 1),
-                                          attn_mask=mask, scale=0.3, enable_gqa=True).movedim(0, 1)
+        mask[:, s - causal_tail :] = torch.tril(torch.ones(causal_tail, causal_tail, dtype=torch.bool))
+    return F.scaled_dot_product_attention(
+        q_THD.movedim(0, 1), k_SKD.movedim(0, 1), v_SKD.movedim(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True
+    ).movedim(0, 1)
 
 
 def test_decode_attention_writes_the_new_kv_then_attends_over_each_sequence(shim):
     seq_lens = [6, 3]
     k_buffer, v_buffer, req_to_token, rpi = _paged(seq_lens)
     g = torch.Generator().manual_seed(4)
-    q, key, value = torch.randn(2, 4, 8, generator=g), torch.randn(2, 2, 8, generator=g), torch.randn(2, 2, 8, generator=g)
+    q, key, value = (
+        torch.randn(2, 4, 8, generator=g),
+        torch.randn(2, 2, 8, generator=g),
+        torch.randn(2, 2, 8, generator=g),
+    )
     loc = torch.stack([req_to_token[1, 5], req_to_token[2, 2]]).long()  # each sequence's last slot: the new token
     out = torch.empty(2, 4, 8)
-    torch.ops.sgl_kernel.decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, out, key, value, loc,
-                                              torch.empty(2, 4, 8, 9), req_to_token, rpi, torch.tensor(seq_lens),
-                                              0.3, 0.0, False, 0, None, None)
+    torch.ops.sgl_kernel.decode_attention_cpu(
+        q,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        out,
+        key,
+        value,
+        loc,
+        torch.empty(2, 4, 8, 9),
+        req_to_token,
+        rpi,
+        torch.tensor(seq_lens),
+        0.3,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+    )
     assert torch.equal(k_buffer[loc], key) and torch.equal(v_buffer[loc], value)
     for b, s in enumerate(seq_lens):
         slots = req_to_token[b + 1, :s].long()
-        torch.testing.assert_close(out[b:b + 1], _sdpa(q[b:b + 1], k_buffer[slots], v_buffer[slots], None))
+        torch.testing.assert_close(out[b : b + 1], _sdpa(q[b : b + 1], k_buffer[slots], v_buffer[slots], None))
     with pytest.raises(shim.KernelNotAvailable, match="sliding windows"):
-        torch.ops.sgl_kernel.decode_attention_cpu(q, k_buffer, v_buffer, 1.0, 1.0, out, key, value, loc,
-                                                  torch.empty(2, 4, 8, 9), req_to_token, rpi, torch.tensor(seq_lens),
-                                                  0.3, 0.0, False, 129, None, None)
+        torch.ops.sgl_kernel.decode_attention_cpu(
+            q,
+            k_buffer,
+            v_buffer,
+            1.0,
+            1.0,
+            out,
+            key,
+            value,
+            loc,
+            torch.empty(2, 4, 8, 9),
+            req_to_token,
+            rpi,
+            torch.tensor(seq_lens),
+            0.3,
+            0.0,
+            False,
+            129,
+            None,
+            None,
+        )
 
 
 def test_extend_attention_sees_the_cached_prefix_and_the_new_tokens_causally(shim):
@@ -263,18 +340,60 @@ def test_extend_attention_sees_the_cached_prefix_and_the_new_tokens_causally(shi
     q = torch.randn(7, 4, 8, generator=g)
     k_new, v_new = torch.randn(7, 2, 8, generator=g), torch.randn(7, 2, 8, generator=g)
     out = torch.empty(7, 4, 8)
-    torch.ops.sgl_kernel.extend_attention_cpu(q, k_new, v_new, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token, rpi,
-                                              torch.tensor(seq_lens), torch.tensor(extend), torch.tensor([0, 3]), 4,
-                                              0.3, 0.0, False, 0, None, None, None, True)
+    torch.ops.sgl_kernel.extend_attention_cpu(
+        q,
+        k_new,
+        v_new,
+        out,
+        k_buffer,
+        v_buffer,
+        1.0,
+        1.0,
+        req_to_token,
+        rpi,
+        torch.tensor(seq_lens),
+        torch.tensor(extend),
+        torch.tensor([0, 3]),
+        4,
+        0.3,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+        None,
+        True,
+    )
     prefix = req_to_token[1, :6].long()
-    torch.testing.assert_close(out[:3], _sdpa(q[:3], torch.cat([k_buffer[prefix], k_new[:3]]),
-                                              torch.cat([v_buffer[prefix], v_new[:3]]), 3))
+    torch.testing.assert_close(
+        out[:3], _sdpa(q[:3], torch.cat([k_buffer[prefix], k_new[:3]]), torch.cat([v_buffer[prefix], v_new[:3]]), 3)
+    )
     torch.testing.assert_close(out[3:], _sdpa(q[3:], k_new[3:], v_new[3:], 4))
     with pytest.raises(shim.KernelNotAvailable, match="tree masks"):
-        torch.ops.sgl_kernel.extend_attention_cpu(q, k_new, v_new, out, k_buffer, v_buffer, 1.0, 1.0, req_to_token,
-                                                  rpi, torch.tensor(seq_lens), torch.tensor(extend),
-                                                  torch.tensor([0, 3]), 4, 0.3, 0.0, False, 0, None, None,
-                                                  torch.ones(32, dtype=torch.bool), True)
+        torch.ops.sgl_kernel.extend_attention_cpu(
+            q,
+            k_new,
+            v_new,
+            out,
+            k_buffer,
+            v_buffer,
+            1.0,
+            1.0,
+            req_to_token,
+            rpi,
+            torch.tensor(seq_lens),
+            torch.tensor(extend),
+            torch.tensor([0, 3]),
+            4,
+            0.3,
+            0.0,
+            False,
+            0,
+            None,
+            None,
+            torch.ones(32, dtype=torch.bool),
+            True,
+        )
 
 
 def test_extend_attention_with_new_kv_of_other_heads_than_the_cache_skips_the_prefix_as_the_kernel_does(shim):
@@ -291,21 +410,56 @@ def test_extend_attention_with_new_kv_of_other_heads_than_the_cache_skips_the_pr
     k_new, v_new = torch.randn(8, heads, d, generator=g), torch.randn(8, heads, dv, generator=g)
     out = torch.empty(8, heads, dv)
     args = (latent, latent[..., :dv], 1.0, 1.0, req_to_token, torch.tensor([1, 2]))
-    torch.ops.sgl_kernel.extend_attention_cpu(q, k_new, v_new, out, *args, torch.tensor(seq_lens),
-                                              torch.tensor(seq_lens), torch.tensor([0, 5]), 5, 0.3, 0.0, False, 0,
-                                              None, None, None, True)
+    torch.ops.sgl_kernel.extend_attention_cpu(
+        q,
+        k_new,
+        v_new,
+        out,
+        *args,
+        torch.tensor(seq_lens),
+        torch.tensor(seq_lens),
+        torch.tensor([0, 5]),
+        5,
+        0.3,
+        0.0,
+        False,
+        0,
+        None,
+        None,
+        None,
+        True,
+    )
     torch.testing.assert_close(out[:5], _sdpa(q[:5], k_new[:5], v_new[:5], 5))
     torch.testing.assert_close(out[5:], _sdpa(q[5:], k_new[5:], v_new[5:], 3))
     with pytest.raises(RuntimeError, match="expect seq_len_prefix to be 0, got 2"):
-        torch.ops.sgl_kernel.extend_attention_cpu(q[:3], k_new[:3], v_new[:3], out[:3], *args[:5],
-                                                  torch.tensor([1]), torch.tensor([5]), torch.tensor([3]),
-                                                  torch.tensor([0]), 3, 0.3, 0.0, False, 0, None, None, None, True)
+        torch.ops.sgl_kernel.extend_attention_cpu(
+            q[:3],
+            k_new[:3],
+            v_new[:3],
+            out[:3],
+            *args[:5],
+            torch.tensor([1]),
+            torch.tensor([5]),
+            torch.tensor([3]),
+            torch.tensor([0]),
+            3,
+            0.3,
+            0.0,
+            False,
+            0,
+            None,
+            None,
+            None,
+            True,
+        )
 
 
 def test_kvcacheio_names_are_placeholders_that_name_themselves_when_called():
     # SGLang <= 0.5.12 imports HiCache's host-transfer ops at module level on CPU (memory_pool_host.py); in a
     # process of its own: importing the shim as `sgl_kernel` registers its torch ops
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from sgl_kernel.kvcacheio import transfer_kv_per_layer as op\n"
-            "try:\n    op()\nexcept NotImplementedError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from sgl_kernel.kvcacheio import transfer_kv_per_layer as op\n"
+        "try:\n    op()\nexcept NotImplementedError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(SHIM.parents[1])], capture_output=True, text=True, check=True)
     assert "sgl_kernel.kvcacheio.transfer_kv_per_layer was called" in out.stdout

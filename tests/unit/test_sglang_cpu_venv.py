@@ -28,7 +28,9 @@ def test_cuda_sync_site_makes_cuda_synchronize_a_no_op_on_a_cpu_torch_and_only_w
 
     import torch
 
-    python = tmp_path / "venv" / "bin" / "python"  # server_env reads the release's model modules through this interpreter's venv
+    python = (
+        tmp_path / "venv" / "bin" / "python"
+    )  # server_env reads the release's model modules through this interpreter's venv
     site = venv.site_packages(python) / "sglang" / "srt" / "models"
     site.mkdir(parents=True)
     for name in (*venv.MODEL_MODULES, "other_model"):
@@ -40,8 +42,13 @@ def test_cuda_sync_site_makes_cuda_synchronize_a_no_op_on_a_cpu_torch_and_only_w
         return
     code = "import torch; torch.cuda.synchronize(); print(torch.cuda.synchronize.__module__)"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", code], env=env | {"PYTHONPATH": synced["PYTHONPATH"]},
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env | {"PYTHONPATH": synced["PYTHONPATH"]},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "sitecustomize", done.stderr
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert done.returncode != 0 and "Torch not compiled with CUDA enabled" in done.stderr

@@ -85,7 +85,12 @@ def _run(tmp_path, merged_train, server_kwargs=None, **settings):
         spec = plan_shards(merged_train, samples_per_shard=100)[0]
         result = extract_shard_sglang(
             DriverSettings(base_url=server.url, dump_dir=dump_dir, concurrency=3, **settings),
-            merged_train, spec, tmp_path / "v1", aux_layers=LAYERS, hidden_size=8, dtype="float32",
+            merged_train,
+            spec,
+            tmp_path / "v1",
+            aux_layers=LAYERS,
+            hidden_size=8,
+            dtype="float32",
             target_identity="tiny-test",
         )
     finally:
@@ -138,13 +143,22 @@ def write_driver_plan(merged_train: Path, version_dir, staging_dir: Path | None 
     from eagle3_dagster.hidden.shards import ShardFormat
     from eagle3_dagster.target import TargetFacts
 
-    fmt = ShardFormat(hidden_size=8, dtype="bfloat16", aux_layers=tuple(LAYERS), target_identity="t",
-                      code_version="sglang-1")
-    target = TargetFacts(path=Path("/unused"), identity="t", num_layers=5, hidden_size=8, vocab_size=50,
-                         aux_layers=tuple(LAYERS))
+    fmt = ShardFormat(
+        hidden_size=8, dtype="bfloat16", aux_layers=tuple(LAYERS), target_identity="t", code_version="sglang-1"
+    )
+    target = TargetFacts(
+        path=Path("/unused"), identity="t", num_layers=5, hidden_size=8, vocab_size=50, aux_layers=tuple(LAYERS)
+    )
     version_dir = str(version_dir)
-    plan = ExtractionPlan(target, plan_shards(merged_train, samples_per_shard=3), fmt, version_dir.rsplit("/", 1)[-1],
-                          version_dir, merged_train, staging_dir=staging_dir)
+    plan = ExtractionPlan(
+        target,
+        plan_shards(merged_train, samples_per_shard=3),
+        fmt,
+        version_dir.rsplit("/", 1)[-1],
+        version_dir,
+        merged_train,
+        staging_dir=staging_dir,
+    )
     return write_plan(plan)
 
 

@@ -77,7 +77,10 @@ def test_patched_module_is_inert_without_dump_dir_and_imports_hook_with_it(versi
         if key not in _PROBED:
             probe = guard + "print(getattr(_eagle3_hs_dump, '__name__', None))\n"
             _PROBED[key] = subprocess.run(
-                [sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                [sys.executable, "-c", probe],
+                capture_output=True,
+                text=True,
+                check=True,
                 env={"PATH": "/usr/bin:/bin", **env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
             ).stdout.strip()
         assert _PROBED[key] == expected
@@ -128,8 +131,24 @@ def test_diff_context_mismatch_is_an_error_not_a_fuzzy_apply():
 
 def test_supported_releases_are_every_final_release_that_serves_kimi_k25_eagle3_through_0_5_23():
     assert list(sglang_releases.supported()) == [
-        "0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14",
-        "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23",
+        "0.5.10",
+        "0.5.10.post1",
+        "0.5.11",
+        "0.5.12",
+        "0.5.12.post1",
+        "0.5.13",
+        "0.5.13.post1",
+        "0.5.14",
+        "0.5.15",
+        "0.5.15.post1",
+        "0.5.16",
+        "0.5.17",
+        "0.5.18",
+        "0.5.19",
+        "0.5.20",
+        "0.5.21",
+        "0.5.22",
+        "0.5.23",
     ]
     make_patch = _make_patch_module()
     for version in UNSUPPORTED_SGLANG:  # no kimi_k25.py / no set_eagle3_layers_to_capture on K2.5
@@ -184,8 +203,23 @@ def test_readme_matrix_lists_every_extraction_option_the_table_passes():
 
 # SGLang marks a tensor whose all-reduce is fused into the next layer with this attribute; dump_hook refuses it.
 FUSED_MARKER = "_sglang_needs_allreduce_fusion"
-RELEASES_WITH_MARKER = ["0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1",
-                        "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20"]
+RELEASES_WITH_MARKER = [
+    "0.5.10",
+    "0.5.10.post1",
+    "0.5.11",
+    "0.5.12",
+    "0.5.12.post1",
+    "0.5.13",
+    "0.5.13.post1",
+    "0.5.14",
+    "0.5.15",
+    "0.5.15.post1",
+    "0.5.16",
+    "0.5.17",
+    "0.5.18",
+    "0.5.19",
+    "0.5.20",
+]
 
 
 def test_which_fused_all_reduce_guard_is_live_on_each_release():
@@ -202,7 +236,10 @@ def test_which_fused_all_reduce_guard_is_live_on_each_release():
         assert "--enforce-disable-flashinfer-allreduce-fusion" in release.extraction_args, version
         assert "--enforce-disable-flashinfer-allreduce-fusion" in release.serving_args, version
         with zipfile.ZipFile(sglang_wheels.wheel_path(version)) as z:
-            if any(FUSED_MARKER.encode() in z.read(n) for n in z.namelist()
-                   if n.startswith("sglang/srt/") and n.endswith(".py")):
+            if any(
+                FUSED_MARKER.encode() in z.read(n)
+                for n in z.namelist()
+                if n.startswith("sglang/srt/") and n.endswith(".py")
+            ):
                 with_marker.append(version)
     assert with_marker == RELEASES_WITH_MARKER

@@ -26,7 +26,7 @@ from sshd_server import free_port, local_and_ssh_hosts
 
 pytestmark = pytest.mark.slow  # a real sshd and server processes
 
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import json, os, subprocess, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 args = sys.argv[1:]
@@ -53,7 +53,7 @@ class H(BaseHTTPRequestHandler):
                          "layers": os.environ.get("SGLANG_HS_DUMP_LAYERS")})
 print("fake sglang ready", flush=True)
 HTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -77,9 +77,15 @@ def _wait_gone(pids, timeout=10.0) -> bool:
 def _fake_spec(tmp_path, port, **kw) -> ServerSpec:
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
-    return ServerSpec(model_path="/models/tiny", port=port, dump_dir=str(tmp_path / "dumps"), dump_layers=(2, 30, 58),
-                      launcher=(sys.executable, str(script)), health_timeout_s=30,
-                      env={"FAKE_STATE_DIR": str(tmp_path), **kw})
+    return ServerSpec(
+        model_path="/models/tiny",
+        port=port,
+        dump_dir=str(tmp_path / "dumps"),
+        dump_layers=(2, 30, 58),
+        launcher=(sys.executable, str(script)),
+        health_timeout_s=30,
+        env={"FAKE_STATE_DIR": str(tmp_path), **kw},
+    )
 
 
 @pytest.mark.parametrize("transport", ["local", "ssh"])

@@ -65,9 +65,14 @@ def test_reader_returns_each_sample_as_written(tmp_path):
         assert torch.equal(got["aux_hidden"], s["aux_hidden"].bfloat16())
         assert torch.equal(got["last_hidden"], s["last_hidden"].bfloat16())
     assert ds.metadata == {
-        "format_version": 1, "target_identity": "tiny@abc", "aux_layers": [1, 2, 3],
-        "aux_layer_numbering": "hf_output_hidden_states_index", "dtype": "bfloat16", "hidden_size": H,
-        "last_hidden_post_norm": True, "code_version": "t-1",
+        "format_version": 1,
+        "target_identity": "tiny@abc",
+        "aux_layers": [1, 2, 3],
+        "aux_layer_numbering": "hf_output_hidden_states_index",
+        "dtype": "bfloat16",
+        "hidden_size": H,
+        "last_hidden_post_norm": True,
+        "code_version": "t-1",
     }
 
 
@@ -87,8 +92,14 @@ def test_write_order_does_not_change_shard_bytes(tmp_path):
     e1 = _write(tmp_path / "v1", "shard-00000", SAMPLES)
     e2 = _write(tmp_path / "v2", "shard-00000", SAMPLES, order=[SAMPLES[2], SAMPLES[0], SAMPLES[1]])
     assert e1 == e2
-    assert shard_path(tmp_path / "v1", "shard-00000").read_bytes() == shard_path(tmp_path / "v2", "shard-00000").read_bytes()
-    assert manifest_path(tmp_path / "v1", "shard-00000").read_bytes() == manifest_path(tmp_path / "v2", "shard-00000").read_bytes()
+    assert (
+        shard_path(tmp_path / "v1", "shard-00000").read_bytes()
+        == shard_path(tmp_path / "v2", "shard-00000").read_bytes()
+    )
+    assert (
+        manifest_path(tmp_path / "v1", "shard-00000").read_bytes()
+        == manifest_path(tmp_path / "v2", "shard-00000").read_bytes()
+    )
 
 
 def test_manifest_maps_sample_to_rows_and_checksum(tmp_path):
@@ -160,7 +171,8 @@ def test_a_dead_writers_temp_is_removed_and_another_hosts_live_temp_on_a_shared_
     assert there.tmp_path.exists()  # untouched: the other host renames it when it finishes
     assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [there.tmp_path.name, "shard-00000.safetensors", manifest_path(tmp_path, "shard-00000").name])
+        [there.tmp_path.name, "shard-00000.safetensors", manifest_path(tmp_path, "shard-00000").name]
+    )
 
 
 def test_verify_shard_names_the_corrupted_shard(tmp_path):
@@ -202,7 +214,9 @@ def test_dataset_serves_spawned_dataloader_workers(tmp_path):
 
 def test_shards_with_different_headers_are_refused_together(tmp_path):
     _write(tmp_path, "shard-00000", SAMPLES)
-    other = ShardFormat(hidden_size=H, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="other", code_version="t-1")
+    other = ShardFormat(
+        hidden_size=H, dtype="bfloat16", aux_layers=(1, 2, 3), target_identity="other", code_version="t-1"
+    )
     with ShardWriter(tmp_path, "shard-00001", other, ["z"], [1]) as w:
         s = _sample("z", 1, 9)
         w.write_sample("z", **{k: v for k, v in s.items() if k != "id"})
@@ -215,7 +229,12 @@ def test_shards_with_different_headers_are_refused_together(tmp_path):
 
 def _records(lengths: list[int]) -> list[dict]:
     return [
-        {"id": f"ds/{i}", "dataset": "ds", "input_ids": [(i + j) % 50 for j in range(n)], "loss_mask": [j % 2 for j in range(n)]}
+        {
+            "id": f"ds/{i}",
+            "dataset": "ds",
+            "input_ids": [(i + j) % 50 for j in range(n)],
+            "loss_mask": [j % 2 for j in range(n)],
+        }
         for i, n in enumerate(lengths)
     ]
 
@@ -244,8 +263,14 @@ def test_read_shard_records_detects_a_changed_merged_train(tmp_path):
     "record, message",
     [
         ({"id": "ds/empty", "input_ids": [], "loss_mask": []}, "'ds/empty' is empty"),
-        ({"id": "ds/long", "input_ids": [1] * 9, "loss_mask": [0] * 9}, "'ds/long' has 9 tokens, more than max_seq_len=8"),
-        ({"id": "ds/oov", "input_ids": [1, 100], "loss_mask": [0, 1]}, "'ds/oov' has token id 100 outside the vocabulary"),
+        (
+            {"id": "ds/long", "input_ids": [1] * 9, "loss_mask": [0] * 9},
+            "'ds/long' has 9 tokens, more than max_seq_len=8",
+        ),
+        (
+            {"id": "ds/oov", "input_ids": [1, 100], "loss_mask": [0, 1]},
+            "'ds/oov' has token id 100 outside the vocabulary",
+        ),
         ({"id": "ds/neg", "input_ids": [-1], "loss_mask": [0]}, "'ds/neg' has token id -1"),
         ({"id": "ds/mask", "input_ids": [1, 2], "loss_mask": [1]}, "'ds/mask' has 2 input_ids but 1 loss_mask"),
     ],
@@ -266,12 +291,24 @@ def test_duplicate_sample_ids_are_refused(tmp_path):
 
 
 def test_hidden_version_is_short_stable_and_changes_with_each_input():
-    base = dict(target_identity="t", merged_train_sha="m", aux_layers=[2, 30, 58], dtype="bfloat16",
-                backend_code_version="hf-1", samples_per_shard=128)
+    base = dict(
+        target_identity="t",
+        merged_train_sha="m",
+        aux_layers=[2, 30, 58],
+        dtype="bfloat16",
+        backend_code_version="hf-1",
+        samples_per_shard=128,
+    )
     v = hidden_version(**base)
     assert v == hidden_version(**base) and v.startswith("hs-") and len(v) == 15
-    for k, other in [("target_identity", "t2"), ("merged_train_sha", "m2"), ("aux_layers", [1, 30, 58]),
-                     ("dtype", "float32"), ("backend_code_version", "sglang-1"), ("samples_per_shard", 64)]:
+    for k, other in [
+        ("target_identity", "t2"),
+        ("merged_train_sha", "m2"),
+        ("aux_layers", [1, 30, 58]),
+        ("dtype", "float32"),
+        ("backend_code_version", "sglang-1"),
+        ("samples_per_shard", 64),
+    ]:
         assert hidden_version(**{**base, k: other}) != v, k
 
 
@@ -288,15 +325,25 @@ def test_fp8_shards_store_scaled_rows_in_about_half_the_bytes_of_bf16_exactly_as
     g = torch.Generator().manual_seed(0)
     ids, lens = ["a", "b", "c"], [5, 9, 3]
     # three aux layers of very different magnitude, as early, middle and late layers are
-    rows = {sid: (torch.randn(n, 3 * 64, generator=g) * torch.repeat_interleave(torch.tensor([0.05, 2.0, 80.0]), 64),
-                  torch.randn(n, 64, generator=g)) for sid, n in zip(ids, lens)}
+    rows = {
+        sid: (
+            torch.randn(n, 3 * 64, generator=g) * torch.repeat_interleave(torch.tensor([0.05, 2.0, 80.0]), 64),
+            torch.randn(n, 64, generator=g),
+        )
+        for sid, n in zip(ids, lens)
+    }
     sizes = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
         fmt = ShardFormat(hidden_size=64, dtype=dtype, aux_layers=(2, 4, 6), target_identity="t", code_version="hf-1")
         with ShardWriter(tmp_path / dtype, "shard-00000", fmt, ids, lens) as w:
             for sid, n in zip(ids, lens):
-                w.write_sample(sid, input_ids=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.uint8),
-                               aux_hidden=rows[sid][0], last_hidden=rows[sid][1])
+                w.write_sample(
+                    sid,
+                    input_ids=torch.arange(n),
+                    loss_mask=torch.ones(n, dtype=torch.uint8),
+                    aux_hidden=rows[sid][0],
+                    last_hidden=rows[sid][1],
+                )
         sizes[dtype] = (tmp_path / dtype / "shard-00000.safetensors").stat().st_size
         assert sizes[dtype] == shard_file_size(fmt, "shard-00000", ids, lens)
         ds = HiddenStatesDataset(tmp_path / dtype)
@@ -304,11 +351,16 @@ def test_fp8_shards_store_scaled_rows_in_about_half_the_bytes_of_bf16_exactly_as
             s = ds[i]
             assert s["aux_hidden"].dtype == torch.bfloat16
             for layer in range(3):  # per-row, per-layer scales: each layer keeps its own relative precision
-                got, want = s["aux_hidden"].float()[:, layer * 64:(layer + 1) * 64], rows[sid][0][:, layer * 64:(layer + 1) * 64]
+                got, want = (
+                    s["aux_hidden"].float()[:, layer * 64 : (layer + 1) * 64],
+                    rows[sid][0][:, layer * 64 : (layer + 1) * 64],
+                )
                 assert (got - want).norm() / want.norm() < (0.05 if dtype == "float8_e4m3fn" else 0.01)
     # at Kimi-K2.5's hidden size the per-token bytes halve: 4·7168 fp8 + 16 scale bytes against 4·7168·2
-    big = {d: shard_file_size(ShardFormat(7168, d, (2, 30, 58), "t", "sglang-1"), "s", ["x"], [1000])
-           for d in ("bfloat16", "float8_e4m3fn")}
+    big = {
+        d: shard_file_size(ShardFormat(7168, d, (2, 30, 58), "t", "sglang-1"), "s", ["x"], [1000])
+        for d in ("bfloat16", "float8_e4m3fn")
+    }
     assert 0.49 < big["float8_e4m3fn"] / big["bfloat16"] < 0.51
 
 

@@ -87,7 +87,9 @@ def test_truncation_on_copy_of_real_tail_counts_only_complete_records(tmp_path, 
 
 
 def test_complete_file_is_not_reported_truncated(tmp_path):
-    path = _write(tmp_path, [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}])
+    path = _write(
+        tmp_path, [{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    )
     reader = ShareGPTReader(path)
     assert [c.id for c in reader] == ["a"]
     assert reader.stats.truncated_at_end is False and reader.stats.truncated_at_byte is None

@@ -33,8 +33,9 @@ class BillingProvider(LoopbackHTTPServer):
     """`/v1/chat/completions` answering after `delay_s` (the first `slow_first` requests; the rest after
     `fast_delay_s`) and billing `cost` for every request it finishes, even when the client hung up."""
 
-    def __init__(self, *, delay_s: float, slow_first: int | None = None, fast_delay_s: float = 0.0,
-                 cost: float = COST) -> None:
+    def __init__(
+        self, *, delay_s: float, slow_first: int | None = None, fast_delay_s: float = 0.0, cost: float = COST
+    ) -> None:
         self.delay_s, self.slow_first, self.fast_delay_s, self.cost = delay_s, slow_first, fast_delay_s, cost
         self.lock = threading.Lock()
         self.arrived = 0
@@ -71,12 +72,20 @@ class BillingProvider(LoopbackHTTPServer):
                     with provider.lock:  # finished: billed, whoever still listens
                         provider.billed_usd += provider.cost
                         provider.num_billed += 1
-                    payload = json.dumps({
-                        "model": body["model"], "provider": "Stub",
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": "ok", "reasoning": "r"}}],
-                        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": provider.cost},
-                    }).encode()
+                    payload = json.dumps(
+                        {
+                            "model": body["model"],
+                            "provider": "Stub",
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": "ok", "reasoning": "r"},
+                                }
+                            ],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": provider.cost},
+                        }
+                    ).encode()
                     try:
                         self.send_response(200)
                         self.send_header("Content-Type", "application/json")
@@ -93,14 +102,23 @@ class BillingProvider(LoopbackHTTPServer):
 
 
 def _convs(n: int) -> list[Conversation]:
-    return [Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"},
-                                                {"role": "assistant", "content": ""})) for i in range(n)]
+    return [
+        Conversation(id=f"c{i}", messages=({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": ""}))
+        for i in range(n)
+    ]
 
 
 def _settings(**kw) -> GenerationSettings:
     # the bound of one request: 32 tokens x $0.0003125 = $0.01 = what the provider bills
-    kw = {"model": MODEL, "max_new_tokens": 32, "concurrency": 4, "budget_usd": 0.10,
-          "price_per_completion_token": COST / 32, "max_failure_fraction": 1.0, **kw}
+    kw = {
+        "model": MODEL,
+        "max_new_tokens": 32,
+        "concurrency": 4,
+        "budget_usd": 0.10,
+        "price_per_completion_token": COST / 32,
+        "max_failure_fraction": 1.0,
+        **kw,
+    }
     return GenerationSettings(**kw)
 
 
@@ -134,16 +152,22 @@ def test_a_timed_out_request_is_not_sent_again_by_a_rerun_unless_the_setting_all
     store = tmp_path / "raw.jsonl"
     with BillingProvider(delay_s=TIMEOUT_S * 3) as provider:
         with pytest.raises(RegenerationFailedError, match="generation.resend_interrupted") as err:
-            regenerate_dataset_sync(_convs(2), store, _backend(provider, max_retries=0),
-                                    _settings(budget_usd=None, max_failure_fraction=0.0), dataset="ds")
+            regenerate_dataset_sync(
+                _convs(2),
+                store,
+                _backend(provider, max_retries=0),
+                _settings(budget_usd=None, max_failure_fraction=0.0),
+                dataset="ds",
+            )
         assert err.value.stats.failures_by_kind == {"timeout": 2}
         provider.settle()
         assert provider.num_billed == 2 and _recorded(store) == pytest.approx(0.02)
         again = regenerate_dataset_sync(_convs(2), store, _backend(provider), _settings(budget_usd=None), dataset="ds")
         assert again.num_requests == 0 and again.num_requests_held_back_maybe_paid == 2
         provider.delay_s = 0.0
-        resent = regenerate_dataset_sync(_convs(2), store, _backend(provider),
-                                         _settings(budget_usd=None, resend_interrupted=True), dataset="ds")
+        resent = regenerate_dataset_sync(
+            _convs(2), store, _backend(provider), _settings(budget_usd=None, resend_interrupted=True), dataset="ds"
+        )
         provider.settle()
     assert resent.num_successes == 2 and provider.num_billed == 4
     assert _recorded(store) == pytest.approx(provider.billed_usd)
@@ -152,8 +176,7 @@ def test_a_timed_out_request_is_not_sent_again_by_a_rerun_unless_the_setting_all
 def test_a_timeout_then_a_success_books_both_tries_and_the_retry_reserves_again(tmp_path):
     store = tmp_path / "raw.jsonl"
     with BillingProvider(delay_s=TIMEOUT_S * 3, slow_first=4, fast_delay_s=0.0) as provider:
-        stats = regenerate_dataset_sync(_convs(4), store, _backend(provider), _settings(budget_usd=1.0),
-                                        dataset="ds")
+        stats = regenerate_dataset_sync(_convs(4), store, _backend(provider), _settings(budget_usd=1.0), dataset="ds")
         provider.settle()
     assert stats.num_successes == 4 and provider.num_billed == 8
     assert provider.billed_usd == pytest.approx(0.08)
@@ -164,8 +187,9 @@ def test_a_retry_after_a_timeout_waits_for_room_under_the_cap(tmp_path):
     store = tmp_path / "raw.jsonl"
     # room for three tries: the first times out, its retry and one more request fit, the fourth does not
     with BillingProvider(delay_s=TIMEOUT_S * 3, slow_first=1, fast_delay_s=0.0) as provider:
-        stats = regenerate_dataset_sync(_convs(4), store, _backend(provider), _settings(budget_usd=0.03, concurrency=1),
-                                        dataset="ds")
+        stats = regenerate_dataset_sync(
+            _convs(4), store, _backend(provider), _settings(budget_usd=0.03, concurrency=1), dataset="ds"
+        )
         provider.settle()
     assert provider.num_billed == 3 and stats.stopped_by_budget
     assert provider.billed_usd <= _recorded(store) + 1e-9 <= 0.03 + 1e-9
@@ -191,8 +215,9 @@ def test_requests_in_flight_when_the_run_is_killed_stay_booked_at_their_bound(tm
     store = tmp_path / "raw.jsonl"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with BillingProvider(delay_s=30.0) as provider:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, provider.url, str(store)], env=env,
-                                 stderr=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, provider.url, str(store)], env=env, stderr=subprocess.PIPE
+        )
         deadline = time.monotonic() + 60
         while provider.arrived < 4 and time.monotonic() < deadline and child.poll() is None:
             time.sleep(0.02)

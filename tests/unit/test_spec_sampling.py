@@ -47,11 +47,28 @@ def one_thread():
 def target() -> DeepseekV3ForCausalLM:
     torch.manual_seed(0)
     cfg = DeepseekV3Config(
-        vocab_size=V, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=64, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     model = DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -86,7 +103,7 @@ class TableProposer:
         pass
 
     def propose(self, tokens, new_aux_1T3H, k: int) -> list[int]:
-        prefix = tuple(tokens[len(PROMPT):])
+        prefix = tuple(tokens[len(PROMPT) :])
         drafts: list[int] = []
         for _ in range(k):
             q = self.exact.get(prefix)
@@ -131,8 +148,11 @@ def _p_values(samples: list[list[int]], exact) -> dict[str, float]:
             observed, expected = observed[:-1], expected[:-1]
         stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
         dof = len(expected) - 1
-        out[name] = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                                  torch.tensor(stat / 2, dtype=torch.float64)))
+        out[name] = float(
+            torch.special.gammaincc(
+                torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+            )
+        )
     return out
 
 
@@ -141,8 +161,9 @@ def _speculative_samples(target, exact, verify, runs: int = RUNS) -> list[list[i
     g = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(runs):
-        gen = generate_speculative(runner, proposer, PROMPT, SpecConfig(3), DEPTH, temperature=T, generator=g,
-                                   verify=verify)
+        gen = generate_speculative(
+            runner, proposer, PROMPT, SpecConfig(3), DEPTH, temperature=T, generator=g, verify=verify
+        )
         out.append(gen.output_ids)
     return out
 

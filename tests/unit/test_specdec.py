@@ -29,11 +29,28 @@ MAX_NEW = 25
 def target() -> DeepseekV3ForCausalLM:
     torch.manual_seed(0)
     cfg = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return DeepseekV3ForCausalLM(cfg).eval()
 
@@ -55,8 +72,14 @@ def _untrained_eagle(target) -> Eagle3Proposer:
     from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
 
     tc = target.config
-    cfg = DrafterConfig.for_target(target_hidden_size=tc.hidden_size, target_intermediate_size=tc.intermediate_size,
-                                   vocab_size=VOCAB, draft_vocab_size=48, aux_layers=AUX, num_attention_heads=2)
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=tc.hidden_size,
+        target_intermediate_size=tc.intermediate_size,
+        vocab_size=VOCAB,
+        draft_vocab_size=48,
+        aux_layers=AUX,
+        num_attention_heads=2,
+    )
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:48]] = True
     hot = t2d.nonzero().squeeze(-1)
@@ -68,7 +91,7 @@ def _untrained_eagle(target) -> Eagle3Proposer:
 def test_greedy_reference_equals_transformers_generate(target, prompts, greedy):
     for p in prompts:
         out = target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
-        assert out[0, len(p):].tolist() == greedy[tuple(p)]
+        assert out[0, len(p) :].tolist() == greedy[tuple(p)]
 
 
 @pytest.mark.parametrize("spec", [(3, 1, 4), (7, 1, 8)])
@@ -138,11 +161,14 @@ def test_benchmark_rows_carry_acceptance_and_speedup_per_set_and_config(target, 
     proposers = {"oracle": OracleProposer(greedy), "ngram": NgramProposer()}
     rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=2)
     by_key = {(r["set"], r["method"], r["spec"]): r for r in rows}
-    assert set(by_key) == {(s, m, c) for s in "ab" for m, c in [("no_spec", None), ("oracle", "3,1,4"),
-                                                               ("ngram", "3,1,4")]}
+    assert set(by_key) == {
+        (s, m, c) for s in "ab" for m, c in [("no_spec", None), ("oracle", "3,1,4"), ("ngram", "3,1,4")]
+    }
     assert by_key[("a", "no_spec", None)]["speedup"] == 1.0
-    assert all(len(r["wall_s_rounds"]) == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
-               for r in rows)
+    assert all(
+        len(r["wall_s_rounds"]) == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        for r in rows
+    )
     assert by_key[("a", "no_spec", None)]["completion_tokens"] == 2 * MAX_NEW
     oracle = by_key[("a", "oracle", "3,1,4")]
     assert oracle["acceptance_length"] == 4.0  # 24 tokens after the prefill token = 6 full verify steps per prompt
@@ -165,15 +191,14 @@ class _Recording:
 
 def test_every_method_is_warmed_up_then_timed_in_interleaved_rotating_rounds(target, prompts, greedy):
     calls: list[str] = []
-    proposers = {"oracle": _Recording(OracleProposer(greedy), calls),
-                 "ngram": _Recording(NgramProposer(), calls)}
+    proposers = {"oracle": _Recording(OracleProposer(greedy), calls), "ngram": _Recording(NgramProposer(), calls)}
     sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])]}
     rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], 6, rounds=3)
     # one reset per generation: warm-up (one short generation each), then 3 rounds × 2 prompts each
     assert calls[:2] == ["oracle", "ngram"]
     timed = calls[2:]
     assert len(timed) == 3 * 2 * 2
-    per_round = [timed[i:i + 4] for i in range(0, 12, 4)]
+    per_round = [timed[i : i + 4] for i in range(0, 12, 4)]
     # methods are [no_spec, oracle, ngram]; round r starts at method r: the order rotates
     assert per_round[0] == ["oracle", "oracle", "ngram", "ngram"]
     assert per_round[1] == ["oracle", "oracle", "ngram", "ngram"]  # [oracle, ngram, no_spec]
@@ -185,8 +210,7 @@ def test_every_method_is_warmed_up_then_timed_in_interleaved_rotating_rounds(tar
 
 def test_a_proposer_left_out_of_timing_runs_in_round_zero_only_and_keeps_its_acceptance(target, prompts, greedy):
     calls: list[str] = []
-    proposers = {"oracle": _Recording(OracleProposer(greedy), calls),
-                 "ngram": _Recording(NgramProposer(), calls)}
+    proposers = {"oracle": _Recording(OracleProposer(greedy), calls), "ngram": _Recording(NgramProposer(), calls)}
     sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts[:2])]}
     timed_all = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], 6, rounds=3)
     calls.clear()
@@ -211,15 +235,16 @@ class _ShortPromptOracle(OracleProposer):
 
     def propose(self, tokens, new_aux, k):
         cont, done = self._reference(tokens)
-        drafts = cont[done: done + k]
+        drafts = cont[done : done + k]
         return drafts if len(tokens) - done <= self.limit else [(t + 1) % VOCAB for t in drafts]
 
 
 def test_acceptance_is_reported_per_prompt_length_band_with_the_training_band_marked(target, prompts, greedy):
     sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts)]}  # 5, 9 and 14 tokens
     bands = LengthBands(edges=(8, 12), training_length=8)
-    rows = run_inprocess_benchmark(target, sets, {"eagle3": _ShortPromptOracle(greedy, 8)}, [SpecConfig(3)],
-                                   1 + 3 * 4, rounds=1, bands=bands)
+    rows = run_inprocess_benchmark(
+        target, sets, {"eagle3": _ShortPromptOracle(greedy, 8)}, [SpecConfig(3)], 1 + 3 * 4, rounds=1, bands=bands
+    )
     eagle = next(r for r in rows if r["method"] == "eagle3")
     got = [(b["band"], b["training_band"], b["num_prompts"], b["acceptance_length"]) for b in eagle["bands"]]
     assert got == [("1–8", True, 1, 4.0), ("9–12", False, 1, 1.0), ("> 12", False, 1, 1.0)]
@@ -244,8 +269,12 @@ def test_untrained_drafter_on_the_micro_target_reproduces_greedy_output(micro_ta
     assert prompts and all(ids for _, ids in prompts)
     tc = model.config
     cfg = DrafterConfig.for_target(
-        target_hidden_size=tc.hidden_size, target_intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
-        draft_vocab_size=128, aux_layers=micro_profile.hidden.aux_layers, num_attention_heads=2,
+        target_hidden_size=tc.hidden_size,
+        target_intermediate_size=tc.intermediate_size,
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=128,
+        aux_layers=micro_profile.hidden.aux_layers,
+        num_attention_heads=2,
     )
     t2d = torch.zeros(tc.vocab_size, dtype=torch.bool)
     t2d[torch.randperm(tc.vocab_size, generator=torch.Generator().manual_seed(0))[:128]] = True
@@ -253,30 +282,59 @@ def test_untrained_drafter_on_the_micro_target_reproduces_greedy_output(micro_ta
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach(), hot - torch.arange(128), t2d)
     proposers = {"eagle3_untrained": Eagle3Proposer(drafter, name="eagle3_untrained"), "ngram": NgramProposer()}
-    rows = run_inprocess_benchmark(model, {"heldout_sharegpt": prompts}, proposers, [SpecConfig(3), SpecConfig(7)],
-                                   max_new_tokens=micro_profile.bench.max_new_tokens, check=True, rounds=1)
+    rows = run_inprocess_benchmark(
+        model,
+        {"heldout_sharegpt": prompts},
+        proposers,
+        [SpecConfig(3), SpecConfig(7)],
+        max_new_tokens=micro_profile.bench.max_new_tokens,
+        check=True,
+        rounds=1,
+    )
     assert [(r["method"], r["spec"]) for r in rows] == [
-        ("no_spec", None), ("eagle3_untrained", "3,1,4"), ("eagle3_untrained", "7,1,8"), ("ngram", "3,1,4"),
+        ("no_spec", None),
+        ("eagle3_untrained", "3,1,4"),
+        ("eagle3_untrained", "7,1,8"),
+        ("ngram", "3,1,4"),
         ("ngram", "7,1,8"),
     ]
     assert all(1.0 <= r["acceptance_length"] <= 8.0 for r in rows[1:])
 
 
-def test_sampled_benchmark_rows_sit_beside_greedy_ones_and_rounds_reproduce_with_the_same_coins(target, prompts, greedy):
+def test_sampled_benchmark_rows_sit_beside_greedy_ones_and_rounds_reproduce_with_the_same_coins(
+    target, prompts, greedy
+):
     sets = {"a": [(f"p{i}", p) for i, p in enumerate(prompts)]}
     proposers = {"eagle3": OracleProposer(greedy, name="eagle3"), "ngram": NgramProposer()}
-    rows = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=2,
-                                   temperatures=(0.0, 1.0), sampled_proposers={"eagle3"})
+    rows = run_inprocess_benchmark(
+        target,
+        sets,
+        proposers,
+        [SpecConfig(3)],
+        MAX_NEW,
+        rounds=2,
+        temperatures=(0.0, 1.0),
+        sampled_proposers={"eagle3"},
+    )
     assert [(r["method"], r["temperature"]) for r in rows] == [
-        ("no_spec", 0.0), ("eagle3", 0.0), ("ngram", 0.0), ("no_spec", 1.0), ("eagle3", 1.0)]
+        ("no_spec", 0.0),
+        ("eagle3", 0.0),
+        ("ngram", 0.0),
+        ("no_spec", 1.0),
+        ("eagle3", 1.0),
+    ]
     by = {(r["method"], r["temperature"]): r for r in rows}
     assert by[("eagle3", 0.0)]["acceptance_length"] == 4.0  # the oracle drafts the greedy path
     assert 1.0 <= by[("eagle3", 1.0)]["acceptance_length"] < 4.0  # sampling leaves it
     sampled = by[("eagle3", 1.0)]
-    assert sampled["speedup_rounds"] == [m / t for m, t in zip(sampled["tokens_per_s_rounds"],
-                                                               by[("no_spec", 1.0)]["tokens_per_s_rounds"])]
-    again = run_inprocess_benchmark(target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=1,
-                                    temperatures=(1.0,), sampled_proposers={"eagle3"})
-    assert [r["completion_tokens"] for r in again] == [by[("no_spec", 1.0)]["completion_tokens"],
-                                                       sampled["completion_tokens"]]
+    assert sampled["speedup_rounds"] == [
+        m / t for m, t in zip(sampled["tokens_per_s_rounds"], by[("no_spec", 1.0)]["tokens_per_s_rounds"])
+    ]
+    again = run_inprocess_benchmark(
+        target, sets, proposers, [SpecConfig(3)], MAX_NEW, rounds=1, temperatures=(1.0,), sampled_proposers={"eagle3"}
+    )
+    assert [r["completion_tokens"] for r in again] == [
+        by[("no_spec", 1.0)]["completion_tokens"],
+        sampled["completion_tokens"],
+    ]
     assert again[1]["acceptance_length"] == sampled["acceptance_length"]  # seeded coins: the same draws

@@ -36,8 +36,13 @@ def _version(tmp_path: Path) -> Path:
             for i, (sid, n) in enumerate(zip(ids, lengths), start=first):
                 tokens = torch.randint(50, 100, (n,), generator=g)
                 tokens[0] = i
-                w.write_sample(sid, input_ids=tokens, loss_mask=torch.ones(n, dtype=torch.long),
-                               aux_hidden=torch.randn(n, 3 * H, generator=g), last_hidden=torch.randn(n, H, generator=g))
+                w.write_sample(
+                    sid,
+                    input_ids=tokens,
+                    loss_mask=torch.ones(n, dtype=torch.long),
+                    aux_hidden=torch.randn(n, 3 * H, generator=g),
+                    last_hidden=torch.randn(n, H, generator=g),
+                )
     return version_dir
 
 

@@ -33,33 +33,57 @@ REPLIES = ["The capital of France is Paris.", "Two plus two is four.", "Water bo
 def _conversations(path: Path, n: int, *, bad_lines: int = 0) -> Path:
     lines = []
     for i in range(n):
-        lines.append(orjson.dumps({"id": f"c{i}", "messages": [
-            {"role": "user", "content": f"Question number {i}?"},
-            {"role": "assistant", "content": REPLIES[i % len(REPLIES)]}]}))
+        lines.append(
+            orjson.dumps(
+                {
+                    "id": f"c{i}",
+                    "messages": [
+                        {"role": "user", "content": f"Question number {i}?"},
+                        {"role": "assistant", "content": REPLIES[i % len(REPLIES)]},
+                    ],
+                }
+            )
+        )
     lines += [b'{"id": "broken", "messages": [{"role": "user"'] * bad_lines  # cut off mid-record
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
 
 
 def _profile(tmp_path: Path, target: Path, datasets: list[dict], **overrides):
-    return load_profile("micro", overrides={
-        "run_root": str(tmp_path / "run"),
-        "target": {"kind": "external", "path": str(target)},
-        "datasets": datasets,
-        "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
-        **overrides,
-    })
+    return load_profile(
+        "micro",
+        overrides={
+            "run_root": str(tmp_path / "run"),
+            "target": {"kind": "external", "path": str(target)},
+            "datasets": datasets,
+            "hidden": {"root": str(tmp_path / "run" / "hidden_states")},
+            **overrides,
+        },
+    )
 
 
 def _two_partitions(tmp_path: Path, target: Path, **overrides):
     datasets = [
-        {"name": "a", "source": "conversations_jsonl", "regenerate": False,
-         "path": str(_conversations(tmp_path / "a.jsonl", 9, bad_lines=1))},
-        {"name": "b", "source": "conversations_jsonl", "regenerate": False,
-         "path": str(_conversations(tmp_path / "b.jsonl", 5))},
+        {
+            "name": "a",
+            "source": "conversations_jsonl",
+            "regenerate": False,
+            "path": str(_conversations(tmp_path / "a.jsonl", 9, bad_lines=1)),
+        },
+        {
+            "name": "b",
+            "source": "conversations_jsonl",
+            "regenerate": False,
+            "path": str(_conversations(tmp_path / "b.jsonl", 5)),
+        },
     ]
-    profile = _profile(tmp_path, target, datasets, data={"bad_fraction_threshold": 0.2, "max_seq_len": 192,
-                                                         "draft_vocab_size": 64}, **overrides)
+    profile = _profile(
+        tmp_path,
+        target,
+        datasets,
+        data={"bad_fraction_threshold": 0.2, "max_seq_len": 192, "draft_vocab_size": 64},
+        **overrides,
+    )
     return profile, ArtifactLayout.from_profile(profile)
 
 
@@ -104,8 +128,12 @@ def test_tokenize_partition_with_no_usable_record_fails_naming_the_quarantine(tm
 
     path = tmp_path / "bad.jsonl"
     path.write_bytes(orjson.dumps({"id": "x", "input_ids": [1, 2, 10**6], "loss_mask": [0, 1, 1]}) + b"\n")
-    profile = _profile(tmp_path, micro_target, [{"name": "p", "source": "pretokenized_jsonl", "path": str(path)}],
-                       data={"bad_fraction_threshold": 1.0})
+    profile = _profile(
+        tmp_path,
+        micro_target,
+        [{"name": "p", "source": "pretokenized_jsonl", "path": str(path)}],
+        data={"bad_fraction_threshold": 1.0},
+    )
     layout = ArtifactLayout.from_profile(profile)
     with pytest.raises(ValueError, match=r"tokenized_dataset\[p\]: no usable record out of 1 inputs") as err:
         tokenize_partition(TokenizeSettings.from_profile(profile), "p", layout)
@@ -138,7 +166,8 @@ def test_merge_partitions_shuffles_every_record_once_and_names_a_missing_partiti
     dropped = profile.model_copy(update={"data": profile.data.model_copy(update={"drop_datasets": ["b"]})})
     merge_partitions(MergeSettings.from_profile(dropped), layout)
     assert sorted(r["id"] for r in iter_jsonl(layout.merged_train)) == sorted(
-        r["id"] for r in iter_jsonl(layout.tokenized("a")))
+        r["id"] for r in iter_jsonl(layout.tokenized("a"))
+    )
 
 
 def test_build_vocab_keeps_the_most_frequent_supervised_tokens(tmp_path, micro_target):
@@ -165,10 +194,16 @@ def _export_for(profile, layout, out_dir: Path, *, poison: bool = False, drop: s
     target = load_target_tensors(Path(profile.target.path), want=("embed",))
     mapping = load_file(str(layout.vocab_mapping))
     a = target.arch
-    cfg = DrafterConfig.for_target(target_hidden_size=a.hidden_size, target_intermediate_size=a.intermediate_size,
-                                   vocab_size=a.vocab_size, draft_vocab_size=int(mapping["d2t"].shape[0]),
-                                   aux_layers=(1, 2, 3), rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-                                   max_position_embeddings=profile.target.serving_context)
+    cfg = DrafterConfig.for_target(
+        target_hidden_size=a.hidden_size,
+        target_intermediate_size=a.intermediate_size,
+        vocab_size=a.vocab_size,
+        draft_vocab_size=int(mapping["d2t"].shape[0]),
+        aux_layers=(1, 2, 3),
+        rms_norm_eps=a.rms_norm_eps,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=profile.target.serving_context,
+    )
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, target.embed.float(), mapping["d2t"], mapping["t2d"])
     out = export_drafter(drafter, out_dir / "export", profile.target.serving_context, torch.float32)
@@ -188,12 +223,30 @@ def _finished_run(profile, layout, name: str, *, poison: bool = False, drop: str
 
     out_dir = layout.drafter_dir / name
     _export_for(profile, layout, out_dir, poison=poison, drop=drop)
-    curves = {"step": [1, 2], "loss": [4.0, 3.5], "lr": [1e-3, 1e-3], "acc_0": [0.1, 0.2], "acc_1": [0.05, 0.1],
-              "acc_2": [0.0, 0.05], "loss_0": [4, 3.5], "loss_1": [4, 3.6], "loss_2": [4, 3.7]}
+    curves = {
+        "step": [1, 2],
+        "loss": [4.0, 3.5],
+        "lr": [1e-3, 1e-3],
+        "acc_0": [0.1, 0.2],
+        "acc_1": [0.05, 0.1],
+        "acc_2": [0.0, 0.05],
+        "loss_0": [4, 3.5],
+        "loss_1": [4, 3.6],
+        "loss_2": [4, 3.7],
+    }
     final = {"acc_0": 0.212345678, "acc_1": 0.1, "acc_2": 0.05, "sim_accept_length": 1.2334567, "loss": 3.512345678}
     final_eval = final | {"scope": "heldout", "num_samples": 7, "num_scored_tokens": 123}
-    atomic_write_json(out_dir / "metrics.json", {"steps": 2, "tokens_per_s": 1234.5678, "initial_eval": {"acc_0": 0.01},
-                                                 "final": final, "final_eval": final_eval, "curves": curves})
+    atomic_write_json(
+        out_dir / "metrics.json",
+        {
+            "steps": 2,
+            "tokens_per_s": 1234.5678,
+            "initial_eval": {"acc_0": 0.01},
+            "final": final,
+            "final_eval": final_eval,
+            "curves": curves,
+        },
+    )
     plot_curves(curves, out_dir / "curves.png", 3)
     return TrainLaunch(command=[], env={}, cwd=".", job_path=out_dir / "job.json", out_dir=out_dir)
 
@@ -203,12 +256,18 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_i
 
     profile, layout = _merged_corpus(tmp_path, micro_target, train={"export_location": str(tmp_path / "published")})
 
-    report, ok, _ = finish_training(TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, "run-good"))
+    report, ok, _ = finish_training(
+        TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, "run-good")
+    )
     meta = report.metadata
     assert ok and meta["export_dir"] == layout.drafter_dir / "run-good" / "export"
     # every figure is named for what it was measured on: the held-out samples, or the last training step
-    assert (meta["heldout_loss"], meta["heldout_acc_0"], meta["heldout_sim_accept_length"], meta["tokens_per_s"]) == \
-        (3.51235, 0.2123, 1.2335, 1234.6)
+    assert (meta["heldout_loss"], meta["heldout_acc_0"], meta["heldout_sim_accept_length"], meta["tokens_per_s"]) == (
+        3.51235,
+        0.2123,
+        1.2335,
+        1234.6,
+    )
     assert (meta["eval_scope"], meta["heldout_samples"], meta["heldout_scored_tokens"]) == ("heldout", 7, 123)
     assert meta["last_step_train_loss"] == 3.5 and meta["untrained_acc_0"] == 0.01
     assert not {"final_loss", "acc_0", "sim_accept_length"} & set(meta)
@@ -218,7 +277,9 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_i
 
     # a failing export is the failed check's to report: named only as refused, never as the export, nor published
     for run, bad in [("run-nan", {"poison": True}), ("run-incomplete", {"drop": "midlayer.mlp.down_proj.weight"})]:
-        report, ok, detail = finish_training(TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, run, **bad))
+        report, ok, detail = finish_training(
+            TrainSettings.from_profile(profile), layout, _finished_run(profile, layout, run, **bad)
+        )
         assert not ok and re.search(rf"export in .*{run}/export is refused.*(fc|down_proj).weight", detail)
         assert report.metadata["refused_export_dir"] == layout.drafter_dir / run / "export"
         assert not {"export_dir", "export_location"} & set(report.metadata)
@@ -229,36 +290,55 @@ def test_finish_training_hands_on_a_checked_export_and_refuses_a_non_finite_or_i
 def test_benchmark_stage_in_process_writes_results_and_compares_with_the_previous_report(tmp_path, micro_target):
     from eagle3_dagster.stages.bench import benchmark_stage
 
-    profile, layout = _merged_corpus(tmp_path, micro_target, bench={
-        "spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8, "sets": ["heldout_sharegpt"]})
+    profile, layout = _merged_corpus(
+        tmp_path,
+        micro_target,
+        bench={"spec_configs": [[2, 1, 3]], "num_prompts": 2, "max_new_tokens": 8, "sets": ["heldout_sharegpt"]},
+    )
     export = _export_for(profile, layout, tmp_path / "drafter")
 
     lines: list[str] = []
-    first = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=None, run_id="r1",
-                            progress=lines.append)
+    first = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        layout,
+        export_dir=export,
+        previous_results=None,
+        run_id="r1",
+        progress=lines.append,
+    )
     results = orjson.loads(Path(first.metadata["results_json"]).read_bytes())
     rows = {r["method"]: r for r in results["rows"]}
     assert set(rows) == {"no_spec", "eagle3", "eagle3_untrained", "ngram"}
     # speculation never changes the greedy output: every method generates the same tokens for the 2 prompts
-    assert {(r["num_prompts"], r["completion_tokens"]) for r in rows.values()} == {(2, rows["no_spec"]["completion_tokens"])}
+    assert {(r["num_prompts"], r["completion_tokens"]) for r in rows.values()} == {
+        (2, rows["no_spec"]["completion_tokens"])
+    }
     assert 0 < rows["no_spec"]["completion_tokens"] <= 2 * 8
     # the untrained control runs once, for its acceptance; the methods a reader compares are timed in every round
-    assert rows["eagle3_untrained"]["timed_rounds"] == 1 and rows["eagle3"]["timed_rounds"] == results["meta"]["rounds"] > 1
+    assert (
+        rows["eagle3_untrained"]["timed_rounds"] == 1
+        and rows["eagle3"]["timed_rounds"] == results["meta"]["rounds"] > 1
+    )
     assert "Controls run once, for their acceptance" in (layout.bench_dir / "report.md").read_text()
     trained_band = next(b for b in rows["eagle3"]["bands"] if b["training_band"])
-    assert first.metadata["headline_config"] == (f"eagle3 at 2,1,3 on heldout_sharegpt, prompts of "
-                                                 f"{trained_band['band']} tokens (the training length)")
+    assert first.metadata["headline_config"] == (
+        f"eagle3 at 2,1,3 on heldout_sharegpt, prompts of {trained_band['band']} tokens (the training length)"
+    )
     assert first.metadata["acceptance_length"] == round(trained_band["acceptance_length"], 4)
     assert (layout.bench_dir / "report.md").exists()
     progress = [m for m in map(PROGRESS.match, lines) if m]  # within each method, by the shared contract
     assert progress and progress[-1].group(2) == progress[-1].group(3), lines
 
-    second = benchmark_stage(BenchSettings.from_profile(profile), layout, export_dir=export, previous_results=str(first.metadata["results_json"]),
-                             run_id="r2")
+    second = benchmark_stage(
+        BenchSettings.from_profile(profile),
+        layout,
+        export_dir=export,
+        previous_results=str(first.metadata["results_json"]),
+        run_id="r2",
+    )
     compared = second.markdown["report"].split("## Compared with the previous run")[1]
     assert "| heldout_sharegpt | eagle3 | 2,1,3 | acceptance_length |" in compared
     assert Path(second.metadata["results_json"]).name == "results-r2.json"
-
 
 
 def test_a_partition_key_added_by_hand_is_refused_before_any_extraction(tmp_path, micro_target):
@@ -279,8 +359,9 @@ def test_the_plan_says_how_many_optimizer_steps_training_makes_of_the_corpus(tmp
     from eagle3_dagster.stages.hidden import plan_stage
     from eagle3_dagster.train.schedule import TrainSchedule, is_heldout_sample, plan_epoch
 
-    profile, layout = _merged_corpus(tmp_path, micro_target, train={"batch_tokens": 128, "epochs": 3,
-                                                                     "eval_fraction": 0.1})
+    profile, layout = _merged_corpus(
+        tmp_path, micro_target, train={"batch_tokens": 128, "epochs": 3, "eval_fraction": 0.1}
+    )
     report, _, _ = plan_stage(PlanSettings.from_profile(profile), layout, free_bytes=None)
     schedule = TrainSchedule(**report.metadata["train_schedule"])
     shards = build_plan(profile, layout).shards

@@ -18,8 +18,12 @@ from eagle3_dagster.host_config import HostConfig
 
 def _stranger() -> subprocess.Popen:
     """An unrelated process group, as a pid reused after a kill -9 would be: TERM is recorded, not obeyed."""
-    return subprocess.Popen(["bash", "-c", "trap 'echo TERM; exit 0' TERM; while true; do sleep 0.05; done"],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["bash", "-c", "trap 'echo TERM; exit 0' TERM; while true; do sleep 0.05; done"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -35,10 +39,13 @@ def host(tmp_path):
     return GpuHost(HostConfig(workdir=str(tmp_path / "work")))
 
 
-@pytest.mark.parametrize("content", [
-    "{pid}\n",  # the format before launch nonces
-    "{pid} 12345 0123456789abcdef\n",  # a start time and nonce that are not the stranger's
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{pid}\n",  # the format before launch nonces
+        "{pid} 12345 0123456789abcdef\n",  # a start time and nonce that are not the stranger's
+    ],
+)
 def test_a_stale_pid_file_naming_a_stranger_is_removed_and_the_stranger_never_signalled(host, tmp_path, content):
     stranger = _stranger()
     try:

@@ -96,8 +96,12 @@ def store(monkeypatch, tmp_path):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     proxy = FaultProxy(server.get_host_and_port())
-    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(storage, "_settings", None)
     storage.configure(SETTINGS)
@@ -137,12 +141,16 @@ def test_a_store_that_keeps_failing_is_an_error_naming_the_object_and_the_cause(
 
 
 def _progress_lines(caplog, url: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "eagle3_dagster.storage" and
-            r.getMessage().startswith(f"{url}: ") and "still in progress after" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "eagle3_dagster.storage"
+        and r.getMessage().startswith(f"{url}: ")
+        and "still in progress after" in r.getMessage()
+    ]
 
 
-def test_a_hung_store_fails_a_range_read_within_the_profiles_bound_naming_the_object_with_progress_lines(
-        store, caplog):
+def test_a_hung_store_fails_a_range_read_within_the_profiles_bound_naming_the_object_with_progress_lines(store, caplog):
     url, size, proxy = store
     reader = RangedSafetensors(url, size)
     proxy.hanging = True  # connections are accepted, requests read, nothing ever answered
@@ -183,7 +191,11 @@ def test_the_profiles_storage_settings_reach_the_processes_a_run_starts(monkeypa
     build_definitions(profile)  # the code location and its run workers
     expected = storage.StorageSettings(**profile.storage.model_dump())
     assert storage.settings() == expected and storage.settings().read_timeout_s == 7
-    child = subprocess.run([sys.executable, "-c", "from eagle3_dagster import storage; "
-                            "print(repr(storage.settings()))"], capture_output=True, text=True,
-                           env={**os.environ, **storage.child_env()}, check=True)  # torchrun workers, drivers
+    child = subprocess.run(
+        [sys.executable, "-c", "from eagle3_dagster import storage; print(repr(storage.settings()))"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **storage.child_env()},
+        check=True,
+    )  # torchrun workers, drivers
     assert child.stdout.strip() == repr(expected)

@@ -18,10 +18,17 @@ def test_sigint_is_handled_in_the_suite():
 
 
 def test_a_suite_started_with_sigint_ignored_handles_it():
-    started_in_background = ("import os, signal, sys\n"
-                             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-                             "os.execv(sys.executable, [sys.executable, '-m', 'pytest', *sys.argv[1:]])")
+    started_in_background = (
+        "import os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'pytest', *sys.argv[1:]])"
+    )
     probe = f"{Path(__file__).relative_to(ROOT)}::test_sigint_is_handled_in_the_suite"
-    proc = subprocess.run([sys.executable, "-c", started_in_background, "-q", "-p", "no:cacheprovider", probe],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", started_in_background, "-q", "-p", "no:cacheprovider", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -33,10 +33,28 @@ def test_a_module_and_a_named_group_each_run_on_one_worker(tmp_path):
         (suite / f"{name}.py").write_text(MODULE.format(mark='pytestmark = pytest.mark.xdist_group("shared")'))
     record = tmp_path / "record"
     record.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           "--dist", "loadgroup", "--rootdir", str(tmp_path), str(suite)],
-                          cwd=tmp_path, env={**os.environ, "RECORD": str(record)}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "--rootdir",
+            str(tmp_path),
+            str(suite),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "RECORD": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     workers = {p.name: p.read_text() for p in record.iterdir()}
     assert len(workers) == 12

@@ -25,7 +25,7 @@ from eagle3_dagster.target import load_tokenizer, target_identity
 from eagle3_dagster.target_code import UnreviewedCodeError, code_files
 
 # The tokenizer's own code: it records that it ran (RAN names a file beside the folder), then loads tokenizer.json.
-TOKENIZER_CODE = '''
+TOKENIZER_CODE = """
 from transformers import PreTrainedTokenizerFast
 
 open({ran!r}, "a").write("ran\\n")
@@ -33,7 +33,7 @@ open({ran!r}, "a").write("ran\\n")
 
 class ProbeTokenizer(PreTrainedTokenizerFast):
     pass
-'''
+"""
 
 
 def _sha(path: Path) -> str:
@@ -54,14 +54,29 @@ def target(tmp_path: Path) -> Path:
     """A small model folder whose tokenizer is remote code (tokenizer_config.json auto_map), as Kimi-K2.5's is."""
     folder = tmp_path / "target"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 2,
-        "hidden_size": 8, "vocab_size": 3, "auto_map": {"AutoModelForCausalLM": "modeling_probe.ProbeForCausalLM"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 2,
+                "hidden_size": 8,
+                "vocab_size": 3,
+                "auto_map": {"AutoModelForCausalLM": "modeling_probe.ProbeForCausalLM"},
+            }
+        )
+    )
     save_file({"lm_head.weight": torch.zeros(3, 8)}, str(folder / "model.safetensors"))
     _tokenizer_json(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "ProbeTokenizer", "unk_token": "[UNK]",
-        "auto_map": {"AutoTokenizer": [None, "tokenization_probe.ProbeTokenizer"]}}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "ProbeTokenizer",
+                "unk_token": "[UNK]",
+                "auto_map": {"AutoTokenizer": [None, "tokenization_probe.ProbeTokenizer"]},
+            }
+        )
+    )
     (folder / "tokenization_probe.py").write_text(TOKENIZER_CODE.format(ran=str(tmp_path / "ran")))
     (folder / "modeling_probe.py").write_text("# the model class a real checkpoint ships\n")
     return folder
@@ -75,13 +90,22 @@ def test_code_files_are_every_python_file_at_any_depth_with_its_sha256(target):
     (target / "sub").mkdir()
     (target / "sub" / "helper.py").write_text("X = 1\n")
     (target / "notes.txt").write_text("not code")
-    assert code_files(target) == {name: _sha(target / name) for name in
-                                  ["modeling_probe.py", "sub/helper.py", "tokenization_probe.py"]}
+    assert code_files(target) == {
+        name: _sha(target / name) for name in ["modeling_probe.py", "sub/helper.py", "tokenization_probe.py"]
+    }
 
 
-@pytest.mark.parametrize("attack", ["edit the tokenizer's code", "add a module beside it", "add one in a folder",
-                                    "edit the model code auto_map names", "edit code a link points at, outside",
-                                    "edit code in a linked folder, outside"])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "edit the tokenizer's code",
+        "add a module beside it",
+        "add one in a folder",
+        "edit the model code auto_map names",
+        "edit code a link points at, outside",
+        "edit code in a linked folder, outside",
+    ],
+)
 def test_an_edited_or_added_code_file_changes_the_target_identity(target, attack, tmp_path):
     outside = tmp_path / "elsewhere.py"
     if attack == "edit code a link points at, outside":
@@ -126,8 +150,10 @@ def test_target_info_lists_the_code_files_with_their_sha256(target, capsys):
 
     assert main(["target-info", str(target)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["code_files"] == {"modeling_probe.py": _sha(target / "modeling_probe.py"),
-                                  "tokenization_probe.py": _sha(target / "tokenization_probe.py")}
+    assert info["code_files"] == {
+        "modeling_probe.py": _sha(target / "modeling_probe.py"),
+        "tokenization_probe.py": _sha(target / "tokenization_probe.py"),
+    }
     assert info["identity"] == target_identity(target)
 
 
@@ -143,8 +169,11 @@ def test_the_observed_target_lists_its_code_files_and_an_edit_gives_a_new_data_v
     asset = target_model.for_profile(profile)
     host = GpuHostResource(hosts=[HostEntry(python=sys.executable, workdir=str(tmp_path / "host"))])
 
-    defs = dg.Definitions(assets=[asset], resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
-                          jobs=[dg.define_asset_job("observe_target", selection=[asset.key])])
+    defs = dg.Definitions(
+        assets=[asset],
+        resources={"gpu_host": host, "profile": ProfileResource.of(profile)},
+        jobs=[dg.define_asset_job("observe_target", selection=[asset.key])],
+    )
 
     def observed(instance):  # a job selecting the observable target observes it (Dagster's public API)
         result = defs.resolve_job_def("observe_target").execute_in_process(instance=instance)
@@ -169,8 +198,12 @@ def test_the_reviewed_code_loads_and_runs(target):
 @pytest.mark.parametrize("attack", ["edited", "added", "added in a folder", "unlisted"])
 def test_code_that_is_not_the_reviewed_code_is_refused_before_it_runs_naming_the_file_and_both_hashes(target, attack):
     reviewed = code_files(target)
-    name = {"edited": "tokenization_probe.py", "added": "extra.py", "added in a folder": "pkg/extra.py",
-            "unlisted": "modeling_probe.py"}[attack]
+    name = {
+        "edited": "tokenization_probe.py",
+        "added": "extra.py",
+        "added in a folder": "pkg/extra.py",
+        "unlisted": "modeling_probe.py",
+    }[attack]
     path = target / name
     path.parent.mkdir(exist_ok=True)
     if attack == "unlisted":
@@ -201,8 +234,14 @@ def test_without_trust_remote_code_nothing_is_checked_and_nothing_runs(target):
 def test_the_profile_takes_reviewed_code_as_sha256_values_only(target):
     from eagle3_dagster.config import ProfileError, load_profile
 
-    good = {"target": {"kind": "external", "path": str(target), "trust_remote_code": True,
-                       "reviewed_code": code_files(target)}}
+    good = {
+        "target": {
+            "kind": "external",
+            "path": str(target),
+            "trust_remote_code": True,
+            "reviewed_code": code_files(target),
+        }
+    }
     assert load_profile("micro", overrides=good).target.reviewed_code == code_files(target)
     with pytest.raises((ProfileError, ValueError), match="reviewed_code"):
         load_profile("micro", overrides={"target": {**good["target"], "reviewed_code": {"x.py": "not-a-hash"}}})
@@ -217,7 +256,9 @@ def test_the_check_runs_on_a_bare_interpreter_as_the_host_runs_it(target, tmp_pa
     (target / "tokenization_probe.py").write_text("import os\n")
     refused = subprocess.run([python, "-S", *rest], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert refused.returncode == target_code.EXIT_UNREVIEWED
-    assert _sha(target / "tokenization_probe.py") in refused.stderr and reviewed["tokenization_probe.py"] in refused.stderr
+    assert (
+        _sha(target / "tokenization_probe.py") in refused.stderr and reviewed["tokenization_probe.py"] in refused.stderr
+    )
 
 
 def test_the_sglang_launch_refuses_unreviewed_code_on_the_host_before_starting_anything(target, tmp_path):
@@ -228,8 +269,14 @@ def test_the_sglang_launch_refuses_unreviewed_code_on_the_host_before_starting_a
     started = tmp_path / "launched"
     launcher = (sys.executable, "-c", f"open({str(started)!r}, 'w').close()")
     host = GpuHost(HostConfig(workdir=str(tmp_path / "work")))
-    spec = ServerSpec(model_path=str(target), port=1, launcher=launcher, trust_remote_code=True,
-                      reviewed_code=reviewed, health_timeout_s=5)
+    spec = ServerSpec(
+        model_path=str(target),
+        port=1,
+        launcher=launcher,
+        trust_remote_code=True,
+        reviewed_code=reviewed,
+        health_timeout_s=5,
+    )
     with pytest.raises(UnreviewedCodeError) as refused:
         with sglang_server(host, spec, on_log=lambda _line: None):
             pass

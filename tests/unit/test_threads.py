@@ -61,8 +61,28 @@ def test_ranks_times_threads_fit_the_cores_and_the_users_settings_win(monkeypatc
 def _task(proc, pid: int, tid: int, state: str, nice: int, comm: str = "python (busy) x"):
     # stat(5): pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
     # cutime cstime priority nice ...; comm may hold spaces and parentheses
-    fields = [state, "1", "1", "1", "0", "-1", "0", "0", "0", "0", "0", "0", "0", "0", "0", str(20 + nice), str(nice),
-              "1", "0", "100"]
+    fields = [
+        state,
+        "1",
+        "1",
+        "1",
+        "0",
+        "-1",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+        "0",
+        str(20 + nice),
+        str(nice),
+        "1",
+        "0",
+        "100",
+    ]
     folder = proc / str(pid) / "task" / str(tid)
     folder.mkdir(parents=True)
     (folder / "stat").write_text(f"{tid} ({comm}) " + " ".join(fields) + "\n")
@@ -73,10 +93,10 @@ def test_free_cores_count_runnable_threads_of_other_processes_at_our_priority_or
     monkeypatch.setattr(os, "getpriority", lambda *_a: 0)
     proc = tmp_path / "proc"
     _task(proc, 100, 100, "R", 0)
-    _task(proc, 100, 101, "R", 0)       # a second runnable thread of the same process counts too
-    _task(proc, 200, 200, "R", -5)      # higher priority
-    _task(proc, 300, 300, "R", 19)      # nice 19: a background job takes no share worth counting
-    _task(proc, 400, 400, "S", 0)       # sleeping
+    _task(proc, 100, 101, "R", 0)  # a second runnable thread of the same process counts too
+    _task(proc, 200, 200, "R", -5)  # higher priority
+    _task(proc, 300, 300, "R", 19)  # nice 19: a background job takes no share worth counting
+    _task(proc, 400, 400, "S", 0)  # sleeping
     _task(proc, os.getpid(), os.getpid(), "R", 0)  # this process's own threads are not competitors
     assert threads.cores_free(samples=1, proc=proc) == 1
     _task(proc, 500, 500, "R", 0)

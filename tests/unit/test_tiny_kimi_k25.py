@@ -46,8 +46,12 @@ def test_text_weights_are_the_targets_bit_for_bit_under_language_model(kimi, mic
     others = {n for n in wrapped if not n.startswith("language_model.")}
     assert others and all(n.startswith(("vision_tower.", "mm_projector.")) for n in others)
     # the names SGLang's load_weights maps (wqkv -> attn.qkv_proj, wo -> attn.proj, proj.0/2 -> linear_1/2)
-    assert {"vision_tower.encoder.blocks.0.wqkv.weight", "vision_tower.encoder.blocks.0.wo.bias",
-            "mm_projector.proj.0.weight", "mm_projector.proj.2.weight"} <= others
+    assert {
+        "vision_tower.encoder.blocks.0.wqkv.weight",
+        "vision_tower.encoder.blocks.0.wo.bias",
+        "mm_projector.proj.0.weight",
+        "mm_projector.proj.2.weight",
+    } <= others
     assert wrapped["mm_projector.proj.2.weight"].shape == (text["lm_head.weight"].shape[1], 4 * TinyVision.hidden_size)
     head, wrapped_head = load_target_tensors(micro_target), load_target_tensors(kimi)
     assert torch.equal(head.embed, wrapped_head.embed) and torch.equal(head.lm_head, wrapped_head.lm_head)
@@ -56,8 +60,14 @@ def test_text_weights_are_the_targets_bit_for_bit_under_language_model(kimi, mic
 def test_processor_loads_as_remote_code_with_the_targets_tokenizer_and_refuses_media(kimi, micro_target):
     proc = AutoProcessor.from_pretrained(str(kimi), trust_remote_code=True)
     assert type(proc).__name__ == "KimiK25Processor"
-    assert set(proc.media_processor.media_proc_cfg) >= {"patch_size", "merge_kernel_size", "in_patch_limit",
-                                                        "patch_limit_on_one_side", "image_mean", "image_std"}
+    assert set(proc.media_processor.media_proc_cfg) >= {
+        "patch_size",
+        "merge_kernel_size",
+        "in_patch_limit",
+        "patch_limit_on_one_side",
+        "image_mean",
+        "image_std",
+    }
     text = "<|im_user|>user<|im_middle|>hello there<|im_end|>"
     want = AutoTokenizer.from_pretrained(str(micro_target)).encode(text, add_special_tokens=False)
     assert proc.tokenizer.encode(text, add_special_tokens=False) == want

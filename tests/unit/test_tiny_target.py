@@ -25,7 +25,9 @@ def model(micro_target):
 @pytest.fixture(scope="module")
 def sample_ids(micro_target):
     tok = AutoTokenizer.from_pretrained(str(micro_target))
-    text = tok.apply_chat_template([{"role": "user", "content": "How do I sort a list in Python?"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "How do I sort a list in Python?"}], tokenize=False, add_generation_prompt=True
+    )
     return torch.tensor([tok.encode(text, add_special_tokens=False)])
 
 
@@ -33,7 +35,11 @@ def test_saved_config_is_kimi_text_architecture_at_micro_size(micro_target, micr
     cfg = json.loads((micro_target / "config.json").read_text())
     tiny = micro_profile.target.tiny
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
-    assert (cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["first_k_dense_replace"]) == (tiny.q_lora_rank, tiny.kv_lora_rank, 1)
+    assert (cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["first_k_dense_replace"]) == (
+        tiny.q_lora_rank,
+        tiny.kv_lora_rank,
+        1,
+    )
     assert (cfg["n_group"], cfg["topk_group"], cfg["num_nextn_predict_layers"]) == (1, 1, 0)
     assert cfg["tie_word_embeddings"] is False and cfg["vocab_size"] == tiny.vocab_size
     assert (micro_target / "model.safetensors").exists() and (micro_target / "generation_config.json").exists()
@@ -49,14 +55,19 @@ def test_yarn_rope_at_factor_one_is_the_plain_rope_bit_for_bit(micro_profile):
 
     from eagle3_dagster.tiny.model import create_tiny_model, tiny_model_config
 
-    config = tiny_model_config(micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = tiny_model_config(
+        micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     yarn = create_tiny_model(config, seed=0).eval()
-    plain_config = tiny_model_config(micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2,
-                                     pad_token_id=0)
+    plain_config = tiny_model_config(
+        micro_profile.target.tiny, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
     plain_config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
     plain = DeepseekV3ForCausalLM(plain_config).float().eval()
     plain.load_state_dict(yarn.state_dict())
-    ids = torch.randint(0, 512, (2, micro_profile.target.tiny.max_position_embeddings), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, 512, (2, micro_profile.target.tiny.max_position_embeddings), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         assert torch.equal(yarn(ids).logits, plain(ids).logits)
 
@@ -200,7 +211,11 @@ def test_kimi_k25_wrapper_config_yields_its_text_config(tmp_path):
 def test_summary_of_the_micro_target(micro_target, micro_profile):
     s = target_summary(micro_target)
     tiny = micro_profile.target.tiny
-    assert (s["num_layers"], s["hidden_size"], s["vocab_size"]) == (tiny.num_hidden_layers, tiny.hidden_size, tiny.vocab_size)
+    assert (s["num_layers"], s["hidden_size"], s["vocab_size"]) == (
+        tiny.num_hidden_layers,
+        tiny.hidden_size,
+        tiny.vocab_size,
+    )
     assert s["architecture"] == "DeepseekV3ForCausalLM" and s["dtype"] == "float32"
 
 

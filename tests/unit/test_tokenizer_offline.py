@@ -89,8 +89,9 @@ def test_a_tokenizer_with_its_own_code_in_the_directory_still_loads_offline(tmp_
         class LocalTokenizer(PreTrainedTokenizerFast):
             pass
     """)
-    model_dir = _tokenizer_dir(tmp_path / "target", {"AutoTokenizer": [None, "tokenization_local.LocalTokenizer"]},
-                               code)
+    model_dir = _tokenizer_dir(
+        tmp_path / "target", {"AutoTokenizer": [None, "tokenization_local.LocalTokenizer"]}, code
+    )
     with _Hub() as hub:
         run = _load_online(model_dir, tmp_path / "hf", hub)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -20,17 +20,26 @@ from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 from eagle3_dagster.train.data import collate, split_heldout
 from eagle3_dagster.train.schedule import (
-    BucketedSampler, eval_batches, is_heldout_sample, plan_epoch, train_schedule,
+    BucketedSampler,
+    eval_batches,
+    is_heldout_sample,
+    plan_epoch,
+    train_schedule,
 )
 
 VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 32, 4, 64
 SAMPLES_PER_SHARD = 16
 
+
 def _markov_tokens(g: torch.Generator, n: int) -> torch.Tensor:
     """Mostly-deterministic token chains, so the target's next-token behaviour is learnable from context."""
     out = [int(torch.randint(0, VOCAB, (1,), generator=g))]
     for _ in range(n - 1):
-        nxt = (7 * out[-1] + 3) % VOCAB if torch.rand(1, generator=g) < 0.85 else int(torch.randint(0, VOCAB, (1,), generator=g))
+        nxt = (
+            (7 * out[-1] + 3) % VOCAB
+            if torch.rand(1, generator=g) < 0.85
+            else int(torch.randint(0, VOCAB, (1,), generator=g))
+        )
         out.append(nxt)
     return torch.tensor(out)
 
@@ -41,11 +50,27 @@ def workspace(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("train")
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
-                           num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
-                           kv_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
-                           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-                           max_position_embeddings=256)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+    )
     target = DeepseekV3ForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
     # a brief pre-training makes the target a (small) language model of the chains: peaked, learnable teachers
@@ -69,12 +94,14 @@ def workspace(tmp_path_factory) -> Path:
         mask[n // 3 :] = 1
         samples.append((f"chains/{i}", ids, mask, torch.cat([hs[1][0], hs[2][0], hs[3][0]], -1), hs[LAYERS][0]))
     data = root / "hidden" / "v1"
-    fmt = ShardFormat(hidden_size=HIDDEN, dtype="float32", aux_layers=(1, 2, 3), target_identity="chains",
-                      code_version="test")
+    fmt = ShardFormat(
+        hidden_size=HIDDEN, dtype="float32", aux_layers=(1, 2, 3), target_identity="chains", code_version="test"
+    )
     for index, first in enumerate(range(0, len(samples), SAMPLES_PER_SHARD)):
         chunk = samples[first : first + SAMPLES_PER_SHARD]
-        with ShardWriter(data, shard_key(index), fmt, [c[0] for c in chunk], [len(c[1]) for c in chunk],
-                         first_record=first) as w:
+        with ShardWriter(
+            data, shard_key(index), fmt, [c[0] for c in chunk], [len(c[1]) for c in chunk], first_record=first
+        ) as w:
             for sid, ids, mask, aux, last in chunk:
                 w.write_sample(sid, input_ids=ids, loss_mask=mask, aux_hidden=aux, last_hidden=last)
     token_ids = torch.cat([c[1] for c in samples])
@@ -88,18 +115,39 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def _job(ws: Path, out: str, **train) -> Path:
-    base = dict(ttt_steps=2, epochs=1, max_steps=24, lr=1e-2, warmup_ratio=0.1, batch_tokens=96, grad_accum=1,
-                grad_clip=0.5, checkpoint_every=8, seed=0, nproc_per_node=2, backend="gloo", eval_fraction=0.2)
-    job = TrainJobConfig(hidden_version_dir=str(ws / "hidden" / "v1"), target_dir=str(ws / "target"),
-                         vocab_mapping=str(ws / "vocab.safetensors"), out_dir=str(ws / out), serving_context=512,
-                         train=TrainConfig(**(base | train)),
-                         drafter=DrafterOverrides(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
-                         export_dtype="float32", eval_batches=4,
-                         metadata={"test": True})
+    base = dict(
+        ttt_steps=2,
+        epochs=1,
+        max_steps=24,
+        lr=1e-2,
+        warmup_ratio=0.1,
+        batch_tokens=96,
+        grad_accum=1,
+        grad_clip=0.5,
+        checkpoint_every=8,
+        seed=0,
+        nproc_per_node=2,
+        backend="gloo",
+        eval_fraction=0.2,
+    )
+    job = TrainJobConfig(
+        hidden_version_dir=str(ws / "hidden" / "v1"),
+        target_dir=str(ws / "target"),
+        vocab_mapping=str(ws / "vocab.safetensors"),
+        out_dir=str(ws / out),
+        serving_context=512,
+        train=TrainConfig(**(base | train)),
+        drafter=DrafterOverrides(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
+        export_dtype="float32",
+        eval_batches=4,
+        metadata={"test": True},
+    )
     return job.write(ws / f"{out}.json")
 
 
-def _torchrun(ws: Path, cfg_path: Path, *worker_args: str, rdzv_endpoint: str | None = None) -> subprocess.CompletedProcess:
+def _torchrun(
+    ws: Path, cfg_path: Path, *worker_args: str, rdzv_endpoint: str | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = build_torchrun_command(cfg_path, nproc_per_node=2, nnodes=1, rdzv_endpoint=rdzv_endpoint) + list(worker_args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -221,10 +269,21 @@ def test_restored_sampler_yields_identical_batches():
 
 
 def test_collate_right_pads_and_names_bad_sample():
-    good = {"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([0, 1, 1]),
-            "aux_hidden": torch.ones(3, 6), "last_hidden": torch.ones(3, 2), "sample_id": "ok"}
-    short = {**good, "input_ids": torch.tensor([4]), "loss_mask": torch.tensor([1]),
-             "aux_hidden": torch.ones(1, 6), "last_hidden": torch.ones(1, 2), "sample_id": "short"}
+    good = {
+        "input_ids": torch.tensor([1, 2, 3]),
+        "loss_mask": torch.tensor([0, 1, 1]),
+        "aux_hidden": torch.ones(3, 6),
+        "last_hidden": torch.ones(3, 2),
+        "sample_id": "ok",
+    }
+    short = {
+        **good,
+        "input_ids": torch.tensor([4]),
+        "loss_mask": torch.tensor([1]),
+        "aux_hidden": torch.ones(1, 6),
+        "last_hidden": torch.ones(1, 2),
+        "sample_id": "short",
+    }
     batch = collate([good, short], [0, 1])
     assert batch.input_ids_BT.tolist() == [[1, 2, 3], [4, 0, 0]]
     assert batch.loss_mask_BT.tolist() == [[0, 1, 1], [1, 0, 0]] and batch.num_tokens == 4
@@ -234,21 +293,39 @@ def test_collate_right_pads_and_names_bad_sample():
 
 
 def test_torchrun_command_runs_the_engine_module_with_the_job_file(tmp_path):
-    cmd = build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2, python="/opt/py",
-                                 rdzv_endpoint="h0:29500", extra_args=["--max-restarts=0"])
+    cmd = build_torchrun_command(
+        tmp_path / "job.json",
+        nproc_per_node=8,
+        nnodes=2,
+        python="/opt/py",
+        rdzv_endpoint="h0:29500",
+        extra_args=["--max-restarts=0"],
+    )
     assert cmd[:3] == ["/opt/py", "-m", "torch.distributed.run"]
     assert "--nproc-per-node=8" in cmd and "--nnodes=2" in cmd and "--standalone" not in cmd
     assert cmd.index("--max-restarts=0") < cmd.index("-m", 3)  # torchrun's own arguments come before the module
     assert cmd[-4:] == ["-m", "eagle3_dagster.train", "--config", str(tmp_path / "job.json")]
-    job = TrainJobConfig(hidden_version_dir="h", target_dir="t", vocab_mapping="v", out_dir="o", serving_context=8192,
-                         aux_layers=(2, 30, 58))
+    job = TrainJobConfig(
+        hidden_version_dir="h",
+        target_dir="t",
+        vocab_mapping="v",
+        out_dir="o",
+        serving_context=8192,
+        aux_layers=(2, 30, 58),
+    )
     assert TrainJobConfig.from_json(job.to_json()) == job
     assert build_torchrun_command(Path("j.json"), 2)[0] == sys.executable
 
 
 def test_multi_node_command_joins_a_c10d_rendezvous_and_needs_an_endpoint(tmp_path):
-    cmd = build_torchrun_command(tmp_path / "job.json", nproc_per_node=8, nnodes=2, python="/opt/py",
-                                 rdzv_endpoint="node0:29500", rdzv_id="run-1")
+    cmd = build_torchrun_command(
+        tmp_path / "job.json",
+        nproc_per_node=8,
+        nnodes=2,
+        python="/opt/py",
+        rdzv_endpoint="node0:29500",
+        rdzv_id="run-1",
+    )
     assert cmd[:5] == ["/opt/py", "-m", "torch.distributed.run", "--nproc-per-node=8", "--nnodes=2"]
     assert cmd[5:8] == ["--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=run-1"]
     assert "--standalone" not in cmd

@@ -44,13 +44,17 @@ def test_training_refuses_to_start_when_a_shard_does_not_match_its_manifest(tmp_
     data = bytearray(path.read_bytes())
     data[-2] ^= 0x01  # one flipped bit: same size, so "complete" by size
     path.write_bytes(bytes(data))
-    plan = SimpleNamespace(version="v", version_dir=version_dir,
-                          shards=[SimpleNamespace(key="shard-00000"), SimpleNamespace(key="shard-00001")])
+    plan = SimpleNamespace(
+        version="v",
+        version_dir=version_dir,
+        shards=[SimpleNamespace(key="shard-00000"), SimpleNamespace(key="shard-00001")],
+    )
     monkeypatch.setattr(train_stage, "load_plan", lambda path: plan)
     profile = load_profile("micro", overrides={"run_root": str(tmp_path / "run")})
     with pytest.raises(ShardCorruptError) as err:
-        train_stage.prepare_training(TrainSettings.from_profile(profile), ArtifactLayout.from_profile(profile),
-                                     plan_path=tmp_path / "plan.json")
+        train_stage.prepare_training(
+            TrainSettings.from_profile(profile), ArtifactLayout.from_profile(profile), plan_path=tmp_path / "plan.json"
+        )
     assert "shard-00001" in str(err.value) and "sha256" in str(err.value)
     assert "shard-00000" not in str(err.value)
     assert not list((tmp_path / "run").rglob("job.json"))  # nothing launched
@@ -69,9 +73,15 @@ class _Samples:
             aux = torch.randn(T, 3 * H, generator=g)
             if i == bad:
                 aux[0, 0] = float("nan")
-            self.items.append({"input_ids": torch.randint(0, V, (T,), generator=g),
-                               "loss_mask": torch.ones(T, dtype=torch.long), "aux_hidden": aux,
-                               "last_hidden": torch.randn(T, H, generator=g), "sample_id": f"ds/conv{i}/0"})
+            self.items.append(
+                {
+                    "input_ids": torch.randint(0, V, (T,), generator=g),
+                    "loss_mask": torch.ones(T, dtype=torch.long),
+                    "aux_hidden": aux,
+                    "last_hidden": torch.randn(T, H, generator=g),
+                    "sample_id": f"ds/conv{i}/0",
+                }
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -85,8 +95,17 @@ class _Samples:
 
 def test_a_non_finite_loss_stops_training_at_that_step_naming_the_batch_samples(tmp_path):
     torch.manual_seed(0)
-    cfg = DrafterConfig(target_hidden_size=H, hidden_size=H, intermediate_size=32, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=8, vocab_size=V, draft_vocab_size=DV, aux_layers=(1, 2, 3))
+    cfg = DrafterConfig(
+        target_hidden_size=H,
+        hidden_size=H,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=V,
+        draft_vocab_size=DV,
+        aux_layers=(1, 2, 3),
+    )
     keep = torch.arange(0, V, 2)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[keep] = True
@@ -95,16 +114,23 @@ def test_a_non_finite_loss_stops_training_at_that_step_naming_the_batch_samples(
     dataset = _Samples(12, bad=7)
     sampler = BucketedSampler(dataset.lengths(), batch_tokens=2 * T, rank=0, world_size=1, seed=0)
     ckpt = Checkpointer(tmp_path / "ckpt", every=1, rank=0)
-    trainer = Trainer(objective, drafter, dataset, sampler,
-                      LoopConfig(ttt_steps=2, lr=1e-2, total_steps=6, warmup_steps=1, grad_accum=1, grad_clip=1.0),
-                      ckpt, torch.device("cpu"))
+    trainer = Trainer(
+        objective,
+        drafter,
+        dataset,
+        sampler,
+        LoopConfig(ttt_steps=2, lr=1e-2, total_steps=6, warmup_steps=1, grad_accum=1, grad_clip=1.0),
+        ckpt,
+        torch.device("cpu"),
+    )
     with pytest.raises(NonFiniteTrainingError) as err:
         trainer.train()
     step = len(trainer.history.steps) + 1  # the steps before it went through
     message = str(err.value)
     assert f"step {step}" in message and "ds/conv7/0" in message
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == \
-        [f"step_{s:07d}" for s in range(max(1, step - 2), step)]  # none of the bad step (two kept)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == [
+        f"step_{s:07d}" for s in range(max(1, step - 2), step)
+    ]  # none of the bad step (two kept)
     assert all(torch.isfinite(p).all() for p in drafter.parameters())  # the bad step was not applied
 
 

@@ -48,8 +48,10 @@ def test_ttt_attention_matches_dense_mask_reference_forward_and_gradient(fused):
             torch.testing.assert_close(g_, w_, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernel_path_matches_reference_in_training_dtypes(device, dtype):
     """The platform kernel (CPU flash, CUDA memory-efficient) in fp32/bf16 against the fp64 reference."""
@@ -78,9 +80,18 @@ def test_blockwise_causal_logsumexp_equals_dense_logsumexp():
 
 def _drafter(seed=0, **eagle31) -> tuple[Eagle3Drafter, DrafterConfig]:
     torch.manual_seed(seed)
-    cfg = DrafterConfig(target_hidden_size=12, hidden_size=16, intermediate_size=24, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=4, vocab_size=40, draft_vocab_size=20, aux_layers=(1, 2, 3),
-                        **eagle31)
+    cfg = DrafterConfig(
+        target_hidden_size=12,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=40,
+        draft_vocab_size=20,
+        aux_layers=(1, 2, 3),
+        **eagle31,
+    )
     t2d = torch.zeros(40, dtype=torch.bool)
     t2d[::2] = True
     d2t = torch.arange(0, 40, 2) - torch.arange(20)
@@ -127,8 +138,9 @@ def test_recomputing_the_mlp_in_backward_changes_nothing(fused):
         model.zero_grad()
         outs = list(ttt_unroll(model, ids, aux, 3, fused=fused, recompute_mlp=recompute))
         sum((o * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
-        results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
-                                                     if p.grad is not None}))
+        results.append(
+            ([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
     (outs_a, grads_a), (outs_b, grads_b) = results
     for a, b in zip(outs_a, outs_b):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -165,8 +177,9 @@ def test_ttt_unroll_equals_the_step_by_step_reference_in_outputs_and_gradients(f
         model.zero_grad()
         outs = list(unroll(model, ids, aux, 4))
         sum((o * (j + 1)).sin().sum() for j, o in enumerate(outs)).backward()
-        results.append(([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters()
-                                                     if p.grad is not None}))
+        results.append(
+            ([o.detach() for o in outs], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
     (want_outs, want_grads), (got_outs, got_grads) = results
     for got, want in zip(got_outs, want_outs):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -192,7 +205,9 @@ def test_eagle31_options_do_what_sglangs_llama_eagle3_does():
         norm.weight.data.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(i))
     aux = torch.randn(1, 5, 36, dtype=torch.float64) * torch.tensor([1.0, 30.0, 300.0]).repeat_interleave(12)
     chunks = aux.chunk(3, dim=-1)
-    want = full.fc(torch.cat([_sglang_rmsnorm(c, n.weight, cfg.rms_norm_eps) for c, n in zip(chunks, full.fc_norm)], -1))
+    want = full.fc(
+        torch.cat([_sglang_rmsnorm(c, n.weight, cfg.rms_norm_eps) for c, n in zip(chunks, full.fc_norm)], -1)
+    )
     torch.testing.assert_close(full.project_aux(aux), want)
     assert not torch.allclose(plain.project_aux(aux), want)
     ids, pos = torch.randint(0, 40, (1, 5)), torch.arange(5)[None]

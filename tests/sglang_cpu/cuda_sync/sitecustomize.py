@@ -15,6 +15,7 @@ sitecustomize of its own.
 import torch
 
 if not torch.cuda.is_available():
+
     def _synchronize(device=None) -> None:
         """No device to wait for: CPU work is done when the call returns."""
 

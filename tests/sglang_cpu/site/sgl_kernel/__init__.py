@@ -36,14 +36,17 @@ def _check(ok: bool, op: str, what: str) -> None:
 
 
 def _unsupported(op: str, what: str) -> KernelNotAvailable:
-    return KernelNotAvailable(f"sgl_kernel.{op}: the CPU shim (tests/sglang_cpu/site/sgl_kernel) does not implement {what}")
+    return KernelNotAvailable(
+        f"sgl_kernel.{op}: the CPU shim (tests/sglang_cpu/site/sgl_kernel) does not implement {what}"
+    )
 
 
 # --- KV cache -------------------------------------------------------------------------------------
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
-                                src_loc: torch.Tensor) -> None:
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     """For every buffer b: `buf_b[tgt_loc[i], :] = buf_b[src_loc[i], :]` for every i, in place.
 
     `data_ptrs` [B] uint64: the base address of each K/V buffer; `strides` [B] int64: the bytes of one
@@ -74,8 +77,9 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
 # --- speculative decoding bookkeeping (kernels/ops/speculative/ in SGLang's wheel) -----------------
 
 
-def fill_bonus_tokens_cpu(accept_tokens: torch.Tensor, accept_lens: torch.Tensor, bonus_tokens: torch.Tensor,
-                          accept_stride: int) -> None:
+def fill_bonus_tokens_cpu(
+    accept_tokens: torch.Tensor, accept_lens: torch.Tensor, bonus_tokens: torch.Tensor, accept_stride: int
+) -> None:
     """`bonus_tokens[i]` = the last accepted token of request i: row i of `accept_tokens` (width
     `accept_stride`) at `accept_lens[i] - 1` (accept_lens counts the bonus)."""
     rows = accept_tokens.reshape(-1, accept_stride)
@@ -83,8 +87,9 @@ def fill_bonus_tokens_cpu(accept_tokens: torch.Tensor, accept_lens: torch.Tensor
     bonus_tokens.copy_(rows[torch.arange(n), accept_lens[:n].long() - 1].to(bonus_tokens.dtype))
 
 
-def fill_accept_out_cache_loc_cpu(accept_index: torch.Tensor, out_cache_loc: torch.Tensor,
-                                  accept_out_cache_loc: torch.Tensor, size: int | None = None) -> None:
+def fill_accept_out_cache_loc_cpu(
+    accept_index: torch.Tensor, out_cache_loc: torch.Tensor, accept_out_cache_loc: torch.Tensor, size: int | None = None
+) -> None:
     """Compact the cache slots of the accepted entries: the k-th entry of `accept_index` (flattened, first
     `size`) that is not -1 puts `out_cache_loc[that entry]` at `accept_out_cache_loc[k]`; the rest stays."""
     flat = accept_index.reshape(-1)
@@ -94,37 +99,59 @@ def fill_accept_out_cache_loc_cpu(accept_index: torch.Tensor, out_cache_loc: tor
     accept_out_cache_loc[: valid.numel()] = out_cache_loc[valid].to(accept_out_cache_loc.dtype)
 
 
-def assign_draft_cache_locs_contiguous_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                           seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, pool_len: int,
-                                           topk: int, num_steps: int) -> None:
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+    topk: int,
+    num_steps: int,
+) -> None:
     """Request i's `topk * num_steps` draft slots: `req_to_token[req_pool_indices[i], seq_lens[i]:][:topk*num_steps]`,
     at `out_cache_loc[i * topk * num_steps:]`."""
     op = "assign_draft_cache_locs_contiguous_cpu"
     n = topk * num_steps
     _check(req_to_token.dtype == torch.int32, op, f"req_to_token must be int32, got {req_to_token.dtype}")
-    _check(seq_lens.dtype == torch.int64 and req_pool_indices.dtype == torch.int64, op,
-           "req_pool_indices and seq_lens must be int64")
-    _check(out_cache_loc.numel() == seq_lens.numel() * n, op,
-           f"out_cache_loc holds {out_cache_loc.numel()} slots, expected {seq_lens.numel()} x {n}")
+    _check(
+        seq_lens.dtype == torch.int64 and req_pool_indices.dtype == torch.int64,
+        op,
+        "req_pool_indices and seq_lens must be int64",
+    )
+    _check(
+        out_cache_loc.numel() == seq_lens.numel() * n,
+        op,
+        f"out_cache_loc holds {out_cache_loc.numel()} slots, expected {seq_lens.numel()} x {n}",
+    )
     rows = req_to_token.view(-1, pool_len)
     for i, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        out_cache_loc[i * n:(i + 1) * n] = rows[r, s:s + n].to(out_cache_loc.dtype)
+        out_cache_loc[i * n : (i + 1) * n] = rows[r, s : s + n].to(out_cache_loc.dtype)
 
 
-def assign_extend_cache_locs_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
-                                 pool_len: int) -> None:
+def assign_extend_cache_locs_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """`out_cache_loc` = request after request, `req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`."""
     rows = req_to_token.reshape(-1, pool_len)
     at = 0
     for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        out_cache_loc[at:at + e - s] = rows[r, s:e].to(out_cache_loc.dtype)
+        out_cache_loc[at : at + e - s] = rows[r, s:e].to(out_cache_loc.dtype)
         at += e - s
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
-                                 pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """The inverse of assign_extend_cache_locs: `req_to_token[req_pool_indices[i], start_offset[i]:end_offset[i]]`
     = the next `end_offset[i] - start_offset[i]` slots of `out_cache_loc`, request after request."""
     op = "assign_req_to_token_pool_cpu"
@@ -134,12 +161,18 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     rows = req_to_token.view(-1, pool_len)
     at = 0
     for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        rows[r, s:e] = out_cache_loc[at:at + e - s].to(torch.int32)
+        rows[r, s:e] = out_cache_loc[at : at + e - s].to(torch.int32)
         at += e - s
 
 
-def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                                    seq_lens: torch.Tensor, topk: int, num_steps: int, pool_len: int) -> torch.Tensor:
+def build_draft_decode_metadata_cpu(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    pool_len: int,
+) -> torch.Tensor:
     """A req_to_token row per (request b, branch k) [B * topk, pool_len]: the request's first seq_len slots,
     then branch k's `num_steps` draft slots (`seq_len + k * num_steps` on, the layout
     assign_draft_cache_locs_contiguous gives). Only those first seq_len + num_steps entries are defined."""
@@ -149,7 +182,7 @@ def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices
         for k in range(topk):
             row = out[b * topk + k]
             row.copy_(src[r])
-            row[s:s + num_steps] = src[r, s + k * num_steps:s + (k + 1) * num_steps]
+            row[s : s + num_steps] = src[r, s + k * num_steps : s + (k + 1) * num_steps]
     return out
 
 
@@ -157,11 +190,20 @@ def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices
 _FULL_MASK, _QLEN_ONLY = 0, 1
 
 
-def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: torch.Tensor,
-                                    verified_seq_len: torch.Tensor, tree_mask: torch.Tensor, positions: torch.Tensor,
-                                    retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
-                                    retrive_next_sibling: torch.Tensor, topk: int, depth: int, draft_token_num: int,
-                                    tree_mask_mode: int) -> None:
+def build_tree_kernel_efficient_cpu(
+    parent_list: torch.Tensor,
+    selected_index: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    topk: int,
+    depth: int,
+    draft_token_num: int,
+    tree_mask_mode: int,
+) -> None:
     """The draft tree of each request: node 0 is the verified last token, node i >= 1 the draft
     `selected_index[i-1]`, whose parent is node 0 when it comes from the first draft step, else the node
     that selected its parent (`parent_list`). Writes each node's flat index (`retrive_index`), first child
@@ -196,17 +238,24 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
                 j, d = parent[j], d + 1
             positions[b * n + i] = seq_len + d
         if tree_mask_mode == _QLEN_ONLY:
-            tree_mask[b * n * n:(b + 1) * n * n] = visible.reshape(-1)
+            tree_mask[b * n * n : (b + 1) * n * n] = visible.reshape(-1)
         else:
-            rows = tree_mask[prefix_at:prefix_at + n * (seq_len + n)].view(n, seq_len + n)
+            rows = tree_mask[prefix_at : prefix_at + n * (seq_len + n)].view(n, seq_len + n)
             rows[:, :seq_len] = True
             rows[:, seq_len:] = visible
             prefix_at += n * (seq_len + n)
 
 
-def verify_tree_greedy_cpu(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
-                           candidates: torch.Tensor, retrive_index: torch.Tensor, retrive_next_token: torch.Tensor,
-                           retrive_next_sibling: torch.Tensor, target_predict: torch.Tensor) -> None:
+def verify_tree_greedy_cpu(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+) -> None:
     """Greedy verification down the draft tree: from the root, take the first child (then its siblings)
     whose draft token equals the target's prediction at the last accepted node, for at most
     `accept_index.shape[1] - 1` levels. Writes the accepted nodes' flat indices (`accept_index`, the root
@@ -237,8 +286,14 @@ def verify_tree_greedy_cpu(predicts: torch.Tensor, accept_index: torch.Tensor, a
 # --- attention (SGLang's CPU attention backend, srt/layers/attention/intel_amx_backend.py) ---------
 
 
-def _attend(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, visible_TS: torch.Tensor | None,
-            sm_scale: float, logit_cap: float) -> torch.Tensor:
+def _attend(
+    q_THD: torch.Tensor,
+    k_SKD: torch.Tensor,
+    v_SKD: torch.Tensor,
+    visible_TS: torch.Tensor | None,
+    sm_scale: float,
+    logit_cap: float,
+) -> torch.Tensor:
     """softmax(q·k * scale [capped]) v in float32, the query heads sharing the key heads in groups (GQA/MQA)."""
     group = q_THD.shape[1] // k_SKD.shape[1]
     k = k_SKD.float().repeat_interleave(group, dim=1)
@@ -251,8 +306,9 @@ def _attend(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, visib
     return torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v)
 
 
-def _refuse_attention_options(op: str, k_scale: float, v_scale: float, is_cross_attn: bool,
-                              sliding_window_size: int, sinks) -> None:
+def _refuse_attention_options(
+    op: str, k_scale: float, v_scale: float, is_cross_attn: bool, sliding_window_size: int, sinks
+) -> None:
     if k_scale != 1.0 or v_scale != 1.0:
         raise _unsupported(op, f"scaled (fp8) KV caches (k_scale {k_scale}, v_scale {v_scale})")
     if is_cross_attn:
@@ -263,9 +319,27 @@ def _refuse_attention_options(op: str, k_scale: float, v_scale: float, is_cross_
         raise _unsupported(op, "attention sinks")
 
 
-def _decode_attention_cpu(query, k_buffer, v_buffer, k_scale, v_scale, output, key, value, loc, attn_logits,
-                          req_to_token, req_pool_indices, seq_lens, sm_scale, logit_cap, is_cross_attn,
-                          sliding_window_size, encoder_lens, sinks):
+def _decode_attention_cpu(
+    query,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    output,
+    key,
+    value,
+    loc,
+    attn_logits,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    sm_scale,
+    logit_cap,
+    is_cross_attn,
+    sliding_window_size,
+    encoder_lens,
+    sinks,
+):
     """One new token per sequence: its K/V (when given) written at `loc` first, then attention over the
     sequence's `seq_lens[b]` slots `req_to_token[req_pool_indices[b]]`. `attn_logits` is the kernel's
     split-KV scratch, not an output."""
@@ -275,14 +349,35 @@ def _decode_attention_cpu(query, k_buffer, v_buffer, k_scale, v_scale, output, k
         v_buffer[loc.long()] = value.to(v_buffer.dtype)
     for b, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         slots = req_to_token[r, :s].long()
-        output[b:b + 1] = _attend(query[b:b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale,
-                                  logit_cap).to(output.dtype)
+        output[b : b + 1] = _attend(query[b : b + 1], k_buffer[slots], v_buffer[slots], None, sm_scale, logit_cap).to(
+            output.dtype
+        )
 
 
-def _extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale,
-                          req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-                          max_len_extend, sm_scale, logit_cap, is_cross_attn, sliding_window_size, encoder_lens,
-                          sinks, tree_mask=None, is_causal=True):
+def _extend_attention_cpu(
+    q_extend,
+    k_extend,
+    v_extend,
+    o_extend,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_seq_lens,
+    extend_start_loc,
+    max_len_extend,
+    sm_scale,
+    logit_cap,
+    is_cross_attn,
+    sliding_window_size,
+    encoder_lens,
+    sinks,
+    tree_mask=None,
+    is_causal=True,
+):
     """Sequence b's `extend_seq_lens[b]` new tokens (rows `extend_start_loc[b]` on) attend to its cached
     prefix (the first `seq_lens[b] - extend_seq_lens[b]` slots of `req_to_token[req_pool_indices[b]]`)
     and, causally, to the new tokens' own K/V (`k_extend`/`v_extend`; from the cache when they are None)."""
@@ -296,12 +391,12 @@ def _extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_bu
     for b, (r, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         n, at = int(extend_seq_lens[b]), int(extend_start_loc[b])
         _check(not prefix_skipped or s == n, op, f"extend attention: expect seq_len_prefix to be 0, got {s - n}")
-        prefix = req_to_token[r, :s - n].long()
+        prefix = req_to_token[r, : s - n].long()
         if k_extend is None or v_extend is None:
-            own = req_to_token[r, s - n:s].long()
+            own = req_to_token[r, s - n : s].long()
             k_new, v_new = k_buffer[own], v_buffer[own]
         else:
-            k_new, v_new = k_extend[at:at + n], v_extend[at:at + n]
+            k_new, v_new = k_extend[at : at + n], v_extend[at : at + n]
         keys, values = k_new, v_new
         if s > n:
             keys = torch.cat([k_buffer[prefix].to(k_new.dtype), k_new])
@@ -309,8 +404,10 @@ def _extend_attention_cpu(q_extend, k_extend, v_extend, o_extend, k_buffer, v_bu
         visible = None
         if is_causal:
             visible = torch.ones(n, s, dtype=torch.bool)
-            visible[:, s - n:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
-        o_extend[at:at + n] = _attend(q_extend[at:at + n], keys, values, visible, sm_scale, logit_cap).to(o_extend.dtype)
+            visible[:, s - n :] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        o_extend[at : at + n] = _attend(q_extend[at : at + n], keys, values, visible, sm_scale, logit_cap).to(
+            o_extend.dtype
+        )
 
 
 # torch.ops.sgl_kernel.* for the two ops SGLang reaches through torch.ops, with the argument order of the
@@ -320,13 +417,15 @@ _LIBRARY.define(
     "decode_attention_cpu(Tensor query, Tensor(a!) k_buffer, Tensor(b!) v_buffer, float k_scale, float v_scale, "
     "Tensor(c!) output, Tensor? key, Tensor? value, Tensor loc, Tensor(d!) attn_logits, Tensor req_to_token, "
     "Tensor req_pool_indices, Tensor seq_lens, float sm_scale, float logit_cap, bool is_cross_attn, "
-    "int sliding_window_size, Tensor? encoder_lens, Tensor? sinks) -> ()")
+    "int sliding_window_size, Tensor? encoder_lens, Tensor? sinks) -> ()"
+)
 _LIBRARY.define(
     "extend_attention_cpu(Tensor q_extend, Tensor? k_extend, Tensor? v_extend, Tensor(a!) o_extend, Tensor k_buffer, "
     "Tensor v_buffer, float k_scale, float v_scale, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
     "Tensor extend_seq_lens, Tensor extend_start_loc, int max_len_extend, float sm_scale, float logit_cap, "
     "bool is_cross_attn, int sliding_window_size, Tensor? encoder_lens, Tensor? sinks, Tensor? tree_mask=None, "
-    "bool is_causal=True) -> ()")
+    "bool is_causal=True) -> ()"
+)
 _LIBRARY.impl("decode_attention_cpu", _decode_attention_cpu, "CPU")
 _LIBRARY.impl("extend_attention_cpu", _extend_attention_cpu, "CPU")
 
