@@ -32,6 +32,18 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "scripts" / "run_pipeline.py"
+# every asset the micro run materializes, in graph order
+MICRO_ASSETS = [
+    "target_model",
+    "raw_responses",
+    "tokenized_dataset",
+    "merged_train",
+    "vocab_mapping",
+    "extraction_plan",
+    "hidden_states",
+    "drafter_checkpoint",
+    "benchmark_report",
+]
 
 
 def micro_profile_in(tmp: Path) -> Path:

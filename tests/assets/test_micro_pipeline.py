@@ -18,24 +18,13 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from tests.micro_run import MICRO_ASSETS as ASSETS
 from tests.micro_run import ROOT, MicroRun, private_copy
 
 pytestmark = [
     pytest.mark.slow,  # the demo pipeline end to end in a subprocess
     pytest.mark.xdist_group("micro_run"),
 ]  # one worker builds the session's micro run (tests/conftest.py)
-
-ASSETS = [
-    "target_model",
-    "raw_responses",
-    "tokenized_dataset",
-    "merged_train",
-    "vocab_mapping",
-    "extraction_plan",
-    "hidden_states",
-    "drafter_checkpoint",
-    "benchmark_report",
-]
 
 
 @pytest.fixture(scope="module")
