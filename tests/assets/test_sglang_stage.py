@@ -148,9 +148,12 @@ def test_driver_failure_brings_sglang_log_tail_and_traceback(setup, monkeypatch)
     from eagle3_dagster.stages import hidden as hidden_stage
 
     plan = build_plan(profile, layout)
+    # a version of its own under hidden.root (a shard run refuses a plan whose folder its settings do not name)
+    broken = f"{plan.version}-broken"
     wrong = dataclasses.replace(
         plan,
-        version_dir=tmp / "broken",
+        version=broken,
+        version_dir=Path(profile.hidden.root) / broken,
         target=dataclasses.replace(plan.target, hidden_size=plan.target.hidden_size + 1),
         fmt=dataclasses.replace(plan.fmt, hidden_size=plan.fmt.hidden_size + 1),
     )

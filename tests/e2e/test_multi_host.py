@@ -234,7 +234,7 @@ def two_host_extraction(tmp_path_factory, micro_target) -> dict:
             "rerun_logs": rerun_logs,
             "done": done,
             "pool_slots": pool_slots,
-            "version_dir": plan.parent,
+            "version_dir": plan_path.parent,
             "reference": reference,
             "holders": {h: who_holds(root / "leases", h) for h in ("host-a", "host-b")},
             "history": history(root / "leases"),

@@ -165,7 +165,7 @@ def test_extraction_refuses_a_host_report_naming_another_sglang_release(tmp_path
     settings = ExtractSettings.from_profile(profile)
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage.extraction_preflight(settings, host, tmp_path)
-    plan = type("Plan", (), {"staging_dir": None, "version_dir": tmp_path / "v", "version": "v"})()
+    plan = type("Plan", (), {"staging_dir": tmp_path, "version_dir": tmp_path / "v", "version": "v"})()
     with pytest.raises(PreflightError, match=r"SGLang 0\.5\.13 installed.*0\.5\.12"):
         hidden_stage._extract_sglang(
             settings, tmp_path / "v" / "plan.json", plan, [], host, {"sglang_version": "0.5.13"}, lambda _m: None
