@@ -136,7 +136,9 @@ class _Waits:
         os.register_at_fork(after_in_child=self._reset)  # a forked child (a DataLoader worker) starts afresh
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()
+        # a Condition, so that a call begun while the watcher idles wakes it (its idle sleep is 1 s, longer
+        # than a short progress_every_s)
+        self._lock = threading.Condition()
         self._calls: dict[int, list] = {}  # key -> [what, started, next line at, every, bound]
         self._keys = iter(range(1 << 62))
         self._thread: threading.Thread | None = None
@@ -151,6 +153,7 @@ class _Waits:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="store-waits", daemon=True)
                 self._thread.start()
+            self._lock.notify()
         try:
             yield
         finally:
@@ -166,7 +169,10 @@ class _Waits:
                     if now >= call[2]:
                         due.append((call[0], now - call[1], call[4]))
                         call[2] = now + call[3]
-                wake = min((call[2] for call in self._calls.values()), default=now + 1.0)
+                if not due:  # waits holding the lock until then, so no call's notify is missed
+                    wake = min((call[2] for call in self._calls.values()), default=now + 1.0)
+                    self._lock.wait(timeout=min(max(wake - now, 0.01), 1.0))
+                    continue
             for what, waited, bound in due:
                 log.warning(
                     "%s: still in progress after %.1f s (a store request that gets no answer fails "
@@ -175,7 +181,6 @@ class _Waits:
                     waited,
                     bound,
                 )
-            time.sleep(min(max(wake - time.monotonic(), 0.01), 1.0))
 
 
 _WAITS = _Waits()

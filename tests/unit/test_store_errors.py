@@ -168,6 +168,24 @@ def test_a_hung_store_fails_a_range_read_within_the_profiles_bound_naming_the_ob
     assert len(lines) >= 2 and "reading 1 byte range(s): still in progress after 0." in lines[0]
 
 
+def test_a_store_call_begun_while_the_watcher_idles_gets_its_first_line_after_progress_every_s(monkeypatch, caplog):
+    """The watcher thread idles between calls; a call begun then must not wait out the idle sleep for its
+    first line (the CI of stop 38 saw the first line after 1.0 s with progress_every_s 0.25)."""
+    monkeypatch.setattr(storage, "_settings", None)
+    storage.configure(SETTINGS)
+    waits = storage._Waits()
+    caplog.set_level(logging.WARNING, logger="eagle3_dagster.storage")
+    with waits.waiting("s3://idle/first"):
+        pass  # starts the watcher, which finds nothing in flight at its first wake
+    time.sleep(SETTINGS.progress_every_s + 0.1)  # the watcher is idle now
+    with waits.waiting("s3://idle/second"):
+        time.sleep(2.5 * SETTINGS.progress_every_s)
+    lines = _progress_lines(caplog, "s3://idle/second")
+    assert lines, "no line while the call waited 2.5 x progress_every_s"
+    first = float(lines[0].split("still in progress after ", 1)[1].split(" s", 1)[0])
+    assert SETTINGS.progress_every_s <= first < 2 * SETTINGS.progress_every_s, lines
+
+
 def test_a_hung_store_fails_reading_a_manifest_within_the_bound_naming_it(store, caplog):
     url, _, proxy = store
     manifest = "s3://faults/v1/manifest.json"
