@@ -20,8 +20,8 @@ from assets import (
     hidden_states,
     merged_train,
     raw_responses,
+    partition_status,
     settings,
-    shard_status,
     target_model,
     tokenized_dataset,
     vocab_mapping,
@@ -54,12 +54,12 @@ def build_definitions(profile: Profile) -> dg.Definitions:
         with_owners_and_source_links([module.for_profile(profile) for module in ASSET_MODULES])
     )
     specs = [spec for a in assets if a.is_materializable for spec in a.specs]
-    jobs = automation.build_jobs(profile)
-    check, status_sensor = shard_status.build(next(s for s in specs if s.key == shard_status.ASSET))
+    jobs = automation.build_jobs(profile, partition_status.check_keys(specs))
+    checks, status_sensor = partition_status.build(specs)
     api_key = dg.EnvVar(profile.generation.api_key_env) if profile.generation.backend == "openai" else None
     return dg.Definitions(
         assets=assets,
-        asset_checks=[check],
+        asset_checks=checks,
         executor=EXECUTOR,
         jobs=[*jobs.values(), cleanup_hidden_states.cleanup_job(profile)],
         sensors=[

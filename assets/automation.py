@@ -18,7 +18,6 @@ import dagster as dg
 
 from assets._common import run_tags, silenced_warnings
 from assets.partitions import HIDDEN_STATE_SHARDS
-from assets.shard_status import SHARDS_CURRENT
 from eagle3_dagster.config import Profile
 
 SHARD_KEY_FORMAT = "shard-{:05d}"
@@ -104,17 +103,14 @@ JOBS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def build_jobs(profile: Profile) -> dict:
+def build_jobs(profile: Profile, whole_asset_checks: Sequence[dg.AssetCheckKey]) -> dict:
+    """`whole_asset_checks`: checks that judge every partition of an asset at once (partitions_current), which
+    the jobs leave out: their verdicts are reported by their sensor, not by each partition's run."""
     jobs = {}
     for name, (assets, description) in JOBS.items():
         if name == "target_job" and profile.target.kind != "tiny":
             continue  # an external target is observed, not built
-        selection = dg.AssetSelection.assets(*assets)
-        if "hidden_states" in assets:
-            # without shards_current: a verdict on every shard, reported by its sensor, not by each shard's run
-            selection = selection - dg.AssetSelection.checks(
-                dg.AssetCheckKey(dg.AssetKey("hidden_states"), SHARDS_CURRENT)
-            )
+        selection = dg.AssetSelection.assets(*assets) - dg.AssetSelection.checks(*whole_asset_checks)
         tags = run_tags(profile, "hidden_states" if "hidden_states" in assets else None)
         jobs[name] = dg.define_asset_job(name, selection=selection, tags=tags, description=description)
     return jobs

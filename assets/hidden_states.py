@@ -145,7 +145,7 @@ def for_profile(profile: Profile) -> dg.AssetsDefinition:
         f"manifest is skipped unless the run config sets `force: true`, which extracts the selected shards again "
         f"and replaces each whole (metadata `forced`). Requested by automation "
         f"when missing or failed, at most {hidden.backfill_batch} per tick of {hidden.backfill_cron}. "
-        "Which shards are stale, missing or failed: the check `shards_current` and its table `not_current` "
+        "Which shards are stale, missing or failed: the check `partitions_current` and its table `not_current` "
         "(Dagster's partition views show no staleness).",
     )
     tags = dg.MetadataValue.json(run_tags(profile, "hidden_states"))

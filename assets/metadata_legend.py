@@ -283,8 +283,11 @@ def undescribed(asset: str, keys: Iterable[str]) -> list[str]:
 
 def legend(asset: str, keys: Iterable[str]) -> dg.MetadataValue:
     """A markdown table of `keys` (in their order) with what each measures."""
+    return markdown_legend((k, describe(asset, k) or UNDESCRIBED) for k in keys if k != LEGEND_KEY)
+
+
+def markdown_legend(described: Iterable[tuple[str, str]]) -> dg.MetadataValue:
+    """A markdown table of (key, what it measures) pairs: the legend of a materialization or a check's verdict."""
     lines = ["| key | what it measures |", "|---|---|"]
-    for k in keys:
-        if k != LEGEND_KEY:
-            lines.append(f"| `{k}` | {(describe(asset, k) or UNDESCRIBED).replace('|', '/')} |")
+    lines += [f"| `{k}` | {text.replace('|', '/')} |" for k, text in described]
     return dg.MetadataValue.md("\n".join(lines))

@@ -22,7 +22,8 @@ GROUP = "data"
     deps=["raw_responses", "target_model"],
     kinds={"json"},
     description="tokenized_data.jsonl: input_ids + loss_mask (the tokens the target generated), "
-    "rendered with the target's chat template; quarantine.jsonl beside it.",
+    "rendered with the target's chat template; quarantine.jsonl beside it.\n\n"
+    "Which datasets are stale, missing or failed: the check `partitions_current` and its table `not_current`.",
 )
 def tokenized_dataset(context: dg.AssetExecutionContext, profile: ProfileResource) -> dg.MaterializeResult:
     from eagle3_dagster.stages.data import tokenize_partition

@@ -233,7 +233,7 @@ query Observed($path: [String!]!) {
       ... on TableMetadataEntry { table { records } } } } }
   }
 }"""
-SHARD_CHECK = """
+PARTITION_CHECK = """
 query Check($path: [String!]!, $name: String!) {
   assetNodeOrError(assetKey: {path: $path}) { ... on AssetNode { assetCheckOrError(checkName: $name) {
     __typename ... on AssetCheck { executionForLatestMaterialization { status evaluation { success severity
@@ -302,20 +302,20 @@ def test_the_drafter_page_names_everything_that_produced_it(micro_deployment, tr
     assert meta["hidden_version"]["text"] in text
 
 
-def shard_verdict(dep, wanted, timeout_s: float = 180) -> tuple[dict, dict[str, dict]]:
-    """The shards_current verdict the UI shows (the one newer than the latest materialization), once `wanted`
-    holds for it: the shard_status sensor reports it within its 30 s interval."""
+def partition_verdict(dep, asset: str, wanted, timeout_s: float = 180) -> tuple[dict, dict[str, dict]]:
+    """The asset's partitions_current verdict the UI shows (the one newer than the latest materialization), once
+    `wanted` holds for it: the partition_status sensor reports it within its 30 s interval."""
     deadline = time.monotonic() + timeout_s
     while True:
-        check = dep.graphql(SHARD_CHECK, {"path": ["hidden_states"], "name": "shards_current"})
+        check = dep.graphql(PARTITION_CHECK, {"path": [asset], "name": "partitions_current"})
         execution = check["assetNodeOrError"]["assetCheckOrError"]["executionForLatestMaterialization"]
         evaluation = (execution or {}).get("evaluation")
         if evaluation:
             entries = {e["label"]: e for e in evaluation["metadataEntries"]}
-            rows = {r["shard"]: r for r in map(json.loads, entries["not_current"]["table"]["records"])}
+            rows = {r["partition"]: r for r in map(json.loads, entries["not_current"]["table"]["records"])}
             if wanted(evaluation, rows):
                 return evaluation, rows
-        assert time.monotonic() < deadline, f"shards_current never showed the expected verdict: {execution}"
+        assert time.monotonic() < deadline, f"{asset}'s partitions_current never showed the verdict: {execution}"
         time.sleep(2)
 
 
@@ -323,8 +323,9 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
     micro_deployment, trained, backfill, browser_page, artifacts_dir
 ):
     dep, page = micro_deployment, browser_page
-    evaluation, _ = shard_verdict(dep, lambda e, rows: e["success"])
+    evaluation, _ = partition_verdict(dep, "hidden_states", lambda e, rows: e["success"])
     assert evaluation["description"] == f"all {len(backfill['keys'])} shards are current"
+    partitions = {"hidden_states": backfill["keys"], "raw_responses": DATASETS, "tokenized_dataset": DATASETS}
     profile_path = dep.home.parent / "micro.yaml"
     original = profile_path.read_text()
     edited = yaml.safe_load(original)
@@ -338,9 +339,8 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
         for node in dep.graphql(STALENESS)["assetNodes"]:
             name = node["assetKey"]["path"][-1]
             if node["isPartitioned"]:  # Dagster computes staleness per partition only
-                keys = backfill["keys"] if name == "hidden_states" else DATASETS
-                found = dep.graphql(STALE_PARTITIONS, {"path": [name], "partitions": keys})["assetNodeOrError"]
-                status[name] = set(found["staleStatusByPartition"])
+                found = dep.graphql(STALE_PARTITIONS, {"path": [name], "partitions": partitions[name]})
+                status[name] = set(found["assetNodeOrError"]["staleStatusByPartition"])
             else:
                 status[name] = {node["staleStatus"]}
         expected = {name: {"STALE"} for name in status} | {"target_model": {"FRESH"}}
@@ -362,31 +362,39 @@ def test_a_config_edit_marks_every_invalidated_asset_stale_and_names_the_setting
         open_page(page, f"{dep.url}/assets/drafter_checkpoint?view=events", "drafter_checkpoint")
         page.screenshot(path=str(artifacts_dir / "ui_changed_settings.png"), full_page=True)
 
-        # Every shard Dagster calls STALE is listed as stale by shards_current, with the cause, in the browser.
-        evaluation, rows = shard_verdict(dep, lambda e, rows: not e["success"])
-        keys = backfill["keys"]
-        found = dep.graphql(STALE_PARTITIONS, {"path": ["hidden_states"], "partitions": keys})["assetNodeOrError"]
-        stale = {k for k, s in zip(keys, found["staleStatusByPartition"]) if s == "STALE"}
-        assert {k for k, r in rows.items() if r["status"] == "stale"} == stale == set(keys)
-        assert evaluation["severity"] == "WARN" and all(
-            "a setting it reads changed" in r["cause"] for r in rows.values()
-        )
-        open_page(page, f"{dep.url}/assets/hidden_states?view=checks", "shards_current")
-        page.get_by_text("shards_current", exact=True).first.click()  # as a user picks it from the list
-        wait_for_text(page, evaluation["description"])
-        page.wait_for_timeout(1000)
-        page.screenshot(path=str(artifacts_dir / "ui_shards_current.png"), full_page=True)
-        text = page.inner_text("body")
-        assert [k for k in keys if k not in text] == [], "the check's page does not name every stale shard"
+        # Every partition Dagster calls STALE (each shard, each dataset of both dataset assets) is listed as
+        # stale by its asset's partitions_current, with the cause, in the browser.
+        for asset, keys in partitions.items():
+            evaluation, rows = partition_verdict(dep, asset, lambda e, rows: not e["success"])
+            found = dep.graphql(STALE_PARTITIONS, {"path": [asset], "partitions": keys})["assetNodeOrError"]
+            stale = {k for k, s in zip(keys, found["staleStatusByPartition"]) if s == "STALE"}
+            assert {k for k, r in rows.items() if r["status"] == "stale"} == stale == set(keys), asset
+            assert evaluation["severity"] == "WARN" and all(
+                "a setting it reads changed" in r["cause"] for r in rows.values()
+            )
+            open_page(page, f"{dep.url}/assets/{asset}?view=checks", "partitions_current")
+            page.get_by_text("partitions_current", exact=True).first.click()  # as a user picks it from the list
+            wait_for_text(page, evaluation["description"])
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(artifacts_dir / f"ui_partitions_current_{asset}.png"), full_page=True)
+            text = page.inner_text("body")
+            assert [k for k in keys if k not in text] == [], f"{asset}'s check page does not name every stale key"
         # and the asset's node in its group's graph counts the failed check
         open_page(page, f"{dep.url}/locations/{dep.location_name}/asset-groups/hidden_states", "hidden_states")
         wait_for_text(page, "2 / 3 Passed")
-        page.screenshot(path=str(artifacts_dir / "ui_shards_current_graph.png"), full_page=True)
+        page.screenshot(path=str(artifacts_dir / "ui_partitions_current_graph.png"), full_page=True)
         open_page(page, f"{dep.url}/asset-groups", "Global asset lineage")
         page.screenshot(path=str(artifacts_dir / "ui_stale_after_edit.png"), full_page=True)
     finally:
         profile_path.write_text(original)
         dep.graphql(RELOAD, {"name": dep.location_name})
+
+    # The revert clears it: every partition is current again, on every partitioned asset.
+    for asset, keys in partitions.items():
+        evaluation, rows = partition_verdict(dep, asset, lambda e, rows: e["success"])
+        noun = "shard" if asset == "hidden_states" else "dataset"
+        done = f"all {len(keys)} {noun}s are current" if len(keys) > 1 else f"its only {noun} is current"
+        assert rows == {} and evaluation["description"] == done, asset
 
 
 # ---- the browser --------------------------------------------------------------------------------------
