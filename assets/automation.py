@@ -19,13 +19,14 @@ import dagster as dg
 from assets._common import run_tags, silenced_warnings
 from assets.partitions import HIDDEN_STATE_SHARDS
 from eagle3_dagster.config import Profile
+from eagle3_dagster.hidden.sharding import shard_key
 
-SHARD_KEY_FORMAT = "shard-{:05d}"
 AUTOMATION_SENSOR = "hidden_states_automation"
 
 
 def shard_keys(num_shards: int) -> list[str]:
-    return [SHARD_KEY_FORMAT.format(i) for i in range(num_shards)]
+    """The hidden_states partition keys of merged_train's `num_shards` shards: the keys its plan gives them."""
+    return [shard_key(i) for i in range(num_shards)]
 
 
 class FirstPartitions(dg.AutomationCondition):
