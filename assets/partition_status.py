@@ -23,7 +23,9 @@ be executed from the asset page. The jobs that materialize partitions leave it o
 `CachingStaleStatusResolver._get_stale_causes_materialized`), read from the same tags: the code version the
 partition was built with differs from the loaded one, or an input's data version differs from the one recorded
 when the partition was built. An input partitioned as the asset is (tokenized_dataset's raw_responses: the same
-dataset) is compared partition by partition, as Dagster's identity mapping does; any other by its latest event.
+dataset) is compared partition by partition, as Dagster does (`_is_dep_updated`): whether that partition has a
+newer materialization, after the one the asset read, with another data version; any other input by its data
+version now against the one recorded.
 """
 
 # No `from __future__ import annotations`: Dagster reads the check's context annotation at definition time.
@@ -111,9 +113,6 @@ def verdicts(instance: dg.DagsterInstance, asset: Watched) -> list[Verdict]:
     whole = {
         name: _data_version(instance, dg.AssetKey(name)) for name in asset.deps if name not in asset.same_partitions
     }
-    per_partition = {
-        name: _latest_materializations(instance, dg.AssetKey(name), keys) for name in sorted(asset.same_partitions)
-    }
     out = []
     for key in keys:
         if status.get(key) == dg.AssetPartitionStatus.IN_PROGRESS:
@@ -123,8 +122,7 @@ def verdicts(instance: dg.DagsterInstance, asset: Watched) -> list[Verdict]:
         elif key not in latest:
             out.append(Verdict(key, "missing", "never materialized"))
         else:
-            inputs = {**whole, **{name: _tag_data_version(found.get(key)) for name, found in per_partition.items()}}
-            causes = _stale_causes(latest[key], asset.code_version, inputs)
+            causes = _stale_causes(instance, latest[key], key, asset, whole)
             out.append(Verdict(key, "stale", "; ".join(causes)) if causes else Verdict(key, "current"))
     return out
 
@@ -161,19 +159,45 @@ def _data_version(instance: dg.DagsterInstance, key: dg.AssetKey) -> str | None:
     return _tag_data_version(max(records, key=lambda r: r.storage_id)) if records else None
 
 
+def _partition_updated(instance: dg.DagsterInstance, dep: dg.AssetKey, partition: str, read: int | None) -> bool:
+    """Whether the dep's `partition` has a new data version since the materialization the asset read (storage id
+    `read`, its input_event_pointer tag). Dagster records no comparable input data version for a partitioned
+    input, so this is its own test (`_is_dep_updated`): the newest record after the one read against it."""
+    newer = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dep, asset_partitions=[partition], after_storage_id=read), limit=1
+    ).records
+    if not newer:
+        return False
+    before = dg.AssetRecordsFilter(
+        asset_key=dep, asset_partitions=[partition], before_storage_id=read + 1 if read is not None else None
+    )
+    previous = instance.fetch_materializations(before, limit=1).records if read is not None else []
+    return _tag_data_version(newer[0]) != (_tag_data_version(previous[0]) if previous else None)
+
+
 def _stale_causes(
-    record: dg.EventLogRecord, loaded_code_version: str | None, inputs: dict[str, str | None]
+    instance: dg.DagsterInstance,
+    record: dg.EventLogRecord,
+    partition: str,
+    asset: Watched,
+    whole: dict[str, str | None],
 ) -> list[str]:
     materialization = record.asset_materialization
     provenance = dg.DataProvenance.from_tags(materialization.tags or {}) if materialization else None
     if provenance is None:  # built before data versions were recorded: nothing to compare
         return []
     causes = []
-    if provenance.code_version != loaded_code_version:
-        causes.append(f"code version {provenance.code_version} → {loaded_code_version}: a setting it reads changed")
-    for name, now in inputs.items():
-        recorded = provenance.input_data_versions.get(dg.AssetKey(name))
-        if now is not None and (recorded is None or recorded.value != now):
+    if provenance.code_version != asset.code_version:
+        causes.append(f"code version {provenance.code_version} → {asset.code_version}: a setting it reads changed")
+    for name in asset.deps:
+        dep = dg.AssetKey(name)
+        if name in asset.same_partitions:
+            read = provenance.input_storage_ids.get(dep)
+            updated = dep not in provenance.input_data_versions or _partition_updated(instance, dep, partition, read)
+        else:
+            recorded, now = provenance.input_data_versions.get(dep), whole[name]
+            updated = now is not None and (recorded is None or recorded.value != now)
+        if updated:
             causes.append(f"{name} has a new data version")
     return causes
 

@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 
 from assets.automation import shard_keys
-from assets.partitions import HIDDEN_STATE_SHARDS
+from assets.partitions import HIDDEN_STATE_SHARDS, dataset_partitions
 from assets.partition_status import CHECK, STATUS_SENSOR
 from definitions import build_definitions
 from eagle3_dagster.config import load_profile
@@ -169,14 +169,38 @@ def two_datasets(**overrides) -> object:
     return load_profile("micro", overrides={**TWO_DATASETS, **overrides})
 
 
-def datasets(instance, profile, raw_versions: dict[str, str] | None = None) -> None:
-    """Both dataset assets materialized for every dataset, tokenized_dataset from the raw_responses partition it
-    read (`raw_versions`: that partition's data version as recorded, default the one raw_responses has)."""
+def datasets(instance, profile, names: list[str] = DATASETS, raw_version: str = "r1", tokenize: bool = True) -> None:
+    """raw_responses, then tokenized_dataset from it, materialized by Dagster for each dataset in `names`, with the
+    profile's code versions and the data version `raw_version` for raw_responses (so Dagster records the tags of a
+    partitioned input as it does in a run: its input_event_pointer and its own input data version)."""
+    partitions = dataset_partitions(profile)
+
+    @dg.asset(
+        name="raw_responses",
+        partitions_def=partitions,
+        deps=["target_model"],
+        code_version=code_version(profile, "raw_responses"),
+    )
+    def raw_responses() -> dg.MaterializeResult:
+        return dg.MaterializeResult(data_version=dg.DataVersion(raw_version))
+
+    @dg.asset(
+        name="tokenized_dataset",
+        partitions_def=partitions,
+        deps=[raw_responses, "target_model"],
+        code_version=code_version(profile, "tokenized_dataset"),
+    )
+    def tokenized_dataset(context) -> dg.MaterializeResult:  # unannotated: this module's annotations are strings
+        return dg.MaterializeResult(data_version=dg.DataVersion(f"tok-{context.partition_key}"))
+
     upstream(instance, **TARGET)
-    for name in DATASETS:
-        shard(instance, name, profile, inputs=TARGET, asset="raw_responses")
-        raw = (raw_versions or {}).get(name, f"sha-raw_responses-{name}")
-        shard(instance, name, profile, inputs={**TARGET, "raw_responses": raw}, asset="tokenized_dataset")
+    for name in names:
+        dg.materialize(
+            [raw_responses, tokenized_dataset] if tokenize else [raw_responses],
+            instance=instance,
+            partition_key=name,
+            selection=None,
+        )
 
 
 def test_every_partitioned_asset_has_the_check_and_the_sensor_reports_each():
@@ -215,10 +239,14 @@ def test_a_setting_edit_marks_every_dataset_stale_and_the_revert_clears_it(insta
 
 
 def test_a_regenerated_dataset_makes_only_its_own_tokenized_partition_stale(instance):
-    """An input partitioned as the asset is compared partition by partition (Dagster's identity mapping)."""
+    """An input partitioned as the asset is compared partition by partition, as Dagster does."""
     profile = two_datasets()
     first, other = DATASETS
-    datasets(instance, profile, raw_versions={first: "sha-before-regeneration"})
+    datasets(instance, profile)
+    assert verdict(tick(profile, instance), "tokenized_dataset")[0].passed
+    datasets(instance, profile, names=[first], raw_version="r1", tokenize=False)  # again, same answers
+    assert verdict(tick(profile, instance), "tokenized_dataset")[0].passed
+    datasets(instance, profile, names=[first], raw_version="r2", tokenize=False)  # new answers
     evaluation, rows = verdict(tick(profile, instance), "tokenized_dataset")
     assert rows == {first: ("stale", "raw_responses has a new data version")}
     assert other not in rows and not evaluation.passed
