@@ -372,6 +372,7 @@ def load_own_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
 
     cfg, state = read_export(Path(export_dir))
     embed = load_target_tensors(Path(target_dir), want=("embed",)).embed
+    assert embed is not None  # asked for: a missing one raised
     model = Eagle3Drafter(cfg, embed.float(), state["d2t"], state["t2d"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]

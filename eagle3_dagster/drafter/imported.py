@@ -151,7 +151,7 @@ def config_value_errors(raw: dict) -> list[str]:
     for key, theta in thetas.items():
         if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
             errors.append(f"{key}={theta!r}: the RoPE base must be a finite number above 0")
-    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle = raw["eagle_config"] if isinstance(raw.get("eagle_config"), dict) else {}
     for key, ids in (
         ("eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")),
         ("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")),
@@ -407,7 +407,9 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *, sglang_version:
         raise ValueError(
             f"{export_dir}: weights {unsupported} belong to a variant this benchmark's drafter does not implement"
         )
-    embed = load_target_tensors(target_dir, want=("embed",)).embed.float()
+    embed = load_target_tensors(target_dir, want=("embed",)).embed
+    assert embed is not None  # asked for: a missing one raised
+    embed = embed.float()
     theirs = state.pop("embed_tokens.weight", None)
     if theirs is not None:
         if tuple(theirs.shape) != tuple(embed.shape):
