@@ -264,9 +264,9 @@ def compare_results(current: dict, previous: dict) -> list[dict]:
     prev = {_key(r): r for r in previous.get("rows", [])}
     out = []
     for r in current["rows"]:
-        p = prev.get(_key(r))
+        p: dict = prev.get(_key(r)) or {}
         for metric in ("acceptance_length", "speedup", "tokens_per_s"):
-            now, before = r.get(metric), (p or {}).get(metric)
+            now, before = r.get(metric), p.get(metric)
             if now is None and before is None:
                 continue
             entry = {

@@ -20,6 +20,7 @@ target family and the releases they are right on, and `check_export` re-checks t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,45 @@ def _sglang_dims(cfg: dict) -> dict[str, int]:
         "draft_vocab_size": int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
     }
     return dims | mla
+
+
+def drafter_config(cfg: dict, aux_layers: Sequence[int]) -> DrafterConfig:
+    """The drafter a draft config.json describes, read as SGLang reads it: the sizes `_sglang_dims` derives,
+    LlamaConfig's defaults for a missing `rms_norm_eps` or `max_position_embeddings` (this project's exports
+    write both), the RoPE base from `rope_theta` or transformers 5's `rope_parameters`, the EAGLE 3.1 options
+    it turns on, and an MLA drafter's sizes and RoPE scaling. `aux_layers` are canonical."""
+    from eagle3_dagster.drafter.target_head import rope_scaling
+
+    dims = _sglang_dims(cfg)
+    options = eagle31_options(cfg)
+    mla = mla_export.is_mla(cfg)
+    # a foreign config's RoPE base is checked > 0 where it is read (`imported.config_value_errors`)
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    return DrafterConfig(
+        target_hidden_size=dims["target_hidden_size"],
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        vocab_size=dims["vocab_size"],
+        draft_vocab_size=dims["draft_vocab_size"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        aux_layers=tuple(aux_layers),
+        fc_norm="fc_norm" in options,
+        norm_output="norm_output" in options,
+        attention="mla" if mla else "gqa",
+        # a GQA drafter's dims have no MLA sizes: None, as DrafterConfig wants them
+        q_lora_rank=dims.get("q_lora_rank"),
+        kv_lora_rank=dims.get("kv_lora_rank"),
+        qk_nope_head_dim=dims.get("qk_nope_head_dim"),
+        qk_rope_head_dim=dims.get("qk_rope_head_dim"),
+        v_head_dim=dims.get("v_head_dim"),
+        rope_scaling=rope_scaling(cfg) if mla else None,
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if mla else True,
+    )
 
 
 def _eval_dim(expr: str, dims: dict[str, int]) -> int:
@@ -314,39 +354,13 @@ def read_export(export_dir: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor
     """The DrafterConfig and state dict of a checked export (fp32 floating tensors)."""
     check_export(export_dir).raise_for_errors()
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    dims = _sglang_dims(cfg)
     canonical = cfg.get("eagle3_dagster_aux_layers_canonical")
     if canonical is None:
         canonical = layers.sglang_to_canonical(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-    mla = mla_export.is_mla(cfg)
-    dcfg = DrafterConfig(
-        target_hidden_size=dims["target_hidden_size"],
-        hidden_size=dims["hidden_size"],
-        intermediate_size=dims["intermediate_size"],
-        num_attention_heads=dims["num_attention_heads"],
-        num_key_value_heads=dims["num_key_value_heads"],
-        head_dim=dims["head_dim"],
-        vocab_size=dims["vocab_size"],
-        draft_vocab_size=dims["draft_vocab_size"],
-        rms_norm_eps=float(cfg["rms_norm_eps"]),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_position_embeddings=int(cfg["max_position_embeddings"]),
-        aux_layers=tuple(canonical),
-        **{o: True for o in eagle31_options(cfg)},
-        **(
-            {
-                "attention": "mla",
-                "rope_scaling": cfg.get("rope_scaling"),
-                "rope_interleave": bool(cfg.get("rope_interleave", True)),
-                **{k: dims[k] for k in mla_export.MLA_DIMS},
-            }
-            if mla
-            else {}
-        ),
-    )
+    dcfg = drafter_config(cfg, canonical)
     with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as h:
         state = {k: h.get_tensor(k) for k in h.keys()}
-    if mla:
+    if dcfg.attention == "mla":
         state = mla_export.from_checkpoint(state)
     state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
     return dcfg, state
@@ -358,6 +372,7 @@ def load_own_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:
 
     cfg, state = read_export(Path(export_dir))
     embed = load_target_tensors(Path(target_dir), want=("embed",)).embed
+    assert embed is not None  # asked for: a missing one raised
     model = Eagle3Drafter(cfg, embed.float(), state["d2t"], state["t2d"])
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("embed_tokens.")]

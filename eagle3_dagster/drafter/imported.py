@@ -50,8 +50,15 @@ from safetensors import SafetensorError, safe_open
 
 from eagle3_dagster import layers, sglang_releases
 import eagle3_dagster.drafter.mla_export as mla_export
-from eagle3_dagster.drafter.export import ExportCheck, _sglang_dims, eagle31_options, expected_shapes, load_own_drafter
-from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3_dagster.drafter.export import (
+    ExportCheck,
+    _sglang_dims,
+    drafter_config,
+    eagle31_options,
+    expected_shapes,
+    load_own_drafter,
+)
+from eagle3_dagster.drafter.model import Eagle3Drafter
 from eagle3_dagster.io import ForeignInputError, confined_path, regular_file
 
 # The release whose loader the defaults follow when the profile names none (the newest supported).
@@ -144,7 +151,7 @@ def config_value_errors(raw: dict) -> list[str]:
     for key, theta in thetas.items():
         if theta is not None and not (_is_number(theta) and math.isfinite(theta) and theta > 0):
             errors.append(f"{key}={theta!r}: the RoPE base must be a finite number above 0")
-    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    eagle = raw["eagle_config"] if isinstance(raw.get("eagle_config"), dict) else {}
     for key, ids in (
         ("eagle_config.eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids")),
         ("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids")),
@@ -400,7 +407,9 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *, sglang_version:
         raise ValueError(
             f"{export_dir}: weights {unsupported} belong to a variant this benchmark's drafter does not implement"
         )
-    embed = load_target_tensors(target_dir, want=("embed",)).embed.float()
+    embed = load_target_tensors(target_dir, want=("embed",)).embed
+    assert embed is not None  # asked for: a missing one raised
+    embed = embed.float()
     theirs = state.pop("embed_tokens.weight", None)
     if theirs is not None:
         if tuple(theirs.shape) != tuple(embed.shape):
@@ -425,24 +434,7 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *, sglang_version:
         if v.is_floating_point() and not bool(torch.isfinite(v).all())
     }
     check.raise_for_errors()
-    dims = _sglang_dims(cfg)
-    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0  # checked > 0
-    dcfg = DrafterConfig(
-        target_hidden_size=dims["target_hidden_size"],
-        hidden_size=dims["hidden_size"],
-        intermediate_size=dims["intermediate_size"],
-        num_attention_heads=dims["num_attention_heads"],
-        num_key_value_heads=dims["num_key_value_heads"],
-        head_dim=dims["head_dim"],
-        vocab_size=dims["vocab_size"],
-        draft_vocab_size=dims["draft_vocab_size"],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        aux_layers=tuple(aux),
-        **{o: True for o in options},
-        **(_mla_fields(cfg, dims) if mla else {}),
-    )
+    dcfg = drafter_config(cfg, aux)
     d2t = state["d2t"].to(torch.int64)
     hot = torch.arange(dcfg.draft_vocab_size) + d2t
     if bool((hot < 0).any() or (hot >= dcfg.vocab_size).any()) or not bool((hot[1:] > hot[:-1]).all()):
@@ -465,18 +457,6 @@ def load_external_drafter(export_dir: Path, target_dir: Path, *, sglang_version:
             f"{export_dir}: export does not match the drafter (missing {missing}, unexpected {unexpected})"
         )
     return ImportedDrafter(model.eval(), "external", tuple(aux), origin, notes)
-
-
-def _mla_fields(cfg: dict, dims: dict) -> dict:
-    """The DrafterConfig fields of an MLA drafter's config.json (RoPE from `rope_scaling` or `rope_parameters`)."""
-    from eagle3_dagster.drafter.target_head import rope_scaling
-
-    return {
-        "attention": "mla",
-        "rope_scaling": rope_scaling(cfg),
-        "rope_interleave": bool(cfg.get("rope_interleave", True)),
-        **{k: dims[k] for k in mla_export.MLA_DIMS},
-    }
 
 
 def load_drafter(export_dir: Path, target_dir: Path) -> Eagle3Drafter:

@@ -49,6 +49,7 @@ CHUNK_ELEMENTS = 1 << 22
 TEACHER_CHUNK_ELEMENTS = 1 << 24
 # On a GPU small chunks mean thousands of tiny kernels and host syncs per micro-batch: 16× larger.
 GPU_CHUNK_SCALE = 16
+NO_DRAFT_MASS = "the LK loss needs the teacher's draft-vocab mass (build_teacher computes it)"
 
 
 def _budget(elements: int, device: torch.device) -> int:
@@ -99,6 +100,12 @@ class Teacher:
         hidden = _take_rows(self.last_hidden_BTH.reshape(-1, self.last_hidden_BTH.shape[-1]), rows)
         return F.log_softmax((hidden.to(w.dtype) @ w.T).float(), dim=-1)
 
+    def draft_mass_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The draft vocabulary's share of the full-vocab softmax [n] of the flat teacher rows `rows` (LK only)."""
+        if self.log_draft_mass_BT is None:
+            raise ValueError(NO_DRAFT_MASS)
+        return _take_rows(self.log_draft_mass_BT.flatten(), rows).exp()
+
 
 def draft_rows(lm_head_weight_VH: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """The target lm_head restricted to the draft vocab: the teacher's logits are these columns."""
@@ -146,11 +153,10 @@ def _mean_acceptance(
     speculative sampling (p_target: the target's full-vocab probabilities of the draft ids)."""
     k = len(flat_x)
     sums = [0.0] * k
-    mass = teacher.log_draft_mass_BT.flatten()
     with torch.no_grad():
         for s in range(0, rows.numel(), chunk):
             r, i = rows[s : s + chunk], row_pos[s : s + chunk]
-            a = teacher.logp_rows(r).exp_().mul_(_take_rows(mass, r).exp()[:, None])
+            a = teacher.logp_rows(r).exp_().mul_(teacher.draft_mass_rows(r)[:, None])
             for j in range(k):
                 keep = i >= 1 + j
                 if not bool(keep.any()):
@@ -200,7 +206,7 @@ class _FusedHeadKL(torch.autograd.Function):
         grad_x = [torch.zeros(b * t, h, dtype=torch.float32, device=device) for _ in normed] if need_grad else []
         # LK lambda: step j's KL weight comes from its mean acceptance over every valid row, so a first pass
         # measures that (one lm_head matmul per chunk and step) before the pass that forms the gradient
-        alpha = _mean_acceptance(weight_VH, teacher, rows, row_pos, flat_x, chunk, num_valid) if lk else None
+        alpha = _mean_acceptance(weight_VH, teacher, rows, row_pos, flat_x, chunk, num_valid) if lk else []
         kl_weight = [lk[0] * math.exp(-lk[1] * a) for a in alpha] if lk else None
         for s in range(0, rows.numel(), chunk):
             r, i = rows[s : s + chunk], row_pos[s : s + chunk]
@@ -220,13 +226,13 @@ class _FusedHeadKL(torch.autograd.Function):
                 kl_sums[j] += (ent - torch.linalg.vecdot(p_j, logq)).sum()
                 correct[j] += (logits.argmax(-1) == argmax[r if all_kept else r[keep]]).sum()
                 if need_grad and kl_weight is not None:
-                    a = p_j * _take_rows(teacher.log_draft_mass_BT.flatten(), r if all_kept else r[keep]).exp()[:, None]
+                    a = p_j * teacher.draft_mass_rows(r if all_kept else r[keep])[:, None]
                     g = _lk_grad(logq.exp_(), p_j, a, scales[j] * kl_weight[j], scales[j] * (1 - kl_weight[j])).to(
                         weight_VH.dtype
                     )
                 elif need_grad:
                     g = logq.exp_().sub_(p_j).mul_(scales[j]).to(weight_VH.dtype)  # dKL/dlogits = q - p
-                if need_grad:
+                if grad_w is not None:  # need_grad
                     # row i is the only one teaching position i-1-j at step j: a put, not an add
                     _put_rows(grad_x[j], pos, g @ weight_VH)
                     grad_w += g.T @ x.to(g.dtype)
@@ -280,7 +286,7 @@ def ttt_loss(
         lm_head_weight_VdH.requires_grad or any(x.requires_grad for x in normed_hiddens)
     )
     if lk is not None and teacher.log_draft_mass_BT is None:
-        raise ValueError("the LK loss needs the teacher's draft-vocab mass (build_teacher computes it)")
+        raise ValueError(NO_DRAFT_MASS)
     return _FusedHeadKL.apply(lm_head_weight_VdH, teacher, list(weights), chunk, need_grad, lk, *normed_hiddens)
 
 

@@ -72,7 +72,7 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: dict | None, device=None
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(float(rope_scaling.get("beta_fast", 32)))), 0)
-    high = min(math.ceil(correction_dim(float(rope_scaling.get("beta_slow", 1)))), dim - 1)
+    high: float = min(math.ceil(correction_dim(float(rope_scaling.get("beta_slow", 1)))), dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)

@@ -81,6 +81,7 @@ class DrafterConfig:
         if self.attention == "mla":
             if not all(isinstance(v, int) and v > 0 for v in mla):
                 raise ValueError(f"DrafterConfig: MLA needs positive {', '.join(MLA_DIMS)}, got {mla}")
+            assert self.qk_rope_head_dim is not None  # one of the sizes just checked
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"DrafterConfig: qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
         elif any(v is not None for v in mla) or self.rope_scaling is not None:
@@ -167,7 +168,7 @@ class DrafterConfig:
             )
         dims = mla_dims(drafter, target)
         check_rope_scaling(target.rope_scaling)
-        heads = dims.pop("num_attention_heads")
+        heads = dims["num_attention_heads"]
         return cls(
             hidden_size=drafter.hidden_size or target.hidden_size,
             intermediate_size=drafter.intermediate_size or target.intermediate_size,
@@ -175,9 +176,13 @@ class DrafterConfig:
             num_key_value_heads=heads,
             head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
             attention="mla",
+            q_lora_rank=dims["q_lora_rank"],
+            kv_lora_rank=dims["kv_lora_rank"],
+            qk_nope_head_dim=dims["qk_nope_head_dim"],
+            qk_rope_head_dim=dims["qk_rope_head_dim"],
+            v_head_dim=dims["v_head_dim"],
             rope_scaling=target.rope_scaling,
             rope_interleave=target.rope_interleave,
-            **dims,
             **common,
         )
 
@@ -185,6 +190,7 @@ class DrafterConfig:
         """Values the draft KV cache holds per token: K and V of every KV head (GQA), or the MLA latent and the
         shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
         if self.attention == "mla":
+            assert self.kv_lora_rank is not None and self.qk_rope_head_dim is not None  # __post_init__: set for mla
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_key_value_heads * self.head_dim
 

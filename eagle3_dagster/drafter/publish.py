@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import re
 
@@ -27,6 +28,13 @@ EXPORT_MANIFEST = "export_manifest.json"
 EXPORT_FORMAT = "eagle3-drafter-export"
 
 
+class FileEntry(TypedDict):
+    """A file's entry in the manifest's `files`."""
+
+    bytes: int
+    sha256: str
+
+
 def publish_export(
     export_dir: Path, dest: storage.Location | Path | str, *, log: Callable[[str], None] = print
 ) -> dict:
@@ -35,14 +43,12 @@ def publish_export(
     files = sorted(p for p in export_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"{export_dir}: no export files to publish")
-    manifest = {
-        "format": EXPORT_FORMAT,
-        "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files},
-    }
+    entries: dict[str, FileEntry] = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+    manifest = {"format": EXPORT_FORMAT, "files": entries}
     manifest_loc = dest.join(EXPORT_MANIFEST)
     try:
         if storage.read_json(manifest_loc) == manifest and all(
-            dest.join(name).size() == e["bytes"] for name, e in manifest["files"].items()
+            dest.join(name).size() == e["bytes"] for name, e in entries.items()
         ):
             log(f"drafter export already published at {dest}")
             return manifest
@@ -50,8 +56,8 @@ def publish_export(
         pass
     manifest_loc.remove()  # an old manifest must not vouch for files being replaced
     for p in files:
-        log(f"publishing {p.name} ({manifest['files'][p.name]['bytes']} bytes) to {dest}")
-        dest.join(p.name).upload_file(p, manifest["files"][p.name]["sha256"])
+        log(f"publishing {p.name} ({entries[p.name]['bytes']} bytes) to {dest}")
+        dest.join(p.name).upload_file(p, entries[p.name]["sha256"])
     manifest_loc.write_json(manifest)
     return manifest
 

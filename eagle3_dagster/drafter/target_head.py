@@ -91,7 +91,9 @@ def rope_scaling(text: dict) -> dict | None:
     """A config's RoPE scaling, from transformers 4's `rope_scaling` or 5's `rope_parameters`, without the base
     (`rope_theta`) and with its kind under `type`; None for plain RoPE."""
     raw = text.get("rope_scaling") or text.get("rope_parameters")
-    kind = (raw.get("rope_type") or raw.get("type")) if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
     if kind in (None, "default"):
         return None
     return {"type": kind, **{k: v for k, v in raw.items() if k not in ("type", "rope_type", "rope_theta")}}

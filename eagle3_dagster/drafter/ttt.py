@@ -245,9 +245,8 @@ def ttt_unroll(
     embed_proj = F.linear(layer.input_layernorm(model.embed_tokens(ids_all).to(hidden.dtype)), w_embed)
     positions = torch.arange(int(position_ids_BT.max()) + num_steps, device=input_ids_BT.device)
     cos_table, sin_table = a.rope_tables(positions)
-    k0 = v0 = None
-    extra_k: list[torch.Tensor] = []
-    extra_v: list[torch.Tensor] = []
+    keys: list[torch.Tensor] = []  # per step so far: step 0's are causal, each later one's same-position
+    values: list[torch.Tensor] = []
 
     def tail(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = layer.mlp_block(h)
@@ -258,12 +257,9 @@ def ttt_unroll(
         cos, sin = cos_table[position_ids_BT + j][:, None], sin_table[position_ids_BT + j][:, None]
         q, entry = a.split(proj, cos, sin)
         k, v = a.keys_values(entry)
-        if j == 0:
-            k0, v0 = k, v
-        else:
-            extra_k.append(k)
-            extra_v.append(v)
-        attn = ttt_attention(q, k0, v0, extra_k, extra_v, block, fused)
+        keys.append(k)
+        values.append(v)
+        attn = ttt_attention(q, keys[0], values[0], keys[1:], values[1:], block, fused)
         h = layer.attn_residual(attn, hidden)
         out, normed = checkpoint(tail, h, use_reentrant=False) if recompute_mlp else tail(h)
         hidden = model.carried(out, normed)
