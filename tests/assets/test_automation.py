@@ -17,8 +17,7 @@ import datetime as dt
 import dagster as dg
 import pytest
 
-# Private, for want of a public API: a queued run must name the code location its job comes from, and Dagster
-# exports no way to build that origin outside a webserver or daemon (the runs here are made in-process).
+# Private: a queued run needs its job's origin; dg has none, DagsterGraphQLClient needs a webserver and a code server.
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
 from definitions import build_definitions

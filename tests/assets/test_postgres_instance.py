@@ -5,8 +5,8 @@ holding a copy of the checked-in production config and a PostgreSQL server of th
 (tests/postgres_server.py: initdb into a temp folder, pg_ctl on a free loopback port). The tests read
 PostgreSQL itself: the runs, the materializations and the shard partitions are rows there, and nothing
 fell back to SQLite. The pool limits the scripts set (`dagster instance concurrency set`) live in the
-same store, and a code server and a daemon started as docs/deployment.md says run two queued GPU runs
-from it one at a time.
+same store, and a code server, a webserver and a daemon started as docs/deployment.md says run two GPU
+runs submitted through the webserver's GraphQL (dagster_graphql's client) one at a time.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
+from dagster_graphql import DagsterGraphQLClient, DagsterGraphQLClientError, ReloadRepositoryLocationStatus
 
 from tests.micro_run import MicroRun
 from tests.sshd_server import free_port
 
 pytestmark = [
-    pytest.mark.slow,  # a PostgreSQL server, the micro pipeline on it, a code server and a daemon
+    pytest.mark.slow,  # a PostgreSQL server, the micro pipeline on it, a code server, a webserver and a daemon
     pytest.mark.xdist_group("micro_run"),
 ]  # one worker builds the session's micro run (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
+LOCATION = "eagle3_dagster"  # deploy/postgres/workspace.yaml's code location
 
 
 def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, micro_run: MicroRun) -> None:
@@ -82,20 +84,6 @@ def test_runs_materializations_and_partitions_are_rows_in_postgres(postgres, mic
     assert not [p for p in home.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
 
 
-def workspace_origin(job_name: str):
-    """Where the daemon would load the job from: workspace.yaml's code location (a queued run needs one).
-
-    Private modules, for want of a public API: Dagster exports no constructor of a run's remote origin; the
-    public routes to a queued run (the webserver's GraphQL, `dagster job launch`) would add a webserver or a
-    second code location to what this test starts."""
-    from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
-    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
-
-    target = LoadableTargetOrigin(python_file=str(ROOT / "definitions.py"), working_directory=str(ROOT))
-    location = InProcessCodeLocationOrigin(target, location_name="eagle3_dagster")
-    return RemoteJobOrigin(RemoteRepositoryOrigin(location, "__repository__"), job_name)
-
-
 @contextmanager
 def process_group(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen]:
     """A Dagster process in its own session, output to `log`; SIGTERM to the group on exit."""
@@ -124,25 +112,20 @@ def wait_until(what: str, ready, timeout_s: float, logs: list[Path]):
         time.sleep(0.5)
 
 
-def code_server_serves(port: int) -> bool:
-    """The code server answers with its repositories, i.e. definitions.py has loaded (private, for want of a
-    public API: `dagster api grpc-health-check` reports the server's health, not the repositories it loaded)."""
-    from dagster._grpc.client import DagsterGrpcClient
-
+def location_loads(client: DagsterGraphQLClient) -> bool:
+    """The webserver is up and loads the code location from the code server, i.e. definitions.py has loaded."""
     try:
-        return bool(DagsterGrpcClient(port=port, host="127.0.0.1").list_repositories())
-    except Exception:  # not listening yet, or still loading definitions.py
+        return client.reload_repository_location(LOCATION).status == ReloadRepositoryLocationStatus.SUCCESS
+    except DagsterGraphQLClientError:  # the webserver is not listening yet
         return False
 
 
 def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micro_run: MicroRun, tmp_path) -> None:
     """docs/deployment.md's production processes: the pool limits set as scripts/ui.sh sets them land in Postgres;
-    `dagster code-server start` and `dagster-daemon run` with deploy/postgres/workspace.yaml (pointed at the
-    test's port) then take two shard runs queued together (both complete in the manifest, so each is short):
-    both succeed, one after the other, the daemon's queue holding the second on the gpu_host limit."""
-    from definitions import build_definitions
-    from eagle3_dagster.config import load_profile_file
-
+    `dagster code-server start`, `dagster-webserver` and `dagster-daemon run` with deploy/postgres/workspace.yaml
+    (pointed at the test's port) then take two shard runs submitted together through the webserver's GraphQL (both
+    complete in the manifest, so each is short): the instance queues both, and both succeed, one after the other,
+    the daemon's queue holding the second on the gpu_host limit."""
     env = micro_run.env
     bin_dir = Path(sys.executable).parent
     # What scripts/ui.sh sets on the local instance: the profile's pool limits, and raw_responses 1.
@@ -160,11 +143,11 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micr
     with postgres.connect(user="postgres", dbname="eagle3") as conn, conn.cursor() as cur:
         cur.execute('SELECT concurrency_key, "limit" FROM concurrency_limits')
         assert dict(cur.fetchall()) == {"gpu_host": 1, "raw_responses": 1}  # the micro profile has one GPU host
-    port = free_port()
+    port, web_port = free_port(), free_port()
     workspace = yaml.safe_load((ROOT / "deploy" / "postgres" / "workspace.yaml").read_text())
     workspace["load_from"][0]["grpc_server"].update(host="127.0.0.1", port=port)
     (tmp_path / "workspace.yaml").write_text(yaml.safe_dump(workspace))
-    logs = [tmp_path / "code_server.log", tmp_path / "daemon.log"]
+    logs = [tmp_path / "code_server.log", tmp_path / "webserver.log", tmp_path / "daemon.log"]
     code_server = [
         str(bin_dir / "dagster"),
         "code-server",
@@ -178,30 +161,35 @@ def test_code_server_and_daemon_run_queued_gpu_runs_one_at_a_time(postgres, micr
         "-d",
         str(ROOT),
         "--location-name",
-        "eagle3_dagster",
+        LOCATION,
     ]
-    job = build_definitions(load_profile_file(Path(env["EAGLE3_PROFILE"]))).resolve_job_def("extract_job")
-    with process_group(code_server, env, logs[0]):
-        wait_until("the code server", lambda: code_server_serves(port), 300, logs)
+    webserver = [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1", "-p", str(web_port)]
+    webserver += ["-w", str(tmp_path / "workspace.yaml")]
+    client = DagsterGraphQLClient("127.0.0.1", port_number=web_port)
+    with process_group(code_server, env, logs[0]), process_group(webserver, env, logs[1]):
+        wait_until("the webserver loading the code location", lambda: location_loads(client), 300, logs)
+        run_ids = [
+            client.submit_job_execution(
+                "extract_job",
+                repository_location_name=LOCATION,
+                repository_name="__repository__",
+                tags={"dagster/partition": key},
+            )
+            for key in ["shard-00000", "shard-00001"]
+        ]
         with micro_run.instance() as instance:
-            runs = [
-                instance.create_run_for_job(
-                    job,
-                    status=dg.DagsterRunStatus.QUEUED,
-                    tags={"dagster/partition": key},
-                    remote_job_origin=workspace_origin(job.name),
-                )
-                for key in ["shard-00000", "shard-00001"]
-            ]
+            queued = [instance.get_run_by_id(run_id) for run_id in run_ids]
+            assert [r.status for r in queued] == [dg.DagsterRunStatus.QUEUED] * 2  # the daemon is not up yet
+            assert [r.tags["dagster/partition"] for r in queued] == ["shard-00000", "shard-00001"]
             with process_group(
-                [str(bin_dir / "dagster-daemon"), "run", "-w", str(tmp_path / "workspace.yaml")], env, logs[1]
+                [str(bin_dir / "dagster-daemon"), "run", "-w", str(tmp_path / "workspace.yaml")], env, logs[2]
             ):
 
                 def finished():
-                    records = [instance.get_run_record_by_id(r.run_id) for r in runs]
+                    records = [instance.get_run_record_by_id(run_id) for run_id in run_ids]
                     return records if all(r.dagster_run.is_finished for r in records) else None
 
                 records = wait_until("both queued runs", finished, 600, logs)
-    assert [r.dagster_run.status for r in records] == [dg.DagsterRunStatus.SUCCESS] * 2, logs[1].read_text()[-3000:]
+    assert [r.dagster_run.status for r in records] == [dg.DagsterRunStatus.SUCCESS] * 2, logs[2].read_text()[-3000:]
     first, second = sorted(records, key=lambda r: r.start_time)
     assert first.end_time <= second.start_time, f"gpu_host let two runs overlap: {first.end_time} > {second.start_time}"

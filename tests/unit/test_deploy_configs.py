@@ -1,10 +1,11 @@
 """The production instance configs in deploy/postgres/ load through Dagster's own validation.
 
-The instance config is validated against Dagster's instance schema and its storage resolved to
-dagster-postgres with the connection from the environment; the run-launcher samples (Kubernetes,
-Docker) are validated as instance configs and against the launchers' own config schemas from the
-real dagster-k8s / dagster-docker releases (the `deploy` extra, in `dev`); the whole Dagster family is
-one release, so no library warns of a version mismatch.
+The instance config is validated and built by Dagster (`DagsterInstance.from_config`) against a PostgreSQL
+server of the session's (tests/postgres_server.py), its storage resolved to dagster-postgres with the
+connection from the environment; the run-launcher samples (Kubernetes, Docker) are built into instances
+the same way and validated against the launchers' own config schemas from the real dagster-k8s /
+dagster-docker releases (the `deploy` extra, in `dev`); the whole Dagster family is one release, so no
+library warns of a version mismatch.
 """
 
 from __future__ import annotations
@@ -12,18 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import yaml
-
-# Private modules, for want of a public API: Dagster validates an instance config only by building the
-# instance (which connects to PostgreSQL and constructs the run launcher), and a launcher's config schema is
-# reachable only through dagster._config; these tests check the files without either.
-from dagster._config import process_config
-from dagster._core.instance.config import dagster_instance_config
-from dagster._core.instance.ref import InstanceRef
-from dagster._core.storage.config import pg_config
+from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "postgres"
@@ -31,13 +27,29 @@ LAUNCHERS = {
     "run_launcher.k8s.yaml": ("dagster_k8s", "K8sRunLauncher"),
     "run_launcher.docker.yaml": ("dagster_docker", "DockerRunLauncher"),
 }
-CONNECTION = {
-    "DAGSTER_PG_HOST": "db.internal",
-    "DAGSTER_PG_PORT": "6543",
-    "DAGSTER_PG_USER": "eagle3",
-    "DAGSTER_PG_PASSWORD": "not-in-any-file",
-    "DAGSTER_PG_DB": "eagle3_prod",
-}
+DATABASE = "eagle3_deploy_configs"  # this module's own, beside the micro run's on the same server
+
+
+@pytest.fixture(scope="module")
+def connection(postgres) -> Iterator[dict[str, str]]:
+    """The DAGSTER_PG_* variables for a database of this module's own on the session's PostgreSQL server."""
+    conn = postgres.connect()
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {DATABASE} OWNER {postgres.env['DAGSTER_PG_USER']}")
+    try:
+        yield {**postgres.env, "DAGSTER_PG_DB": DATABASE}
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE {DATABASE} WITH (FORCE)")
+        conn.close()
+
+
+@pytest.fixture
+def pg_env(connection, monkeypatch) -> dict[str, str]:
+    for key, value in connection.items():
+        monkeypatch.setenv(key, value)
+    return connection
 
 
 def home_with(tmp_path: Path, *parts: str) -> Path:
@@ -49,23 +61,22 @@ def home_with(tmp_path: Path, *parts: str) -> Path:
     return home
 
 
-def test_postgres_instance_reads_its_connection_and_password_from_the_environment(tmp_path, monkeypatch) -> None:
-    from dagster_postgres.utils import pg_url_from_config
-
-    for key, value in CONNECTION.items():
-        monkeypatch.setenv(key, value)
+def test_postgres_instance_reads_its_connection_and_password_from_the_environment(tmp_path, pg_env) -> None:
     home = home_with(tmp_path)
-    config, _ = dagster_instance_config(str(home))
+    config = yaml.safe_load((home / "dagster.yaml").read_text())
     assert config["storage"]["postgres"]["postgres_db"]["password"] == {"env": "DAGSTER_PG_PASSWORD"}
-    ref = InstanceRef.from_dir(str(home))
-    assert (ref.storage_data.module_name, ref.storage_data.class_name) == ("dagster_postgres", "DagsterPostgresStorage")
-    assert ref.run_launcher_data.class_name == "DefaultRunLauncher"  # a run: a subprocess beside the daemon
-    storage_config = process_config(pg_config(), ref.storage_data.config_dict)
-    assert storage_config.success, storage_config.errors
-    assert pg_url_from_config(storage_config.value) == (
-        "postgresql+psycopg2://eagle3:not-in-any-file@db.internal:6543/eagle3_prod"
+    with dg.DagsterInstance.from_config(str(home)) as instance:  # validated, then connected to the server
+        assert isinstance(instance.run_storage, PostgresRunStorage)
+        assert isinstance(instance.event_log_storage, PostgresEventLogStorage)
+        assert isinstance(instance.schedule_storage, PostgresScheduleStorage)
+        assert type(instance.run_launcher) is dg.DefaultRunLauncher  # a run: a subprocess beside the daemon
+        url = instance.run_storage.postgres_url
+    env = pg_env
+    assert url == (
+        f"postgresql+psycopg2://{env['DAGSTER_PG_USER']}:{env['DAGSTER_PG_PASSWORD']}"
+        f"@{env['DAGSTER_PG_HOST']}:{env['DAGSTER_PG_PORT']}/{env['DAGSTER_PG_DB']}"
     )
-    assert "not-in-any-file" not in "".join(p.read_text() for p in DEPLOY.iterdir())
+    assert env["DAGSTER_PG_PASSWORD"] not in "".join(p.read_text() for p in DEPLOY.iterdir())
 
 
 def test_postgres_instance_keeps_every_setting_of_the_local_instance() -> None:
@@ -77,33 +88,50 @@ def test_postgres_instance_keeps_every_setting_of_the_local_instance() -> None:
 
 
 @pytest.mark.parametrize("sample", sorted(LAUNCHERS))
-def test_launcher_sample_is_a_valid_instance_config(tmp_path, sample) -> None:
+def test_launcher_sample_is_a_valid_instance_config(tmp_path, pg_env, sample) -> None:
     home = home_with(tmp_path, sample)
-    config, _ = dagster_instance_config(str(home))
-    assert (config["run_launcher"]["module"], config["run_launcher"]["class"]) == LAUNCHERS[sample]
-    assert "storage" in config and "run_coordinator" in config
+    # Built without its run launcher (Dagster builds that on first use; the k8s one needs a cluster).
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert isinstance(instance.run_storage, PostgresRunStorage)
+        assert isinstance(instance.run_coordinator, dg.QueuedRunCoordinator)
+    launcher = yaml.safe_load((home / "dagster.yaml").read_text())["run_launcher"]
+    assert (launcher["module"], launcher["class"]) == LAUNCHERS[sample]
 
 
 # In a child, so that importing the launchers (kubernetes, docker) costs the test run nothing else.
 VALIDATE = r"""
 import json, sys
-from dagster._config import process_config  # private: see the note at the top of the module
-from dagster._serdes.config_class import ConfigurableClassData
+import dagster as dg
 
 def launcher_class(module, name):
     return getattr(__import__(module), name)
 
+def validate(cls, config):
+    # Dagster's config validation through its public entry point: a job whose one op takes the launcher's schema.
+    @dg.op(config_schema=cls.config_type())
+    def launcher():
+        pass
+
+    @dg.job
+    def launcher_config():
+        launcher()
+
+    try:
+        run_config = dg.validate_run_config(launcher_config, {"ops": {"launcher": {"config": config}}})
+    except dg.DagsterInvalidConfigError as e:
+        return None, [error.message for error in e.errors]
+    return run_config["ops"]["launcher"]["config"], []
+
 out = {}
 for name, (module, cls_name, config) in json.loads(sys.argv[1]).items():
     cls = launcher_class(module, cls_name)
-    result = process_config(cls.config_type(), config)
-    out[name] = {"ok": result.success, "errors": [e.message for e in result.errors or []]}
-    if not result.success:
+    value, errors = validate(cls, config)
+    out[name] = {"ok": value is not None, "errors": errors}
+    if value is None:
         continue
-    value = result.value
     if cls_name == "DockerRunLauncher":
         from dagster_docker.utils import validate_docker_image
-        launcher = ConfigurableClassData(module, cls_name, json.dumps(config)).rehydrate(as_type=cls)
+        launcher = cls.from_config_value(None, value)  # as the instance builds it from its config
         validate_docker_image(launcher.image)
     else:  # the Job a run gets, built the way K8sRunLauncher builds it (no cluster is contacted)
         from dagster_k8s.job import DagsterK8sJobConfig, UserDefinedDagsterK8sConfig, construct_dagster_k8s_job

@@ -10,43 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_dagster.config import DrafterOverrides, TrainConfig
+from eagle3_dagster.config import DrafterOverrides
 from eagle3_dagster.drafter.export import check_export
-from eagle3_dagster.train import TrainJobConfig
-from test_train import _torchrun, _why, workspace  # noqa: F401  (fixture)
+from test_train import _torchrun, _why, train_job, workspace  # noqa: F401  (fixture)
 from eagle3_dagster.stages.bench import BenchSettings
 
 
 def _mla_job(ws: Path, out: str) -> Path:
-    train = TrainConfig(
-        ttt_steps=2,
-        epochs=1,
-        max_steps=16,
-        lr=1e-2,
-        warmup_ratio=0.1,
-        batch_tokens=96,
-        grad_accum=1,
-        grad_clip=0.5,
-        checkpoint_every=8,
-        seed=0,
-        nproc_per_node=2,
-        backend="gloo",
-        eval_fraction=0.2,
-    )
     # the chains target's aux layers [1, 2, 3]: ids [0, 1, 2] on 0.5.12 (always + 1), no ids on 0.5.13+
-    job = TrainJobConfig(
-        hidden_version_dir=str(ws / "hidden" / "v1"),
-        target_dir=str(ws / "target"),
-        vocab_mapping=str(ws / "vocab.safetensors"),
-        out_dir=str(ws / out),
-        serving_context=512,
-        train=train,
-        drafter=DrafterOverrides(attention="mla", intermediate_size=64),
-        export_dtype="float32",
-        sglang_versions=("0.5.12",),
-        eval_batches=4,
-    )
-    return job.write(ws / f"{out}.json")
+    drafter = DrafterOverrides(attention="mla", intermediate_size=64)
+    return train_job(ws, out, drafter, {"max_steps": 16}, sglang_versions=("0.5.12",))
 
 
 @pytest.mark.slow  # torchrun, 2 ranks, three times

@@ -7,13 +7,14 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM
 
 from eagle3_dagster.bench.proposers import Eagle3Proposer
 from eagle3_dagster.bench.specdec import SpecConfig, TargetRunner, generate_greedy, generate_speculative
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+from tests.tiny_deepseek import HIDDEN, VOCAB, decoding_target
 
-VOCAB, AUX, H = 96, (1, 2, 3), 32
+AUX = (1, 2, 3)
 YARN = {
     "type": "yarn",
     "factor": 4.0,
@@ -27,39 +28,13 @@ YARN = {
 
 @pytest.fixture(scope="module")
 def target() -> DeepseekV3ForCausalLM:
-    torch.manual_seed(0)
-    return DeepseekV3ForCausalLM(
-        DeepseekV3Config(
-            vocab_size=VOCAB,
-            hidden_size=H,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            max_position_embeddings=256,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).eval()
+    return decoding_target()
 
 
 def mla_drafter(target, seed=3) -> Eagle3Drafter:
     cfg = DrafterConfig(
-        target_hidden_size=H,
-        hidden_size=H,
+        target_hidden_size=HIDDEN,
+        hidden_size=HIDDEN,
         intermediate_size=48,
         num_attention_heads=4,
         num_key_value_heads=4,

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM
 
 from eagle3_dagster.bench.proposers import Eagle3Proposer, NgramProposer
 from tests.reference_proposers import AlwaysWrongProposer, OracleProposer
+from tests.tiny_deepseek import VOCAB, decoding_target
 from eagle3_dagster.bench.report import LengthBands
 from eagle3_dagster.bench.specdec import (
     OutputMismatchError,
@@ -20,39 +21,13 @@ from eagle3_dagster.bench.specdec import (
     run_inprocess_benchmark,
 )
 
-VOCAB = 96
 AUX = (1, 2, 3)
 MAX_NEW = 25
 
 
 @pytest.fixture(scope="module")
 def target() -> DeepseekV3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return DeepseekV3ForCausalLM(cfg).eval()
+    return decoding_target()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from eagle3_dagster.hidden.sharding import shard_key
 from eagle3_dagster.hidden.shards import ShardFormat, ShardWriter
 from eagle3_dagster.train import TrainJobConfig, build_torchrun_command
 from eagle3_dagster.train.data import collate, split_heldout
+from tests.tiny_deepseek import HIDDEN, LAYERS, VOCAB, tiny_deepseek_v3_config
 from eagle3_dagster.train.schedule import (
     BucketedSampler,
     eval_batches,
@@ -27,7 +28,7 @@ from eagle3_dagster.train.schedule import (
     train_schedule,
 )
 
-VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 96, 32, 4, 64
+DRAFT_VOCAB = 64
 SAMPLES_PER_SHARD = 16
 
 
@@ -46,31 +47,11 @@ def _markov_tokens(g: torch.Generator, n: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     root = tmp_path_factory.mktemp("train")
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        q_lora_rank=16,
-        kv_lora_rank=8,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=256,
-    )
+    cfg = tiny_deepseek_v3_config(kv_lora_rank=8)
     target = DeepseekV3ForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
     # a brief pre-training makes the target a (small) language model of the chains: peaked, learnable teachers
@@ -114,35 +95,44 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-def _job(ws: Path, out: str, **train) -> Path:
-    base = dict(
-        ttt_steps=2,
-        epochs=1,
-        max_steps=24,
-        lr=1e-2,
-        warmup_ratio=0.1,
-        batch_tokens=96,
-        grad_accum=1,
-        grad_clip=0.5,
-        checkpoint_every=8,
-        seed=0,
-        nproc_per_node=2,
-        backend="gloo",
-        eval_fraction=0.2,
-    )
-    job = TrainJobConfig(
+TRAIN = dict(
+    ttt_steps=2,
+    epochs=1,
+    max_steps=24,
+    lr=1e-2,
+    warmup_ratio=0.1,
+    batch_tokens=96,
+    grad_accum=1,
+    grad_clip=0.5,
+    checkpoint_every=8,
+    seed=0,
+    nproc_per_node=2,
+    backend="gloo",
+    eval_fraction=0.2,
+)
+
+
+def train_job(ws: Path, out: str, drafter: DrafterOverrides, train: dict | None = None, **job) -> Path:
+    """A job over the workspace's shards, target and vocabulary, out to `ws/out`: TRAIN updated with `train`,
+    `job` the TrainJobConfig fields beyond those (also tests/unit/test_mla_end_to_end.py's MLA jobs)."""
+    config = TrainJobConfig(
         hidden_version_dir=str(ws / "hidden" / "v1"),
         target_dir=str(ws / "target"),
         vocab_mapping=str(ws / "vocab.safetensors"),
         out_dir=str(ws / out),
         serving_context=512,
-        train=TrainConfig(**(base | train)),
-        drafter=DrafterOverrides(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64),
+        train=TrainConfig(**(TRAIN | (train or {}))),
+        drafter=drafter,
         export_dtype="float32",
         eval_batches=4,
-        metadata={"test": True},
+        **job,
     )
-    return job.write(ws / f"{out}.json")
+    return config.write(ws / f"{out}.json")
+
+
+def _job(ws: Path, out: str, **train) -> Path:
+    drafter = DrafterOverrides(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    return train_job(ws, out, drafter, train, metadata={"test": True})
 
 
 def _torchrun(
