@@ -258,7 +258,10 @@ def micro_deployment(tmp_path_factory) -> Iterator[DagsterDeployment]:
     # Shards of 8 samples: the records the micro target leaves (20 here; the count differs by machine) make
     # 2-3 shards, not 5, so the UI test's backfill of 2 covers most of them and few shard runs follow it one
     # at a time (each is a run process, a driver start and the asset checks: ~15 s of CPU apiece).
-    profile = write_profile(root, "micro", {"hidden": {"samples_per_shard": 8}})
+    # The automation's cron ticks once a year, not every 10 minutes: the test launches every shard run itself
+    # (the backfill, then one extract_job run each), and a tick between merged_train and the backfill requested
+    # the same shards, whose backfill runs then found them complete and logged no progress.
+    profile = write_profile(root, "micro", {"hidden": {"samples_per_shard": 8, "backfill_cron": "0 0 1 1 *"}})
     with dagster_dev(REPO / "workspace.yaml", home, "eagle3_dagster", env={"EAGLE3_PROFILE": str(profile)}) as dep:
         yield dep
 
