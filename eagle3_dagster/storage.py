@@ -21,7 +21,8 @@ bytes were read back from the store and hashed.
 
 Credentials and endpoints come from the environment only (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 `AWS_ENDPOINT_URL`, …, read by s3fs/botocore themselves; `GOOGLE_APPLICATION_CREDENTIALS` for gcsfs);
-nothing here reads, logs or stores them, and locations never carry them (`s3://key:secret@…` is refused).
+nothing here reads, logs or stores them, and locations never carry them (`s3://key:secret@…`, also with a '/' in the secret, and a signature in the query are
+refused: url_secrets).
 
 A store that stops answering is an error naming the object within a bound the profile sets (`storage`:
 botocore's connect and read timeouts and its tries; `wait_bound_s`), and a call that waits logs a line naming
@@ -50,6 +51,7 @@ import fsspec
 import orjson
 
 from eagle3_dagster.io import atomic_write_bytes, json_bytes, parse_json
+from eagle3_dagster.url_secrets import url_credentials
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +211,6 @@ def _is_local(text: str) -> bool:
     return not sep or scheme in _LOCAL_SCHEMES
 
 
-def _redact(url: str) -> str:
-    scheme, _, rest = url.partition("://")
-    host, _, path = rest.partition("/")
-    return f"{scheme}://{host.rpartition('@')[2]}/{path}"
-
-
 def location(loc: "str | os.PathLike | Location", base: Path | None = None) -> "Location":
     """A profile value (or a path, or a Location) as a Location: a URL unchanged but for a trailing slash,
     a relative path under `base`. A URL carrying credentials is refused without repeating them."""
@@ -225,10 +221,11 @@ def location(loc: "str | os.PathLike | Location", base: Path | None = None) -> "
         p = Path(text[len("file://") :] if text.startswith("file://") else text)
         return Location(str(p if p.is_absolute() or base is None else base / p))
     url = text.rstrip("/")
-    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+    if why := url_credentials(url):
+        scheme = url.partition("://")[0]
         raise ValueError(
-            f"{_redact(url)}: credentials do not belong in a storage URL; set them in the "
-            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)"
+            f"a {scheme}:// location carries a credential, {why}; the URL is not shown. Credentials do not "
+            "belong in a storage URL: set them in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, …)"
         )
     return Location(url)
 
