@@ -11,12 +11,13 @@ names (`model.embed_tokens.weight`) or Kimi-K2.5's multimodal wrapper
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from eagle3_dagster.safetensors_folder import weight_files
 
 # Where DeepSeek-V3-family checkpoints put the text model, in order of preference.
 PREFIXES = ("", "language_model.", "model.language_model.")
@@ -107,26 +108,6 @@ class TargetTensors:
     norm: torch.Tensor | None  # [H]
 
 
-def _weight_map(target_dir: Path) -> dict[str, Path]:
-    """Tensor name → file, from the sharded index or the single-file checkpoint(s)."""
-    indexes = sorted(target_dir.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise ValueError(f"{target_dir}: several safetensors index files {[p.name for p in indexes]}")
-    if indexes:
-        wm = json.loads(indexes[0].read_text()).get("weight_map")
-        if not isinstance(wm, dict):
-            raise ValueError(f"{indexes[0]}: no weight_map")
-        return {k: target_dir / v for k, v in wm.items()}
-    files = sorted(target_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{target_dir}: no *.safetensors weights and no index file")
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
 def _find(weight_map: dict[str, Path], suffix: str) -> str | None:
     for prefix in PREFIXES:
         if prefix + suffix in weight_map:
@@ -138,7 +119,7 @@ def load_target_tensors(target_dir: Path, want: tuple[str, ...] = ("embed", "lm_
     """Read only the requested tensors (`embed`, `lm_head`, `norm`); a missing one is an error naming it."""
     target_dir = Path(target_dir)
     arch = TargetArch.from_dir(target_dir)
-    weight_map = _weight_map(target_dir)
+    weight_map = weight_files(target_dir)
     got: dict[str, torch.Tensor | None] = {k: None for k in SUFFIXES}
     for role in want:
         if role not in SUFFIXES:

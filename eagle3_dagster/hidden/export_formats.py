@@ -51,7 +51,8 @@ from safetensors.torch import save as safetensors_save
 from eagle3_dagster import storage
 from eagle3_dagster.hidden.dataset import HiddenStatesDataset
 from eagle3_dagster.hidden.shards import ShardCorruptError, load_manifest, shard_path, verify_shard
-from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json, confined_path, regular_file
+from eagle3_dagster.io import atomic_open, atomic_write_bytes, atomic_write_json
+from eagle3_dagster.safetensors_folder import weight_files
 
 EXPORT_MARKER = "eagle3_export.json"
 EXPORT_FORMAT = "eagle3-dagster-hidden-export"
@@ -261,16 +262,10 @@ def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
     name = "model.norm.weight"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if name not in weight_map:
-            raise KeyError(f"{index}: no {name} in the weight map")
-        where = f"{index} weight_map[{name!r}]"  # a checkpoint from a hub is foreign: its index stays in its folder
-        file = regular_file(confined_path(model_dir, weight_map[name], where=where), where=where)
-    else:
-        file = model_dir / "model.safetensors"
+    file = weight_files(model_dir).get(name)  # a checkpoint from a hub is foreign: its index stays in its folder
+    if file is None:
+        raise KeyError(f"{model_dir}: no {name} in its safetensors weights")
     with safe_open(str(file), framework="pt") as f:
         if name not in f.keys():
             raise KeyError(f"{file}: no tensor {name}")

@@ -285,6 +285,21 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path, good, ta
         refused(lambda: load_any_drafter(folder, target_dir), str(folder / "model.safetensors.index.json"))
 
 
+def test_a_target_index_naming_a_file_outside_its_folder_is_refused(tmp_path, target_dir):
+    """The target folder is foreign too (a hub checkpoint): before, the embedding and LM head were read from
+    wherever its index pointed (drafter.target_head kept an index reader of its own, without the check)."""
+    from eagle3_dagster.drafter.target_head import load_target_tensors
+
+    other = tmp_path / "other"
+    shutil.copytree(target_dir, other)
+    sharded = _indexed(target_dir, tmp_path / "sharded", "model-00001-of-00001.safetensors")
+    assert load_target_tensors(sharded, ("embed",)).embed is not None  # an index inside the folder: read
+    for name, file_name in (("absolute", str(other / WEIGHTS)), ("dotdot", "../other/model.safetensors")):
+        folder = _indexed(target_dir, tmp_path / name, file_name)
+        index = str(folder / "model.safetensors.index.json")
+        refused(lambda: load_target_tensors(folder, ("embed",)), index, "weight_map[", repr(file_name))
+
+
 @pytest.mark.timeout(60)  # before: a FIFO blocked safetensors forever
 def test_weights_that_are_a_link_out_of_the_folder_a_device_or_a_fifo_are_refused(tmp_path, good, target_dir):
     other = tmp_path / "other"
