@@ -88,3 +88,29 @@ def write_specforge_export(
     state.update(extra_weights or {})
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def write_target_head(d: Path, *, vocab: int, hidden: int, layers: int) -> Path:
+    """A DeepSeek-V3 target folder with its config and its embedding and LM head only: all that loading a drafter
+    exported elsewhere reads of a target."""
+    d.mkdir()
+    torch.manual_seed(1)
+    save_file(
+        {"model.embed_tokens.weight": torch.randn(vocab, hidden), "lm_head.weight": torch.randn(vocab, hidden)},
+        str(d / "model.safetensors"),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "hidden_size": hidden,
+                "intermediate_size": 32,
+                "vocab_size": vocab,
+                "num_hidden_layers": layers,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
+    return d

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.imported import load_any_drafter, resolve_aux_layers
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
-from tests.specforge_format import draft_config, write_specforge_export
+from tests.specforge_format import draft_config, write_specforge_export, write_target_head
 from eagle3_dagster.stages.bench import BenchSettings
 
 V, H, DV, L = 48, 16, 12, 8
@@ -21,28 +20,7 @@ V, H, DV, L = 48, 16, 12, 8
 @pytest.fixture
 def target_dir(tmp_path: Path) -> Path:
     """An 8-layer DeepSeek-V3 target's config and embedding (all the loader reads of a target)."""
-    d = tmp_path / "target"
-    d.mkdir()
-    torch.manual_seed(1)
-    save_file(
-        {"model.embed_tokens.weight": torch.randn(V, H), "lm_head.weight": torch.randn(V, H)},
-        str(d / "model.safetensors"),
-    )
-    (d / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["DeepseekV3ForCausalLM"],
-                "hidden_size": H,
-                "intermediate_size": 32,
-                "vocab_size": V,
-                "num_hidden_layers": L,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 10000.0,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
-    return d
+    return write_target_head(tmp_path / "target", vocab=V, hidden=H, layers=L)
 
 
 def _embed(target_dir: Path) -> torch.Tensor:
