@@ -39,8 +39,14 @@ def _number(value: Any) -> str:
     return f"{value:.3f}" if abs(value) < 1 else f"{value:.2f}" if abs(value) < 100 else f"{value:,.0f}"
 
 
-def _outside(value: Any, bounds: list[float] | None) -> bool:
-    return bool(bounds) and isinstance(value, int | float) and not bounds[0] <= value <= bounds[1]
+def _outside(shown: str, bounds: list[float] | None) -> bool:
+    """Whether a value, as the summary shows it, is outside `bounds`: the mark agrees with the figure beside it
+    (4.6 s, shown as 5, is inside 5–60)."""
+    try:
+        value = float(shown.replace(",", ""))
+    except ValueError:  # not a number
+        return False
+    return bool(bounds) and not bounds[0] <= value <= bounds[1]
 
 
 def summary(
@@ -57,16 +63,15 @@ def summary(
     lines = [f"summary ({where})", f"  {'stage':<40}{'seconds':>10}   expected"]
     for stage, s in seconds.items():
         bounds = ranges["seconds"].get(stage)
-        lines.append(f"  {stage:<40}{s:>10.0f}   {_span(bounds)}{OUTSIDE if _outside(s, bounds) else ''}")
+        shown = f"{s:.0f}"
+        lines.append(f"  {stage:<40}{shown:>10}   {_span(bounds)}{OUTSIDE if _outside(shown, bounds) else ''}")
     lines.append(f"  {'figure':<40}{'value':>10}   expected")
     for figure in ranges["figures"] or _all_figures(expected, metadata):
         meta = metadata.get(figure["asset"])
         if meta is None or figure["key"] not in meta:
             continue
-        value, bounds = meta[figure["key"]], figure.get("range")
-        lines.append(
-            f"  {figure['what']:<40}{_number(value):>10}   {_span(bounds)}{OUTSIDE if _outside(value, bounds) else ''}"
-        )
+        shown, bounds = _number(meta[figure["key"]]), figure.get("range")
+        lines.append(f"  {figure['what']:<40}{shown:>10}   {_span(bounds)}{OUTSIDE if _outside(shown, bounds) else ''}")
     return "\n".join(lines)
 
 

@@ -35,6 +35,24 @@ def test_the_summary_prints_each_figure_beside_its_range_and_marks_one_outside()
     assert "records merged" not in text  # no metadata for it: not a stage this run ran
 
 
+def test_a_value_is_judged_as_it_is_shown() -> None:
+    """A fresh clone's demo printed 'dagster dev  5   5–60  <- outside the range' for 4.6 s: the mark must agree
+    with the figure beside it, and a value shown as outside must read as outside."""
+    expected = demo_summary.load()
+    low, high = expected["seconds"]["dagster dev"]
+    metadata = {"drafter_checkpoint": {"heldout_acc_0": expected_low(expected, "heldout_acc_0") - 0.0004}}
+    text = demo_summary.summary("demo", {"dagster dev": low - 0.4, "target": high + 1}, metadata, expected)
+    lines = {line.split("  ")[1].strip(): line for line in text.splitlines()[1:] if line.startswith("  ")}
+    assert lines["dagster dev"].split()[2] == f"{low:.0f}" and demo_summary.OUTSIDE not in lines["dagster dev"]
+    assert demo_summary.OUTSIDE not in lines["held-out acc_0"]  # shown as the range's lower bound
+    text = demo_summary.summary("demo", {"dagster dev": low - 0.6}, {}, expected)
+    assert text.splitlines()[2].endswith(demo_summary.OUTSIDE)  # shown as one second under the range
+
+
+def expected_low(expected: dict, key: str) -> float:
+    return next(f["range"][0] for f in expected["figures"] if f["key"] == key)
+
+
 def test_another_profile_gets_its_figures_without_the_demos_ranges() -> None:
     text = demo_summary.summary("micro", {"corpus": 3.0}, {"merged_train": {"num_records": 20}})
     assert "no expected ranges for micro" in text and demo_summary.OUTSIDE not in text
