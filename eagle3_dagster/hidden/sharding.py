@@ -26,6 +26,13 @@ def shard_key(index: int) -> str:
     return f"{SHARD_KEY_PREFIX}{index:05d}"
 
 
+def shard_count(num_records: int, samples_per_shard: int) -> int:
+    """How many shards `plan_shards` cuts `num_records` records into: full shards of `samples_per_shard`, the last
+    one holding the rest. merged_train reports it, and the hidden_states partitions are registered from it before
+    the plan is written."""
+    return -(-num_records // samples_per_shard)
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """One shard = `num_records` consecutive records of merged_train starting at `first_record`."""

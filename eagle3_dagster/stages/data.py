@@ -7,7 +7,6 @@ finished conversations), pre-tokenized ones are validated and normalised.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import orjson
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from eagle3_dagster.config import DatasetConfig
 from eagle3_dagster.contracts import ArtifactLayout
 from eagle3_dagster.data.sharegpt import Conversation
+from eagle3_dagster.hidden.sharding import shard_count
 from eagle3_dagster.io import sha256_file
 from eagle3_dagster.stages import Progress, StageReport, no_progress
 from eagle3_dagster.stages import TARGET_FILES_RUN_WITH, StageSettings, TargetFiles, group, setting
@@ -454,7 +454,7 @@ def merge_partitions(settings: MergeSettings, layout: ArtifactLayout, progress: 
         raise ValueError(
             f"merged_train: no record left after the drop list and truncation ({stats.as_dict()['before']})"
         )
-    num_shards = math.ceil(stats.num_records / settings.samples_per_shard)
+    num_shards = shard_count(stats.num_records, settings.samples_per_shard)
     sha = sha256_file(out)
     return StageReport(
         metadata={"path": out, "sha256": sha, "num_shards": num_shards, **stats.as_dict()},

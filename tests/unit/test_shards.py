@@ -373,3 +373,16 @@ def test_a_corrupt_manifest_is_an_error_naming_its_file_and_what_to_do(tmp_path)
     assert str(manifest) in str(err.value) and "extracted again" in str(err.value)
     with pytest.raises(ValueError, match=str(manifest)):
         load_shard_manifest(tmp_path, "shard-00000")
+
+
+@pytest.mark.parametrize(
+    "num_records,samples_per_shard", [(1, 1), (1, 8), (8, 8), (9, 8), (20, 8), (1005, 256), (7, 3)]
+)
+def test_the_registered_shard_count_is_the_number_of_shards_the_plan_cuts(tmp_path, num_records, samples_per_shard):
+    """merged_train's num_shards registers the hidden_states partitions before the plan exists; the plan's shards
+    must be exactly those (a partition that is not a shard of the plan is refused at run time)."""
+    from eagle3_dagster.hidden.sharding import shard_count
+
+    merged = tmp_path / "merged_train.jsonl"
+    write_jsonl(merged, [{"id": f"s{i}", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]} for i in range(num_records)])
+    assert len(plan_shards(merged, samples_per_shard)) == shard_count(num_records, samples_per_shard)
