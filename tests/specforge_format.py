@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
+
 
 def draft_config(drafter, *, eagle_aux_ids: list[int] | None = None, **extra) -> dict:
     """A SpecForge draft config for the drafter's shape, as a user writes one (like its llama3-8B config)."""
@@ -114,3 +116,26 @@ def write_target_head(d: Path, *, vocab: int, hidden: int, layers: int) -> Path:
         )
     )
     return d
+
+
+def small_drafter(embed: torch.Tensor, *, draft_vocab: int, aux_layers=(2, 4, 5)) -> Eagle3Drafter:
+    """A 4-head drafter over the target `embed` (vocab x hidden) with every `vocab // draft_vocab`-th token in its
+    draft vocabulary, seeded: the drafter another trainer exported, in the import tests."""
+    vocab, hidden = embed.shape
+    cfg = DrafterConfig(
+        target_hidden_size=hidden,
+        hidden_size=hidden,
+        intermediate_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        max_position_embeddings=512,
+        aux_layers=aux_layers,
+    )
+    ids = torch.arange(0, vocab, vocab // draft_vocab)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    torch.manual_seed(0)
+    return Eagle3Drafter(cfg, embed, ids - torch.arange(draft_vocab), t2d).eval()

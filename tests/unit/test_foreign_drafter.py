@@ -19,7 +19,7 @@ import torch
 
 from eagle3_dagster.drafter.imported import load_any_drafter
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
-from tests.specforge_format import draft_config, write_specforge_export, write_target_head
+from tests.specforge_format import draft_config, small_drafter, write_specforge_export, write_target_head
 
 V, H, DV, L = 48, 16, 12, 8
 WEIGHTS = "model.safetensors"
@@ -32,23 +32,7 @@ def target_dir(tmp_path: Path) -> Path:
 
 
 def _drafter(embed: torch.Tensor, aux_layers=(2, 4, 5)) -> Eagle3Drafter:
-    cfg = DrafterConfig(
-        target_hidden_size=H,
-        hidden_size=H,
-        intermediate_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        vocab_size=V,
-        draft_vocab_size=DV,
-        max_position_embeddings=512,
-        aux_layers=aux_layers,
-    )
-    ids = torch.arange(0, V, V // DV)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    torch.manual_seed(0)
-    return Eagle3Drafter(cfg, embed, ids - torch.arange(DV), t2d).eval()
+    return small_drafter(embed, draft_vocab=DV, aux_layers=aux_layers)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from eagle3_dagster.drafter.imported import load_drafter
 from eagle3_dagster.drafter.imported import load_any_drafter, resolve_aux_layers
 from eagle3_dagster.drafter.model import DrafterConfig, Eagle3Drafter
-from tests.specforge_format import draft_config, write_specforge_export, write_target_head
+from tests.specforge_format import draft_config, small_drafter, write_specforge_export, write_target_head
 from eagle3_dagster.stages.bench import BenchSettings
 
 V, H, DV, L = 48, 16, 12, 8
@@ -30,23 +30,7 @@ def _embed(target_dir: Path) -> torch.Tensor:
 
 
 def _trained_elsewhere(target_dir: Path) -> Eagle3Drafter:
-    cfg = DrafterConfig(
-        target_hidden_size=H,
-        hidden_size=H,
-        intermediate_size=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        vocab_size=V,
-        draft_vocab_size=DV,
-        max_position_embeddings=512,
-        aux_layers=(2, 4, 5),
-    )
-    ids = torch.arange(0, V, V // DV)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[ids] = True
-    torch.manual_seed(0)
-    model = Eagle3Drafter(cfg, _embed(target_dir), ids - torch.arange(DV), t2d)
+    model = small_drafter(_embed(target_dir), draft_vocab=DV)
     for p in model.parameters():
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.2)
