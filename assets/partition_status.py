@@ -98,10 +98,6 @@ class Watched:
         noun = "shard" if isinstance(spec.partitions_def, dg.DynamicPartitionsDefinition) else "dataset"
         return cls(spec.key, spec.partitions_def, spec.code_version, deps, same, noun)
 
-    @property
-    def check_key(self) -> dg.AssetCheckKey:
-        return dg.AssetCheckKey(self.key, CHECK)
-
 
 def verdicts(instance: dg.DagsterInstance, asset: Watched) -> list[Verdict]:
     """One verdict per partition of `asset`, from the instance's records (no file is read)."""
