@@ -303,7 +303,7 @@ def _export(profile, layout, fmt: str, out: Path, dtype: str | None = None) -> i
         from eagle3_dagster.safetensors_folder import weight_files
 
         target = specforge_target_dir(plan.target.path, out)
-        lm_head = _find(weight_files(Path(target)), SUFFIXES["lm_head"])
+        lm_head = _find(weight_files(Path(target), links_out=True), SUFFIXES["lm_head"])
         # SpecForge 0.2.0 config/schema.py: model.target_model_path, data.hidden_states_path, model.lm_head_key
         print(
             f"SpecForge (offline): model.target_model_path: {target}  data.hidden_states_path: {out}"

@@ -206,12 +206,16 @@ class ForeignInputError(ValueError):
     that it refuses; the message names the file and the field or entry."""
 
 
-def confined_path(root: str | os.PathLike, name: object, *, where: str, flat: bool = False) -> Path:
+def confined_path(
+    root: str | os.PathLike, name: object, *, where: str, flat: bool = False, links_out: bool = False
+) -> Path:
     """`root / name` for a `name` read from a foreign file (`where`: that file and entry, for the error).
 
     The name must be a relative POSIX path without a `..` component (a bare file name when `flat`), and
     `root / name`, symlinks followed, must stay inside `root` (also followed): `../x`, `/etc/x`, `a/../../x`
-    and a link out of the folder are each a `ForeignInputError` naming `where`."""
+    and a link out of the folder are each a `ForeignInputError` naming `where`. `links_out`: a link out of the
+    folder is allowed (a folder whose files are links by design: a hub cache's snapshot, whose files link to
+    `../../blobs/`); the name itself is still checked."""
     pure = PurePosixPath(name) if isinstance(name, str) and "\0" not in name else None
     if pure is None or not pure.parts:
         raise ForeignInputError(f"{where}: {name!r} is not a file name; refused")
@@ -223,7 +227,7 @@ def confined_path(root: str | os.PathLike, name: object, *, where: str, flat: bo
         raise ForeignInputError(f"{where}: {name!r} is not a bare file name in {root}; refused")
     root_real = Path(root).resolve()
     path = Path(root) / pure
-    if not path.resolve().is_relative_to(root_real):
+    if not links_out and not path.resolve().is_relative_to(root_real):
         raise ForeignInputError(f"{where}: {path} leads out of {root} (to {path.resolve()}) through a symlink; refused")
     return path
 

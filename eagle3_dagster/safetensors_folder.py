@@ -14,12 +14,15 @@ from safetensors import SafetensorError, safe_open
 from eagle3_dagster.io import ForeignInputError, confined_path, regular_file
 
 
-def weight_files(export_dir: Path) -> dict[str, Path]:
+def weight_files(export_dir: Path, *, links_out: bool = False) -> dict[str, Path]:
     """Tensor name → file of a checkpoint folder (a drafter's, a target's): from its `*.safetensors.index.json`,
     else every `*.safetensors`.
 
     Each file must be a regular file inside the folder: an index naming `../x` or `/x`, or a weight that is a
-    link out of the folder (or to a device), is a `ForeignInputError` naming it."""
+    link out of the folder (or to a device), is a `ForeignInputError` naming it. `links_out`: for a target, the
+    profile's own folder, which may be a hub cache snapshot (its files link to `../../blobs/`) or the links
+    `eagle3 export-shards --format specforge` makes; a link must still lead to a regular file, and an index's
+    names must still be relative names without `..`."""
     export_dir = Path(export_dir)
     if not list(export_dir.glob("*.safetensors")) and not list(export_dir.glob("*.safetensors.index.json")):
         found = sorted(p.name for p in export_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
@@ -31,7 +34,10 @@ def weight_files(export_dir: Path) -> dict[str, Path]:
     if len(indexes) > 1:
         raise ForeignInputError(f"{export_dir}: several safetensors index files {[p.name for p in indexes]}")
     if indexes:
-        index = regular_file(confined_path(export_dir, indexes[0].name, where=str(export_dir)), where=str(indexes[0]))
+        index = regular_file(
+            confined_path(export_dir, indexes[0].name, where=str(export_dir), links_out=links_out),
+            where=str(indexes[0]),
+        )
         try:
             weight_map = json.loads(index.read_bytes()).get("weight_map")
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
@@ -41,12 +47,12 @@ def weight_files(export_dir: Path) -> dict[str, Path]:
         files = {}
         for name, file in weight_map.items():
             where = f"{index} weight_map[{name!r}]"
-            files[name] = regular_file(confined_path(export_dir, file, where=where), where=where)
+            files[name] = regular_file(confined_path(export_dir, file, where=where, links_out=links_out), where=where)
         return files
     out: dict[str, Path] = {}
     for f in sorted(export_dir.glob("*.safetensors")):
         where = f"{export_dir}: weights {f.name}"
-        path = regular_file(confined_path(export_dir, f.name, where=where), where=where)
+        path = regular_file(confined_path(export_dir, f.name, where=where, links_out=links_out), where=where)
         out.update({k: path for k in read_safetensors(path, lambda h: list(h.keys()))})
     return out
 

@@ -119,7 +119,7 @@ def load_target_tensors(target_dir: Path, want: tuple[str, ...] = ("embed", "lm_
     """Read only the requested tensors (`embed`, `lm_head`, `norm`); a missing one is an error naming it."""
     target_dir = Path(target_dir)
     arch = TargetArch.from_dir(target_dir)
-    weight_map = weight_files(target_dir)
+    weight_map = weight_files(target_dir, links_out=True)
     got: dict[str, torch.Tensor | None] = {k: None for k in SUFFIXES}
     for role in want:
         if role not in SUFFIXES:

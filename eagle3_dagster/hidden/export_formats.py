@@ -263,7 +263,8 @@ def load_final_norm_weight(model_dir: Path) -> torch.Tensor:
 
     model_dir = Path(model_dir)
     name = "model.norm.weight"
-    file = weight_files(model_dir).get(name)  # a checkpoint from a hub is foreign: its index stays in its folder
+    # a checkpoint from a hub: its index names files in its folder, which may be links (a hub cache snapshot)
+    file = weight_files(model_dir, links_out=True).get(name)
     if file is None:
         raise KeyError(f"{model_dir}: no {name} in its safetensors weights")
     with safe_open(str(file), framework="pt") as f:

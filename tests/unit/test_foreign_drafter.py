@@ -263,6 +263,17 @@ def test_a_target_index_naming_a_file_outside_its_folder_is_refused(tmp_path, ta
         folder = _indexed(target_dir, tmp_path / name, file_name)
         index = str(folder / "model.safetensors.index.json")
         refused(lambda: load_target_tensors(folder, ("embed",)), index, "weight_map[", repr(file_name))
+    # a hub cache snapshot: its files are links to ../../blobs/, which a target may be (a drafter folder may not)
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sharded.iterdir():
+        shutil.copy(f, blobs / f"sha-{f.name}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"sha-{f.name}")
+    assert torch.equal(load_target_tensors(snapshot, ("embed",)).embed, load_target_tensors(sharded, ("embed",)).embed)
+    (snapshot / "model-00001-of-00001.safetensors").unlink()
+    (snapshot / "model-00001-of-00001.safetensors").symlink_to("/dev/urandom")  # a link must reach a regular file
+    refused(lambda: load_target_tensors(snapshot, ("embed",)), "/dev/urandom")
 
 
 @pytest.mark.timeout(60)  # before: a FIFO blocked safetensors forever
