@@ -7,12 +7,15 @@ machine, so a test can start several and treat each as a GPU host of its own.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import getpass
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,21 +36,41 @@ class Sshd:
         self.proc.wait(timeout=10)
 
 
-# SGLang derives ports from its server's: 0.5.12 serves gRPC on port + 10000 unless SGLANG_GRPC_PORT is set
-# (`ServerArgs._handle_deprecated_args`) and exits when that passes 65535, while this kernel hands out ports up
-# to 60999 (/proc/sys/net/ipv4/ip_local_port_range). The real tier failed so once (gRPC port 69113).
-HIGHEST_FREE_PORT = 65535 - 10000
+# Test servers take their ports from TEST_PORTS, each port reserved for the process that handed it out (a lock
+# file held open until that process exits), so no two tests of one tier, nor two tiers on one machine, share one.
+# The range lies below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 here),
+# where bind(0) and connect() never hand a port to anyone else: a port found free by bind(0) could be taken by
+# another process before the server bound it, and was (CI stop 38: SGLang's HTTP port went to another process while
+# its server loaded, and SGLang's warm-up then polled that process for 12 minutes before killing itself). It also
+# avoids SGLang's own below-ephemeral picks (`get_free_port_below_ephemeral`, 22000-29999) and keeps
+# 0.5.12's gRPC port (its HTTP port + 10000, `ServerArgs._handle_deprecated_args`) at or below 21999.
+TEST_PORTS = range(10000, 12000)
+_PORT_LOCKS = Path(tempfile.gettempdir()) / "eagle3-test-ports"
+_held: dict[int, int] = {}  # port -> the open lock file's descriptor, for this process's lifetime
 
 
 def free_port() -> int:
-    """A loopback port free now, at most HIGHEST_FREE_PORT, for any server a test starts."""
-    for _ in range(1000):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port <= HIGHEST_FREE_PORT:
-            return port
-    raise RuntimeError(f"no free loopback port at or below {HIGHEST_FREE_PORT} in 1000 tries")
+    """A loopback port for a server a test starts: free now, never handed out before by this process, and
+    reserved against every other process that takes its ports here."""
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    for port in random.sample(TEST_PORTS, len(TEST_PORTS)):
+        if port in _held:
+            continue
+        fd = os.open(_PORT_LOCKS / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another live process holds it
+            os.close(fd)
+            continue
+        try:
+            with socket.socket() as s:  # a server left running from an earlier tier, or anything else
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            os.close(fd)
+            continue
+        _held[port] = fd
+        return port
+    raise RuntimeError(f"no free loopback port in {TEST_PORTS.start}-{TEST_PORTS.stop - 1} ({_PORT_LOCKS})")
 
 
 def start_sshd(d: Path, env: dict[str, str] | None = None) -> Sshd:

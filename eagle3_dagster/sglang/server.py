@@ -3,7 +3,7 @@
 Owns: `ServerSpec` (extraction or serving mode: the release's options from patches/sglang/releases.json,
 the dump environment, refusing the options `sglang_releases` says an extraction cannot run with), `sglang_server` (refuse a port someone else
 holds, or another live run's server on it, launch in its own process group, stream the log, wait for `/health_generate` and for the unique
-`--served-model-name` it was launched with, always stop it; with `--trust-remote-code`, refuse a target whose
+`--served-model-name` it was launched with, fail at once when it could not bind its port, always stop it; with `--trust-remote-code`, refuse a target whose
 code is not `reviewed_code`) and `LogTail` (the log file and its last lines
 for an error message). The health checks themselves run beside the server (`sglang.health`).
 Transport, process groups and pid files are `eagle3_dagster.gpu_host`'s; SGLang is never imported here.
@@ -184,18 +184,21 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
     claim.record_launch(host, name)
     proc = host.spawn(spec.argv(host.spec.python, served_model_name), spec.environment(), name)
     tail: deque[str] = deque(maxlen=40)
+    port_taken: list[str] = []  # uvicorn's line when its bind of spec.port failed
 
     def pump() -> None:
         assert proc.proc.stdout is not None  # spawned with stdout=PIPE
         for line in proc.proc.stdout:
             tail.append(line.rstrip("\n"))
             on_log(line.rstrip("\n"))
+            if not port_taken and port_bind_failed(line, spec.port):
+                port_taken.append(line.strip())
 
     reader = threading.Thread(target=pump, name="sglang-log", daemon=True)
     reader.start()
     url = f"http://127.0.0.1:{spec.port}"
     try:
-        _wait_healthy(host, proc, url, spec.health_timeout_s, tail, served_model_name)
+        _wait_healthy(host, proc, url, spec.health_timeout_s, tail, served_model_name, port_taken)
         yield RunningServer(base_url=url, process=proc, served_model_name=served_model_name)
     finally:
         proc.stop()
@@ -218,9 +221,26 @@ def check_reviewed_code(host: GpuHost, spec: ServerSpec) -> None:
         raise target_code.UnreviewedCodeError(f"{host.where()}: {said}")
 
 
+def port_bind_failed(line: str, port: int) -> bool:
+    """Whether a server log line is uvicorn's refusal to listen on `port` (EADDRINUSE, as asyncio and uvloop
+    word it: "[Errno 98] error while attempting to bind on address ('127.0.0.1', P): address already in use")."""
+    lowered = line.lower()
+    return "address already in use" in lowered and f", {port})" in lowered
+
+
 def _wait_healthy(
-    host: GpuHost, proc: HostProcess, url: str, timeout_s: float, tail: deque[str], served_model_name: str
+    host: GpuHost,
+    proc: HostProcess,
+    url: str,
+    timeout_s: float,
+    tail: deque[str],
+    served_model_name: str,
+    port_taken: Sequence[str] = (),
 ) -> None:
+    """Until the waiter beside the server finds it healthy and ours. Fails at once when the server exits or
+    when its HTTP server could not bind the port: SGLang's uvicorn then runs its shutdown, which joins the
+    warm-up thread, and that thread polls the port (now another process's) 120 times with a 5 s timeout
+    before SGLang kills itself, 12 minutes of a server that can never answer."""
     waiter = subprocess.Popen(
         host.command(program_argv(host.spec.python, health, "wait", url, timeout_s, served_model_name)),
         stdout=subprocess.PIPE,
@@ -232,6 +252,12 @@ def _wait_healthy(
         while waiter.poll() is None:
             if proc.poll() is not None:
                 raise ServerError(f"SGLang server exited with {proc.poll()} before it was healthy:\n" + "\n".join(tail))
+            if port_taken:
+                raise ServerError(
+                    f"{host.where()}: SGLang could not listen on {url}: another process took the port after it "
+                    f"was found free ({port_taken[0]}); set hidden.sglang_port (or gpu_host.hosts[i].sglang_port) to "
+                    "a port nothing else uses"
+                )
             time.sleep(0.2)
         said = (waiter.stdout.read() if waiter.stdout else "").strip()[-300:]
         if waiter.returncode == 2:

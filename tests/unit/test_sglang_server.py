@@ -116,6 +116,56 @@ def test_server_that_dies_during_startup_reports_its_log_tail(tmp_path):
     assert _wait_gone([json.loads((tmp_path / f"pids-{port}.json").read_text())["child"]])
 
 
+# SGLang's HTTP server as it fails when its port was taken between the free-port check and its bind (CI stop 38's
+# failure): a real uvicorn.Server on an app whose lifespan starts a warm-up thread at startup and joins it at
+# shutdown (sglang/srt/entrypoints/http_server.py `lifespan`), so after uvicorn logs the bind error it stays alive
+# for as long as the warm-up polls the port; SGLang's polls 120 times with a 5 s timeout, this one sleeps 120 s.
+# The port is taken by another process that listens and never answers, as the torchrun store that had it did.
+PORT_TAKEN_SERVER = r"""
+import contextlib, subprocess, sys, threading, time
+import uvicorn
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+occupy = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(16); "
+occupy += "print('bound', flush=True); time.sleep(600)"
+occupant = subprocess.Popen([sys.executable, "-c", occupy, str(port)], stdout=subprocess.PIPE, text=True)
+occupant.stdout.readline()
+@contextlib.asynccontextmanager
+async def lifespan():
+    warmup = threading.Thread(target=time.sleep, args=(120,))
+    warmup.start()
+    try:
+        yield
+    finally:
+        warmup.join()
+async def app(scope, receive, send):
+    assert scope["type"] == "lifespan"  # nothing is ever served: the bind fails
+    await receive()
+    async with lifespan():
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+    await send({"type": "lifespan.shutdown.complete"})
+uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on")).run()
+"""
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_fails_at_once_naming_the_port(tmp_path):
+    host = GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
+    port = free_port()
+    script = tmp_path / "port_taken_sglang.py"
+    script.write_text(PORT_TAKEN_SERVER)
+    spec = ServerSpec(model_path="/m", port=port, launcher=(sys.executable, str(script)), health_timeout_s=600)
+    logs: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(ServerError, match=rf"could not listen on http://127.0.0.1:{port}(.|\n)*hidden.sglang_port"):
+        with sglang_server(host, spec, on_log=logs.append):
+            pass
+    assert time.monotonic() - started < 60, "waited out the warm-up instead of failing at the bind error"
+    assert any("address already in use" in line.lower() for line in logs), logs
+    with pytest.raises(httpx.TransportError):  # the server's group, the occupant with it, is gone
+        httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+
+
 def test_stale_server_from_a_dead_worker_is_stopped_before_the_next_start(tmp_path):
     host = GpuHost(HostConfig(python=sys.executable, workdir=str(tmp_path / "work")))
     port = free_port()
