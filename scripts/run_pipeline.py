@@ -33,6 +33,7 @@ import demo_summary  # noqa: E402  (the checkout and scripts/ are put on sys.pat
 from assets import automation  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
 from assets._common import PROFILE_TAG  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
 from eagle3_dagster.config import load_profile  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
+from eagle3_dagster.ports import free_port  # noqa: E402  (the checkout and scripts/ are put on sys.path above)
 
 PARTITION_TAG = "dagster/partition"
 DONE = {"SUCCESS", "FAILURE", "CANCELED"}
@@ -179,7 +180,7 @@ def launchpad_for(home: Path, profile_arg: str, profile_name: str) -> Iterator[L
             pad.interrupted = received
             yield pad
             return
-        port = dagster_dev.free_port()
+        port = free_port()
         env = {**os.environ, "EAGLE3_PROFILE": profile_arg}
         t = time.monotonic()
         with open(home / "pipeline_dagster_dev.log", "ab") as log:

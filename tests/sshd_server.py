@@ -10,9 +10,7 @@ import contextlib
 import fcntl
 import getpass
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_dagster import ports
 from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 
@@ -36,41 +35,36 @@ class Sshd:
         self.proc.wait(timeout=10)
 
 
-# Test servers take their ports from TEST_PORTS, each port reserved for the process that handed it out (a lock
-# file held open until that process exits), so no two tests of one tier, nor two tiers on one machine, share one.
-# The range lies below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 here),
-# where bind(0) and connect() never hand a port to anyone else: a port found free by bind(0) could be taken by
-# another process before the server bound it, and was (CI stop 38: SGLang's HTTP port went to another process while
-# its server loaded, and SGLang's warm-up then polled that process for 12 minutes before killing itself). It also
-# avoids SGLang's own below-ephemeral picks (`get_free_port_below_ephemeral`, 22000-29999) and keeps
-# 0.5.12's gRPC port (its HTTP port + 10000, `ServerArgs._handle_deprecated_args`) at or below 21999.
+# Test servers take their ports from TEST_PORTS, below the kernel's ephemeral range (`eagle3_dagster.ports`: CI
+# once lost SGLang's HTTP port to another process while the server loaded, and SGLang's warm-up then polled that
+# process for 12 minutes before it killed itself), below the range the project's own picks come from (the
+# torchrun store, `dagster dev`), and with 0.5.12's gRPC port (its HTTP port + 10000,
+# `ServerArgs._handle_deprecated_args`) below SGLang's own NCCL picks (22000-29999). Each port is reserved for the
+# process that handed it out (a lock file held open until that process exits), so no two tests of one tier, nor
+# two tiers on one machine, share one.
 TEST_PORTS = range(10000, 12000)
 _PORT_LOCKS = Path(tempfile.gettempdir()) / "eagle3-test-ports"
 _held: dict[int, int] = {}  # port -> the open lock file's descriptor, for this process's lifetime
+
+
+def _reserve(port: int) -> bool:
+    if port in _held:
+        return False
+    fd = os.open(_PORT_LOCKS / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another live process holds it
+        os.close(fd)
+        return False
+    _held[port] = fd
+    return True
 
 
 def free_port() -> int:
     """A loopback port for a server a test starts: free now, never handed out before by this process, and
     reserved against every other process that takes its ports here."""
     _PORT_LOCKS.mkdir(exist_ok=True)
-    for port in random.sample(TEST_PORTS, len(TEST_PORTS)):
-        if port in _held:
-            continue
-        fd = os.open(_PORT_LOCKS / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another live process holds it
-            os.close(fd)
-            continue
-        try:
-            with socket.socket() as s:  # a server left running from an earlier tier, or anything else
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            os.close(fd)
-            continue
-        _held[port] = fd
-        return port
-    raise RuntimeError(f"no free loopback port in {TEST_PORTS.start}-{TEST_PORTS.stop - 1} ({_PORT_LOCKS})")
+    return ports.free_port(TEST_PORTS, claim=_reserve)
 
 
 def start_sshd(d: Path, env: dict[str, str] | None = None) -> Sshd:

@@ -201,7 +201,7 @@ def sglang_server(host: GpuHost, spec: ServerSpec, on_log: LogFn = print) -> Ite
         _wait_healthy(host, proc, url, spec.health_timeout_s, tail, served_model_name, port_taken)
         yield RunningServer(base_url=url, process=proc, served_model_name=served_model_name)
     finally:
-        proc.stop()
+        proc.stop(grace_s=0 if port_taken else 20)  # bound to nothing, it cannot stop before its warm-up gives up
         claim.forget(host, name)
         reader.join(timeout=5)
 

@@ -21,13 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from eagle3_dagster import ports
 from eagle3_dagster.config import TrainConfig
-from eagle3_dagster.gpu_host import GpuHost
+from eagle3_dagster.gpu_host import GpuHost, program_argv
 from eagle3_dagster.host_group import HostCommand
 from eagle3_dagster.train import build_torchrun_command
-
-# Asks the kernel of the host for a free port (bound, read, released: free for the launch a moment later).
-FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
 
 
 class TooFewHostsError(ValueError):
@@ -52,8 +50,9 @@ def rendezvous_host(host: GpuHost) -> str:
 
 
 def free_port(host: GpuHost) -> int:
-    """A TCP port free on `host` now, found by its own interpreter."""
-    return int(host.run([host.spec.python, "-c", FREE_PORT], timeout=120).stdout.split()[-1])
+    """A TCP port free on every address of `host` now, below its ephemeral range (`eagle3_dagster.ports`), found
+    by its own interpreter."""
+    return int(host.run(program_argv(host.spec.python, ports, ""), timeout=120).stdout.split()[-1])
 
 
 def node_commands(

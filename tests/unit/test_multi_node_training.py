@@ -20,6 +20,7 @@ from eagle3_dagster.config import TrainConfig, load_profile_file
 from eagle3_dagster.gpu_host import GpuHost
 from eagle3_dagster.host_config import HostConfig
 from eagle3_dagster.host_group import HostCommand, HostFailed, run_on_hosts
+from eagle3_dagster import ports
 from eagle3_dagster.train.nodes import TooFewHostsError, check_host_count, free_port, node_commands
 from tests.sshd_server import local_and_ssh_hosts
 
@@ -124,9 +125,11 @@ def test_drafter_checkpoint_refuses_more_nodes_than_hosts_before_it_leases_or_la
 
 
 @pytest.mark.slow  # a real sshd
-def test_the_rendezvous_port_is_one_the_first_host_finds_free(tmp_path, sshd):
+def test_the_rendezvous_port_is_one_the_first_host_finds_free_below_its_ephemeral_range(tmp_path, sshd):
     for host in local_and_ssh_hosts(tmp_path, sshd).values():
-        assert 1024 <= free_port(host) <= 65535
+        # below it, no other process's bind(0) or connect() is handed the port before torchrun's store binds it
+        port = free_port(host)
+        assert port in ports.PORTS and port < ports.ephemeral_low(), port
 
 
 # Pipes child for the second host: the process that opens Pipes may run on any host (torchrun's rank 0).
