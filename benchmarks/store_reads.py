@@ -46,13 +46,12 @@ def write_shard(folder: Path, hidden: int, num_samples: int, tokens: int) -> Non
 
 def start_moto_server() -> tuple[subprocess.Popen, str]:
     """`moto_server` on a free loopback port; returns once it answers HTTP."""
-    import socket
     import sys
     import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from eagle3_dagster.ports import free_port
+
+    port = free_port()
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -474,12 +474,12 @@ def check_mla_export(
 
 def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_tokens, python, args, env) -> dict:
     import dataclasses
-    import socket
 
     import httpx
 
     from eagle3_dagster.gpu_host import GpuHost
     from eagle3_dagster.host_config import HostConfig
+    from eagle3_dagster.ports import free_port
     from eagle3_dagster.sglang.server import sglang_server
     from eagle3_dagster.stages.bench import BenchSettings, serving_spec
 
@@ -493,9 +493,7 @@ def _served_mla(work, target, export, prompts, greedy, simulated, spec, max_new_
             "detail": f"not run: {python} cannot import sglang (carry its wheels, or pass --sglang-python)",
         }
     installed = found.stdout.strip().splitlines()[-1]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing else is handed it while the server loads
     server = serving_spec(BenchSettings.from_profile(demo_profile()), target, export, installed, spec, port=port)
     # the tiny target has no tokenizer: the check sends token ids and reads token ids
     server = dataclasses.replace(
