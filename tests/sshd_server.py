@@ -41,9 +41,9 @@ class Sshd:
 # torchrun store, `dagster dev`), and with 0.5.12's gRPC port (its HTTP port + 10000,
 # `ServerArgs._handle_deprecated_args`) below SGLang's own NCCL picks (22000-29999). Each port is reserved for the
 # process that handed it out (a lock file held open until that process exits), so no two tests of one tier, nor
-# two tiers on one machine, share one.
+# two tiers of one user on one machine, share one.
 TEST_PORTS = range(10000, 12000)
-_PORT_LOCKS = Path(tempfile.gettempdir()) / "eagle3-test-ports"
+_PORT_LOCKS = Path(tempfile.gettempdir()) / f"eagle3-test-ports-{os.getuid()}"  # a user's own: files of 0600
 _held: dict[int, int] = {}  # port -> the open lock file's descriptor, for this process's lifetime
 
 

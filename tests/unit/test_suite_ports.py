@@ -6,7 +6,7 @@
 - Outside SGLang 0.5.23's own below-ephemeral picks for its NCCL port (`get_free_port_below_ephemeral`,
   22000-29999), also with 0.5.12's gRPC port (its port + 10000 unless SGLANG_GRPC_PORT is set,
   `ServerArgs._handle_deprecated_args`), which exits before it is healthy past 65535: the real tier did once (69113).
-- Never the same port for two processes of one machine (the two pytest-xdist workers, or two tiers).
+- Never the same port for two processes of one machine (the two pytest-xdist workers, or two tiers of one user).
 """
 
 from __future__ import annotations
