@@ -235,7 +235,7 @@ def _wait_healthy(
     timeout_s: float,
     tail: deque[str],
     served_model_name: str,
-    port_taken: Sequence[str] = (),
+    port_taken: Sequence[str],
 ) -> None:
     """Until the waiter beside the server finds it healthy and ours. Fails at once when the server exits or
     when its HTTP server could not bind the port: SGLang's uvicorn then runs its shutdown, which joins the
